@@ -1,0 +1,4 @@
+//! Compute kernels for Warden, behind one [`Backend`] trait.
+#![deny(missing_docs)]
+
+pub mod quant;
