@@ -94,9 +94,7 @@ pub enum GgufError {
     #[error("general.alignment {0} is not a power of two")]
     BadAlignment(u64),
     /// A tensor type Warden does not implement.
-    #[error(
-        "tensor {name:?}: unsupported tensor type id {ty} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)"
-    )]
+    #[error("tensor {name:?}: unsupported tensor type id {ty} (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1)")]
     UnsupportedTensorType {
         /// The tensor.
         name: String,
@@ -325,12 +323,7 @@ impl<'a> Reader<'a> {
 
     /// Rejects a declared count of items that each need at least `min_bytes` when the rest of the
     /// file cannot hold them, before anything is allocated for them.
-    fn check_count(
-        &self,
-        count: u64,
-        min_bytes: u64,
-        what: &dyn Fn() -> String,
-    ) -> Result<(), GgufError> {
+    fn check_count(&self, count: u64, min_bytes: u64, what: &dyn Fn() -> String) -> Result<(), GgufError> {
         let remaining = (self.b.len() - self.pos) as u64;
         if count.saturating_mul(min_bytes) > remaining {
             return Err(GgufError::AbsurdCount {
@@ -356,9 +349,7 @@ impl<'a> Reader<'a> {
             8 => Value::String(self.string(&w)?),
             9 => {
                 if depth >= MAX_ARRAY_DEPTH {
-                    return Err(GgufError::TooDeep {
-                        key: key.to_string(),
-                    });
+                    return Err(GgufError::TooDeep { key: key.to_string() });
                 }
                 let ety = self.u32(&w)?;
                 let n = self.u64(&w)?;
@@ -505,9 +496,7 @@ impl Gguf {
                     ty.block_elems()
                 )));
             }
-            let size = ty
-                .bytes_for(elems)
-                .ok_or_else(|| bad("byte size overflows".into()))?;
+            let size = ty.bytes_for(elems).ok_or_else(|| bad("byte size overflows".into()))?;
             let bad_data = |why: &str| GgufError::BadTensorData {
                 name: name.clone(),
                 offset: off,
@@ -517,9 +506,7 @@ impl Gguf {
             if !off.is_multiple_of(alignment) {
                 return Err(bad_data(&format!("is not aligned to {alignment}")));
             }
-            let abs = data_start
-                .checked_add(off)
-                .ok_or_else(|| bad_data("overflows"))?;
+            let abs = data_start.checked_add(off).ok_or_else(|| bad_data("overflows"))?;
             let end = abs.checked_add(size).ok_or_else(|| bad_data("overflows"))?;
             if end > file_len {
                 return Err(bad_data(&format!(
@@ -527,10 +514,7 @@ impl Gguf {
                 )));
             }
             if by_name.insert(name.clone(), tensors.len()).is_some() {
-                return Err(GgufError::Duplicate {
-                    what: "tensor",
-                    name,
-                });
+                return Err(GgufError::Duplicate { what: "tensor", name });
             }
             tensors.push(TensorInfo {
                 name,
@@ -568,8 +552,7 @@ impl Gguf {
 
     /// A required metadata value.
     pub fn require(&self, key: &str) -> Result<&Value, GgufError> {
-        self.get(key)
-            .ok_or_else(|| GgufError::MissingKey(key.to_string()))
+        self.get(key).ok_or_else(|| GgufError::MissingKey(key.to_string()))
     }
 
     fn wrong(key: &str, expected: &'static str, v: &Value) -> GgufError {
@@ -591,8 +574,7 @@ impl Gguf {
     /// A required non-negative integer.
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.require(key)?;
-        v.as_u64()
-            .ok_or_else(|| Self::wrong(key, "unsigned integer", v))
+        v.as_u64().ok_or_else(|| Self::wrong(key, "unsigned integer", v))
     }
 
     /// A required number.
@@ -708,8 +690,7 @@ pub mod writer {
 
         /// Adds a tensor with raw bytes of ggml type id `ty`.
         pub fn tensor(mut self, name: &str, dims: &[u64], ty: u32, data: Vec<u8>) -> Self {
-            self.tensors
-                .push((name.to_string(), dims.to_vec(), ty, data));
+            self.tensors.push((name.to_string(), dims.to_vec(), ty, data));
             self
         }
 
@@ -808,46 +789,30 @@ mod tests {
         assert!(e.contains("impossible"), "{e}");
         let mut b = sample();
         b[16..24].copy_from_slice(&(1u64 << 60).to_le_bytes()); // kv count
-        assert!(matches!(
-            Gguf::from_bytes(b),
-            Err(GgufError::AbsurdCount { .. })
-        ));
+        assert!(matches!(Gguf::from_bytes(b), Err(GgufError::AbsurdCount { .. })));
         // A string length far past the end of the file.
         let mut b = sample();
         b[24..32].copy_from_slice(&(1u64 << 62).to_le_bytes());
-        assert!(matches!(
-            Gguf::from_bytes(b),
-            Err(GgufError::Truncated { .. })
-        ));
+        assert!(matches!(Gguf::from_bytes(b), Err(GgufError::Truncated { .. })));
     }
 
     #[test]
     fn bad_tensor_descriptors_are_rejected() {
         let img = |dims: &[u64], ty: u32, data: usize| {
-            Gguf::from_bytes(
-                GgufWriter::default()
-                    .tensor("t", dims, ty, vec![0; data])
-                    .build(),
-            )
+            Gguf::from_bytes(GgufWriter::default().tensor("t", dims, ty, vec![0; data]).build())
         };
         assert!(matches!(
             img(&[32], 99, 128),
             Err(GgufError::UnsupportedTensorType { ty: 99, .. })
         ));
-        assert!(matches!(
-            img(&[0, 4], 0, 0),
-            Err(GgufError::BadShape { .. })
-        ));
+        assert!(matches!(img(&[0, 4], 0, 0), Err(GgufError::BadShape { .. })));
         assert!(matches!(img(&[33], 8, 64), Err(GgufError::BadShape { .. })));
         assert!(matches!(
             img(&[u64::MAX, u64::MAX], 0, 32),
             Err(GgufError::BadShape { .. })
         ));
         // Data declared past the end of the file.
-        assert!(matches!(
-            img(&[1 << 20], 0, 32),
-            Err(GgufError::BadTensorData { .. })
-        ));
+        assert!(matches!(img(&[1 << 20], 0, 32), Err(GgufError::BadTensorData { .. })));
     }
 
     #[test]
@@ -862,9 +827,6 @@ mod tests {
         ));
         let nested = (0..6).fold(Value::U8(1), |v, _| Value::Array(vec![v]));
         let b = GgufWriter::default().kv("deep", nested).build();
-        assert!(matches!(
-            Gguf::from_bytes(b),
-            Err(GgufError::TooDeep { .. })
-        ));
+        assert!(matches!(Gguf::from_bytes(b), Err(GgufError::TooDeep { .. })));
     }
 }

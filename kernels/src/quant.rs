@@ -129,10 +129,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             }
         }
         GgmlType::Q8_0 => {
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(src.chunks_exact(ty.block_bytes()))
-            {
+            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(ty.block_bytes())) {
                 let d = f16_at(b, 0);
                 for (j, v) in o.iter_mut().enumerate() {
                     *v = d * (b[2 + j] as i8) as f32;
@@ -140,10 +137,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             }
         }
         GgmlType::Q4_0 => {
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(src.chunks_exact(ty.block_bytes()))
-            {
+            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(ty.block_bytes())) {
                 let d = f16_at(b, 0);
                 for j in 0..QK / 2 {
                     let q = b[2 + j];
@@ -153,10 +147,7 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             }
         }
         GgmlType::Q4_1 => {
-            for (o, b) in out
-                .chunks_exact_mut(QK)
-                .zip(src.chunks_exact(ty.block_bytes()))
-            {
+            for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(ty.block_bytes())) {
                 let d = f16_at(b, 0);
                 let m = f16_at(b, 2);
                 for j in 0..QK / 2 {

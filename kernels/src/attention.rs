@@ -1,0 +1,570 @@
+//! Paged attention that checks a tag on every page before it reads it (invariant 2).
+//!
+//! K and V for one layer live in pages of `page_size` token slots; a sequence names its pages
+//! through a page table of [`PageEntry`]s, each carrying the allocation epoch the sequence expects.
+//! Before any byte of a page is read, its [`PageTag`] must show the reader's owner, the expected
+//! epoch, and at least as many written slots as the read covers; otherwise the sequence fails with
+//! an [`IsolationViolation`] and its output rows are zeroed, so no data from the page reaches it.
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::ops::{axpy, dot, softmax};
+
+/// The tag every KV page carries. The pool that owns the pages maintains it; kernels only read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PageTag {
+    /// Owning tenant; 0 means the page is free.
+    pub owner: u64,
+    /// Allocation epoch: changes every time the page is freed, so stale references fail.
+    pub epoch: u32,
+    /// Token slots the owner has written, from slot 0.
+    pub written: u32,
+}
+
+/// One entry of a sequence's page table: which page, and the epoch the sequence was given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageEntry {
+    /// Page index in the pool.
+    pub page: u32,
+    /// Epoch at allocation.
+    pub epoch: u32,
+}
+
+/// Why a read was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IsolationViolation {
+    /// The page belongs to another owner (or to none).
+    #[error("KV page {page} belongs to owner {found}, not to reader {expected}")]
+    ForeignOwner {
+        /// Page index.
+        page: u32,
+        /// The reader.
+        expected: u64,
+        /// The tag's owner.
+        found: u64,
+    },
+    /// The page was freed and reallocated since the reader got it.
+    #[error("KV page {page} has epoch {found}, reader holds epoch {expected} (stale reference)")]
+    StaleEpoch {
+        /// Page index.
+        page: u32,
+        /// The reader's epoch.
+        expected: u32,
+        /// The tag's epoch.
+        found: u32,
+    },
+    /// The read covers slots nobody has written.
+    #[error("read of {needed} slots of KV page {page}, only {written} written")]
+    UnwrittenSlots {
+        /// Page index.
+        page: u32,
+        /// Slots the read needs.
+        needed: u32,
+        /// Slots written.
+        written: u32,
+    },
+    /// The page index is outside the pool.
+    #[error("KV page {page} is outside the pool of {pages} pages")]
+    NoSuchPage {
+        /// Page index.
+        page: u32,
+        /// Pool size.
+        pages: usize,
+    },
+    /// The page table is too short for the positions read.
+    #[error("page table of {have} pages cannot cover {positions} positions")]
+    ShortPageTable {
+        /// Entries present.
+        have: usize,
+        /// Positions read.
+        positions: usize,
+    },
+}
+
+/// Whether tags are compared. [`TagCheck::Enforce`] everywhere except the benchmark that
+/// measures what the checks cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TagCheck {
+    /// Compare owner, epoch and written slots before every read.
+    Enforce,
+    /// Bench-only: skip the comparisons (page indices are still bounds-checked).
+    SkipForBenchmark,
+}
+
+/// Shape of the KV cache and of the attention heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnShape {
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads (GQA: `n_heads` is a multiple).
+    pub n_kv_heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Token slots per page.
+    pub page_size: usize,
+}
+
+impl AttnShape {
+    /// Elements of K (or V) per token slot.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Elements of K (or V) per page.
+    pub fn page_elems(&self) -> usize {
+        self.page_size * self.kv_dim()
+    }
+}
+
+/// One layer's K and V storage: `pages × page_size × n_kv_heads × head_dim` f16 each.
+#[derive(Debug, Clone, Copy)]
+pub struct KvLayer<'a> {
+    /// Keys.
+    pub k: &'a [f16],
+    /// Values.
+    pub v: &'a [f16],
+}
+
+/// One sequence's part of an attention batch.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnSeq<'a> {
+    /// The reader's owner id.
+    pub owner: u64,
+    /// Its page table.
+    pub pages: &'a [PageEntry],
+    /// Position of its first new token (tokens before it are already in the cache).
+    pub pos0: usize,
+    /// New tokens this step: its rows of `q` and `out`.
+    pub n_new: usize,
+}
+
+/// Checks every page a read of positions `0..positions` touches.
+pub fn check_pages(
+    owner: u64,
+    pages: &[PageEntry],
+    positions: usize,
+    page_size: usize,
+    tags: &[PageTag],
+    check: TagCheck,
+) -> Result<(), IsolationViolation> {
+    let need = positions.div_ceil(page_size);
+    if pages.len() < need {
+        return Err(IsolationViolation::ShortPageTable {
+            have: pages.len(),
+            positions,
+        });
+    }
+    for (j, e) in pages[..need].iter().enumerate() {
+        let tag = tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
+            page: e.page,
+            pages: tags.len(),
+        })?;
+        if check == TagCheck::SkipForBenchmark {
+            continue;
+        }
+        if tag.owner != owner {
+            return Err(IsolationViolation::ForeignOwner {
+                page: e.page,
+                expected: owner,
+                found: tag.owner,
+            });
+        }
+        if tag.epoch != e.epoch {
+            return Err(IsolationViolation::StaleEpoch {
+                page: e.page,
+                expected: e.epoch,
+                found: tag.epoch,
+            });
+        }
+        let needed = (positions - j * page_size).min(page_size) as u32;
+        if needed > tag.written {
+            return Err(IsolationViolation::UnwrittenSlots {
+                page: e.page,
+                needed,
+                written: tag.written,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Causal attention for a batch of sequences over their pages.
+///
+/// `q` holds every sequence's new tokens' queries, in batch order (`Σ n_new` rows of
+/// `n_heads · head_dim`), already rotated; `out` receives the attention output in the same layout.
+/// Each sequence's new tokens attend to all its earlier positions and to themselves causally,
+/// reading `0..pos0+n_new` from its pages. Returns one result per sequence; a sequence whose tags
+/// fail gets zeroed output rows and its violation.
+pub fn paged_attention(
+    kv: KvLayer<'_>,
+    tags: &[PageTag],
+    shape: &AttnShape,
+    seqs: &[AttnSeq<'_>],
+    q: &[f32],
+    out: &mut [f32],
+    check: TagCheck,
+) -> Vec<Result<(), IsolationViolation>> {
+    let qdim = shape.n_heads * shape.head_dim;
+    let total: usize = seqs.iter().map(|s| s.n_new).sum();
+    assert!(q.len() == total * qdim && out.len() == q.len(), "attention q/out shape");
+    assert!(shape.n_kv_heads > 0 && shape.n_heads.is_multiple_of(shape.n_kv_heads));
+    let results: Vec<_> = seqs
+        .iter()
+        .map(|s| check_pages(s.owner, s.pages, s.pos0 + s.n_new, shape.page_size, tags, check))
+        .collect();
+    // Tasks: (sequence, kv head, query chunk) for sequences whose pages passed.
+    const QCHUNK: usize = 32;
+    let mut tasks = Vec::new();
+    let mut row0 = 0;
+    for (si, s) in seqs.iter().enumerate() {
+        if results[si].is_ok() {
+            for h in 0..shape.n_kv_heads {
+                for c0 in (0..s.n_new).step_by(QCHUNK) {
+                    tasks.push((si, row0, h, c0, (c0 + QCHUNK).min(s.n_new)));
+                }
+            }
+        }
+        row0 += s.n_new;
+    }
+    let outputs: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(si, row0, h, c0, c1)| attend_one(kv, shape, &seqs[si], &q[row0 * qdim..], h, c0, c1))
+        .collect();
+    out.fill(0.0);
+    let group = shape.n_heads / shape.n_kv_heads;
+    let hd = shape.head_dim;
+    for (&(_, row0, h, c0, c1), o) in tasks.iter().zip(&outputs) {
+        for i in c0..c1 {
+            for g in 0..group {
+                let hq = h * group + g;
+                let src = &o[((i - c0) * group + g) * hd..][..hd];
+                out[(row0 + i) * qdim + hq * hd..][..hd].copy_from_slice(src);
+            }
+        }
+    }
+    results
+}
+
+/// One KV head's query group for queries `c0..c1` of one sequence; returns
+/// `(c1−c0) × group × head_dim` outputs.
+fn attend_one(
+    kv: KvLayer<'_>,
+    shape: &AttnShape,
+    s: &AttnSeq<'_>,
+    q: &[f32],
+    h: usize,
+    c0: usize,
+    c1: usize,
+) -> Vec<f32> {
+    let hd = shape.head_dim;
+    let kvd = shape.kv_dim();
+    let ps = shape.page_size;
+    let group = shape.n_heads / shape.n_kv_heads;
+    let qdim = shape.n_heads * hd;
+    // Positions this chunk can see: up to its last query's position.
+    let ctx = s.pos0 + c1;
+    let mut keys = vec![0f32; ctx * hd];
+    let mut vals = vec![0f32; ctx * hd];
+    for pos in 0..ctx {
+        let e = s.pages[pos / ps];
+        let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut keys[pos * hd..(pos + 1) * hd]);
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.v[at..at + hd], &mut vals[pos * hd..(pos + 1) * hd]);
+    }
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0f32; (c1 - c0) * group * hd];
+    let mut scores = vec![0f32; ctx];
+    for i in c0..c1 {
+        let visible = s.pos0 + i + 1;
+        for g in 0..group {
+            let hq = h * group + g;
+            let qr = &q[i * qdim + hq * hd..][..hd];
+            let sc = &mut scores[..visible];
+            for (j, sj) in sc.iter_mut().enumerate() {
+                *sj = dot(qr, &keys[j * hd..(j + 1) * hd]) * scale;
+            }
+            softmax(sc);
+            let o = &mut out[((i - c0) * group + g) * hd..][..hd];
+            for (j, &p) in sc.iter().enumerate() {
+                axpy(p, &vals[j * hd..(j + 1) * hd], o);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    struct Fixture {
+        shape: AttnShape,
+        k: Vec<f16>,
+        v: Vec<f16>,
+        tags: Vec<PageTag>,
+    }
+
+    fn val(i: usize, salt: usize) -> f32 {
+        (((i * 2654435761 + salt * 40503) % 2001) as f32 / 1000.0) - 1.0
+    }
+
+    impl Fixture {
+        fn new(shape: AttnShape, n_pages: usize) -> Self {
+            let n = n_pages * shape.page_elems();
+            Fixture {
+                shape,
+                k: (0..n).map(|i| f16::from_f32(val(i, 1))).collect(),
+                v: (0..n).map(|i| f16::from_f32(val(i, 2))).collect(),
+                tags: vec![PageTag::default(); n_pages],
+            }
+        }
+        fn give(&mut self, pages: &[u32], owner: u64, positions: usize) -> Vec<PageEntry> {
+            let ps = self.shape.page_size;
+            pages
+                .iter()
+                .enumerate()
+                .map(|(j, &p)| {
+                    let t = &mut self.tags[p as usize];
+                    t.owner = owner;
+                    t.written = positions.saturating_sub(j * ps).min(ps) as u32;
+                    PageEntry {
+                        page: p,
+                        epoch: t.epoch,
+                    }
+                })
+                .collect()
+        }
+    }
+
+    /// Dense causal attention over the positions gathered in order through the page table.
+    fn dense(f: &Fixture, pages: &[PageEntry], pos0: usize, n_new: usize, q: &[f32]) -> Vec<f32> {
+        let AttnShape {
+            n_heads,
+            n_kv_heads,
+            head_dim: hd,
+            page_size: ps,
+        } = f.shape;
+        let kvd = n_kv_heads * hd;
+        let row = |store: &[f16], pos: usize, h: usize| -> Vec<f32> {
+            let e = pages[pos / ps];
+            let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
+            store[at..at + hd].iter().map(|x| x.to_f32()).collect()
+        };
+        let mut out = vec![0f32; n_new * n_heads * hd];
+        for i in 0..n_new {
+            for hq in 0..n_heads {
+                let h = hq / (n_heads / n_kv_heads);
+                let qr = &q[(i * n_heads + hq) * hd..][..hd];
+                let vis = pos0 + i + 1;
+                let mut s: Vec<f64> = (0..vis)
+                    .map(|j| {
+                        row(&f.k, j, h)
+                            .iter()
+                            .zip(qr)
+                            .map(|(a, b)| (*a as f64) * (*b as f64))
+                            .sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s
+                    .iter_mut()
+                    .map(|x| {
+                        *x = (*x - m).exp();
+                        *x
+                    })
+                    .sum();
+                for (j, p) in s.iter().enumerate() {
+                    for (d, v) in row(&f.v, j, h).iter().enumerate() {
+                        out[(i * n_heads + hq) * hd + d] += (p / z * *v as f64) as f32;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+        #[test]
+        fn paged_equals_dense(
+            kv_heads in 1usize..4, group in 1usize..4, hd_quarter in 1usize..5, ps in 1usize..9,
+            pos0 in 0usize..40, n_new in 1usize..40, perm_seed in 0u64..1000,
+        ) {
+            let shape = AttnShape { n_heads: kv_heads * group, n_kv_heads: kv_heads, head_dim: hd_quarter * 4, page_size: ps };
+            let positions = pos0 + n_new;
+            let n_pages = positions.div_ceil(ps) + 3;
+            let mut f = Fixture::new(shape, n_pages);
+            // A shuffled page layout: the table names pages in a random order.
+            let mut order: Vec<u32> = (0..n_pages as u32).collect();
+            let mut s = perm_seed;
+            for i in (1..order.len()).rev() {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+                order.swap(i, (s >> 33) as usize % (i + 1));
+            }
+            let table = f.give(&order[..positions.div_ceil(ps)], 7, positions);
+            let q: Vec<f32> = (0..n_new * shape.n_heads * shape.head_dim).map(|i| val(i, 3)).collect();
+            let mut out = vec![0f32; q.len()];
+            let seqs = [AttnSeq { owner: 7, pages: &table, pos0, n_new }];
+            let r = paged_attention(KvLayer { k: &f.k, v: &f.v }, &f.tags, &shape, &seqs, &q, &mut out, TagCheck::Enforce);
+            prop_assert!(r[0].is_ok());
+            let want = dense(&f, &table, pos0, n_new, &q);
+            for (a, b) in out.iter().zip(&want) {
+                prop_assert!((a - b).abs() < 1e-4, "{} vs {}", a, b);
+            }
+        }
+    }
+
+    const SHAPE: AttnShape = AttnShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 8,
+        page_size: 4,
+    };
+
+    fn run(
+        f: &Fixture,
+        owner: u64,
+        table: &[PageEntry],
+        pos0: usize,
+        n_new: usize,
+    ) -> (Result<(), IsolationViolation>, Vec<f32>) {
+        let q = vec![0.5f32; n_new * 16];
+        let mut out = vec![1f32; q.len()];
+        let seqs = [AttnSeq {
+            owner,
+            pages: table,
+            pos0,
+            n_new,
+        }];
+        let mut r = paged_attention(
+            KvLayer { k: &f.k, v: &f.v },
+            &f.tags,
+            &SHAPE,
+            &seqs,
+            &q,
+            &mut out,
+            TagCheck::Enforce,
+        );
+        (r.remove(0), out)
+    }
+
+    #[test]
+    fn foreign_page_fails_with_no_data() {
+        let mut f = Fixture::new(SHAPE, 4);
+        let mine = f.give(&[0], 1, 4);
+        f.give(&[1], 2, 4);
+        let table = [mine[0], PageEntry { page: 1, epoch: 0 }];
+        let (r, out) = run(&f, 1, &table, 7, 1);
+        assert_eq!(
+            r,
+            Err(IsolationViolation::ForeignOwner {
+                page: 1,
+                expected: 1,
+                found: 2
+            })
+        );
+        assert!(out.iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn stale_epoch_fails() {
+        let mut f = Fixture::new(SHAPE, 2);
+        let table = f.give(&[0], 1, 4);
+        f.tags[0].epoch += 1; // freed and reallocated to the same owner
+        let (r, _) = run(&f, 1, &table, 3, 1);
+        assert_eq!(
+            r,
+            Err(IsolationViolation::StaleEpoch {
+                page: 0,
+                expected: 0,
+                found: 1
+            })
+        );
+    }
+
+    #[test]
+    fn the_2026_shape_reserve_8_fill_1_attend_8_is_refused() {
+        let shape = AttnShape { page_size: 16, ..SHAPE };
+        let mut f = Fixture::new(shape, 8);
+        let table = f.give(&[0, 1, 2, 3, 4, 5, 6, 7], 9, 16); // only page 0 written
+        let q = vec![0.5f32; 16];
+        let mut out = vec![1f32; 16];
+        let seqs = [AttnSeq {
+            owner: 9,
+            pages: &table,
+            pos0: 127,
+            n_new: 1,
+        }];
+        let r = paged_attention(
+            KvLayer { k: &f.k, v: &f.v },
+            &f.tags,
+            &shape,
+            &seqs,
+            &q,
+            &mut out,
+            TagCheck::Enforce,
+        );
+        assert_eq!(
+            r[0],
+            Err(IsolationViolation::UnwrittenSlots {
+                page: 1,
+                needed: 16,
+                written: 0
+            })
+        );
+        assert!(out.iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn one_bad_sequence_does_not_fail_its_batch_neighbours() {
+        let mut f = Fixture::new(SHAPE, 4);
+        let a = f.give(&[0], 1, 4);
+        let b = f.give(&[1], 2, 4);
+        let q = vec![0.5f32; 2 * 16];
+        let mut out = vec![0f32; q.len()];
+        let seqs = [
+            AttnSeq {
+                owner: 1,
+                pages: &b,
+                pos0: 3,
+                n_new: 1,
+            },
+            AttnSeq {
+                owner: 1,
+                pages: &a,
+                pos0: 3,
+                n_new: 1,
+            },
+        ];
+        let r = paged_attention(
+            KvLayer { k: &f.k, v: &f.v },
+            &f.tags,
+            &SHAPE,
+            &seqs,
+            &q,
+            &mut out,
+            TagCheck::Enforce,
+        );
+        assert!(r[0].is_err() && r[1].is_ok());
+        assert!(out[..16].iter().all(|&x| x == 0.0) && out[16..].iter().any(|&x| x != 0.0));
+    }
+
+    #[test]
+    fn short_table_and_bad_index_are_errors_even_unchecked() {
+        let f = Fixture::new(SHAPE, 2);
+        let r = check_pages(
+            1,
+            &[PageEntry { page: 9, epoch: 0 }],
+            2,
+            4,
+            &f.tags,
+            TagCheck::SkipForBenchmark,
+        );
+        assert_eq!(r, Err(IsolationViolation::NoSuchPage { page: 9, pages: 2 }));
+        let r = check_pages(1, &[], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
+        assert!(matches!(r, Err(IsolationViolation::ShortPageTable { .. })));
+    }
+}

@@ -1,0 +1,78 @@
+//! The [`Backend`] trait: the operations a llama forward pass needs, and the CPU implementation.
+//!
+//! The engine is written against this trait so that a second backend (CUDA through cudarc, behind
+//! the `cuda` feature) can slot in with its own kernels. Every backend's attention checks page tags
+//! exactly as [`crate::attention::check_pages`] does (invariant 2).
+
+use crate::attention::{AttnSeq, AttnShape, IsolationViolation, KvLayer, PageTag, TagCheck};
+use crate::matmul::{QActs, QMatrix};
+use crate::ops::Rope;
+
+/// Compute operations of a llama block.
+pub trait Backend: Send + Sync {
+    /// A short name for logs and benchmarks, e.g. `cpu-avx512vnni`.
+    fn name(&self) -> String;
+    /// `out[t·rows + n] = Σ_k W[n][k] · x[t][k]`.
+    fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]);
+    /// Row-wise RMSNorm with weight `w`.
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]);
+    /// Rotary embedding of every row of `x` at its position.
+    fn rope(&self, rope: &Rope, x: &mut [f32], row_width: usize, positions: &[u32]);
+    /// `silu(gate) · up` for rows of `[gate | up]`.
+    fn swiglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]);
+    /// Tag-checked causal paged attention (see [`crate::attention::paged_attention`]).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        kv: KvLayer<'_>,
+        tags: &[PageTag],
+        shape: &AttnShape,
+        seqs: &[AttnSeq<'_>],
+        q: &[f32],
+        out: &mut [f32],
+        check: TagCheck,
+    ) -> Vec<Result<(), IsolationViolation>>;
+}
+
+/// The CPU backend: AVX-512 VNNI matmuls when the CPU has them, scalar code otherwise; work is
+/// spread over the rayon pool.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        match crate::matmul::Kernel::best() {
+            crate::matmul::Kernel::Avx512Vnni => "cpu-avx512vnni".into(),
+            crate::matmul::Kernel::Scalar => "cpu-scalar".into(),
+        }
+    }
+
+    fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]) {
+        w.matmul(x, out)
+    }
+
+    fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+        crate::ops::rms_norm(x, w, eps, out)
+    }
+
+    fn rope(&self, rope: &Rope, x: &mut [f32], row_width: usize, positions: &[u32]) {
+        rope.apply(x, row_width, positions)
+    }
+
+    fn swiglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]) {
+        crate::ops::swiglu(gate_up, width, out)
+    }
+
+    fn attention(
+        &self,
+        kv: KvLayer<'_>,
+        tags: &[PageTag],
+        shape: &AttnShape,
+        seqs: &[AttnSeq<'_>],
+        q: &[f32],
+        out: &mut [f32],
+        check: TagCheck,
+    ) -> Vec<Result<(), IsolationViolation>> {
+        crate::attention::paged_attention(kv, tags, shape, seqs, q, out, check)
+    }
+}
