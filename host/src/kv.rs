@@ -1,0 +1,618 @@
+//! The tagged, paged KV pool: the only owner of KV memory and of every page's tag.
+//!
+//! * Capacity is a fixed number of pages derived from a memory budget; a pool that cannot hold the
+//!   configured maximum context refuses to exist ([`KvPool::check_capacity`], invariant 4).
+//! * A sequence opens with a reservation of pages, charged against its owner's budget; pages are
+//!   allocated from that reservation as its positions grow. Page table entries ([`PageEntry`]) are
+//!   minted only here, carrying the page's epoch at allocation.
+//! * Every page has a reference count. Closing a sequence drops its references; a page that some
+//!   step, transfer or guest still holds ([`KvPool::retain`]) waits in "awaiting release" and
+//!   returns to the free list only when the last holder lets go (invariant 3). On free its epoch is
+//!   bumped and its tag cleared, so any stale entry fails the tag check (invariant 2).
+//! * Counters record free, used and awaiting pages, allocations, and tag mismatches.
+
+use std::collections::HashMap;
+
+use half::f16;
+use warden_kernels::attention::{AttnShape, IsolationViolation, KvLayer, PageEntry, PageTag};
+
+/// A sequence's id in the pool.
+pub type SeqId = u64;
+
+/// Errors from the KV pool.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    /// The pool cannot hold the configured maximum context (invariant 4).
+    #[error(
+        "KV pool holds {capacity_tokens} tokens ({pages} pages of {page_size}), less than the configured max context of {max_context} tokens; raise the KV memory budget or lower max_context"
+    )]
+    CapacityBelowContext {
+        /// Tokens the pool holds.
+        capacity_tokens: usize,
+        /// Pages.
+        pages: usize,
+        /// Slots per page.
+        page_size: usize,
+        /// The configured maximum context.
+        max_context: usize,
+    },
+    /// The page size or memory budget is unusable.
+    #[error("invalid KV pool configuration: {0}")]
+    BadConfig(String),
+    /// Not enough unreserved pages in the pool.
+    #[error("KV pool exhausted: {wanted} pages wanted, {available} available")]
+    PoolExhausted {
+        /// Pages wanted.
+        wanted: usize,
+        /// Pages free and unreserved.
+        available: usize,
+    },
+    /// The owner's page budget would be exceeded.
+    #[error("owner {owner} KV budget exceeded: {wanted} more pages wanted, {in_use} of {budget} in use")]
+    OwnerBudget {
+        /// Owner.
+        owner: u64,
+        /// Pages wanted.
+        wanted: usize,
+        /// Pages already reserved or used.
+        in_use: usize,
+        /// Budget.
+        budget: usize,
+    },
+    /// The sequence id is not open.
+    #[error("sequence {0} has no KV state")]
+    NoSuchSequence(SeqId),
+    /// The sequence id is already open.
+    #[error("sequence {0} is already open")]
+    AlreadyOpen(SeqId),
+    /// A sequence outgrew its reservation.
+    #[error("sequence {seq} needs {needed} pages, reserved {reserved}")]
+    ReservationExceeded {
+        /// Sequence.
+        seq: SeqId,
+        /// Pages needed.
+        needed: usize,
+        /// Pages reserved.
+        reserved: usize,
+    },
+    /// A tag check failed.
+    #[error(transparent)]
+    Isolation(#[from] IsolationViolation),
+}
+
+/// Pool counters, as `/metrics` and tests read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvCounters {
+    /// Pages in the pool.
+    pub pages_total: usize,
+    /// Pages on the free list.
+    pub pages_free: usize,
+    /// Pages owned by an open sequence.
+    pub pages_used: usize,
+    /// Pages released by their sequence but still held by someone.
+    pub pages_awaiting_release: usize,
+    /// Pages reserved for open sequences and not yet allocated.
+    pub pages_reserved: usize,
+    /// Page allocations since start.
+    pub allocations: u64,
+    /// Pages returned to the free list since start.
+    pub frees: u64,
+    /// Reads or writes refused by a tag check since start.
+    pub tag_mismatches: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PageState {
+    Free,
+    Owned,
+    AwaitingRelease,
+}
+
+#[derive(Debug)]
+struct SeqKv {
+    owner: u64,
+    pages: Vec<PageEntry>,
+    reserved: usize,
+}
+
+/// The pool.
+pub struct KvPool {
+    shape: AttnShape,
+    n_layers: usize,
+    n_pages: usize,
+    k: Vec<f16>,
+    v: Vec<f16>,
+    tags: Vec<PageTag>,
+    refs: Vec<u32>,
+    state: Vec<PageState>,
+    free: Vec<u32>,
+    seqs: HashMap<SeqId, SeqKv>,
+    /// Pages reserved or used per owner.
+    owner_pages: HashMap<u64, usize>,
+    budgets: HashMap<u64, usize>,
+    reserved_total: usize,
+    counters: KvCounters,
+}
+
+impl std::fmt::Debug for KvPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPool")
+            .field("shape", &self.shape)
+            .field("counters", &self.counters())
+            .finish()
+    }
+}
+
+impl KvPool {
+    /// Bytes one page takes across all layers (K and V, f16).
+    pub fn page_bytes(shape: &AttnShape, n_layers: usize) -> usize {
+        2 * n_layers * shape.page_elems() * std::mem::size_of::<f16>()
+    }
+
+    /// A pool of as many pages as `memory_bytes` holds.
+    pub fn new(shape: AttnShape, n_layers: usize, memory_bytes: usize) -> Result<Self, KvError> {
+        if shape.page_size == 0 || shape.page_size > 4096 {
+            return Err(KvError::BadConfig(format!(
+                "page size {} (1 to 4096 tokens)",
+                shape.page_size
+            )));
+        }
+        let per_page = Self::page_bytes(&shape, n_layers);
+        let n_pages = memory_bytes / per_page;
+        if n_pages == 0 || n_pages > u32::MAX as usize {
+            return Err(KvError::BadConfig(format!(
+                "a KV memory budget of {memory_bytes} bytes holds {n_pages} pages of {per_page} bytes"
+            )));
+        }
+        let elems = n_layers * n_pages * shape.page_elems();
+        Ok(Self {
+            shape,
+            n_layers,
+            n_pages,
+            k: vec![f16::ZERO; elems],
+            v: vec![f16::ZERO; elems],
+            tags: vec![PageTag::default(); n_pages],
+            refs: vec![0; n_pages],
+            state: vec![PageState::Free; n_pages],
+            // Pop from the end: page 0 first.
+            free: (0..n_pages as u32).rev().collect(),
+            seqs: HashMap::new(),
+            owner_pages: HashMap::new(),
+            budgets: HashMap::new(),
+            reserved_total: 0,
+            counters: KvCounters {
+                pages_total: n_pages,
+                ..Default::default()
+            },
+        })
+    }
+
+    /// The KV and head shape.
+    pub fn shape(&self) -> &AttnShape {
+        &self.shape
+    }
+
+    /// Tokens the whole pool holds.
+    pub fn capacity_tokens(&self) -> usize {
+        self.n_pages * self.shape.page_size
+    }
+
+    /// Invariant 4: refuses a pool that cannot hold one sequence of `max_context` tokens.
+    pub fn check_capacity(&self, max_context: usize) -> Result<(), KvError> {
+        if self.capacity_tokens() < max_context {
+            return Err(KvError::CapacityBelowContext {
+                capacity_tokens: self.capacity_tokens(),
+                pages: self.n_pages,
+                page_size: self.shape.page_size,
+                max_context,
+            });
+        }
+        Ok(())
+    }
+
+    /// Pages needed for `tokens` positions.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.shape.page_size)
+    }
+
+    /// Caps the pages (reserved plus used) that `owner` may hold.
+    pub fn set_owner_budget(&mut self, owner: u64, pages: usize) {
+        self.budgets.insert(owner, pages);
+    }
+
+    /// Free pages not promised to any open sequence.
+    pub fn available_pages(&self) -> usize {
+        self.free.len() - self.reserved_total.min(self.free.len())
+    }
+
+    /// Opens a sequence for `owner` and reserves `pages` pages for it, or refuses without changing
+    /// anything.
+    pub fn open(&mut self, seq: SeqId, owner: u64, pages: usize) -> Result<(), KvError> {
+        assert_ne!(owner, 0, "owner 0 marks free pages");
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::AlreadyOpen(seq));
+        }
+        let in_use = self.owner_pages.get(&owner).copied().unwrap_or(0);
+        if let Some(&budget) = self.budgets.get(&owner)
+            && in_use + pages > budget
+        {
+            return Err(KvError::OwnerBudget {
+                owner,
+                wanted: pages,
+                in_use,
+                budget,
+            });
+        }
+        if pages > self.available_pages() {
+            return Err(KvError::PoolExhausted {
+                wanted: pages,
+                available: self.available_pages(),
+            });
+        }
+        self.reserved_total += pages;
+        *self.owner_pages.entry(owner).or_insert(0) += pages;
+        self.seqs.insert(
+            seq,
+            SeqKv {
+                owner,
+                pages: Vec::new(),
+                reserved: pages,
+            },
+        );
+        Ok(())
+    }
+
+    /// Allocates pages from the sequence's reservation until it covers `positions` tokens.
+    pub fn ensure(&mut self, seq: SeqId, positions: usize) -> Result<(), KvError> {
+        let need = self.pages_for(positions);
+        let s = self.seqs.get_mut(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        if need > s.pages.len() + s.reserved {
+            return Err(KvError::ReservationExceeded {
+                seq,
+                needed: need,
+                reserved: s.pages.len() + s.reserved,
+            });
+        }
+        while s.pages.len() < need {
+            // Reserved pages are always on the free list: `open` checks `available_pages`.
+            let page = self.free.pop().expect("a reserved page is free");
+            let i = page as usize;
+            debug_assert_eq!(self.state[i], PageState::Free);
+            self.state[i] = PageState::Owned;
+            self.refs[i] = 1;
+            self.tags[i] = PageTag {
+                owner: s.owner,
+                epoch: self.tags[i].epoch,
+                written: 0,
+            };
+            s.pages.push(PageEntry {
+                page,
+                epoch: self.tags[i].epoch,
+            });
+            s.reserved -= 1;
+            self.reserved_total -= 1;
+            self.counters.allocations += 1;
+        }
+        Ok(())
+    }
+
+    /// The sequence's owner and page table.
+    pub fn table(&self, seq: SeqId) -> Result<(u64, &[PageEntry]), KvError> {
+        let s = self.seqs.get(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        Ok((s.owner, &s.pages))
+    }
+
+    /// Marks positions `0..upto` of the sequence as written. Called when a step that writes those
+    /// slots begins: the step writes each layer's slot before that layer's attention reads it.
+    pub fn commit_slots(&mut self, seq: SeqId, upto: usize) -> Result<(), KvError> {
+        let ps = self.shape.page_size;
+        let s = self.seqs.get(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        if self.pages_for(upto) > s.pages.len() {
+            return Err(IsolationViolation::ShortPageTable {
+                have: s.pages.len(),
+                positions: upto,
+            }
+            .into());
+        }
+        for (j, e) in s.pages.iter().enumerate() {
+            let t = &mut self.tags[e.page as usize];
+            if t.owner != s.owner || t.epoch != e.epoch {
+                self.counters.tag_mismatches += 1;
+                return Err(IsolationViolation::StaleEpoch {
+                    page: e.page,
+                    expected: e.epoch,
+                    found: t.epoch,
+                }
+                .into());
+            }
+            let w = upto.saturating_sub(j * ps).min(ps) as u32;
+            t.written = t.written.max(w);
+        }
+        Ok(())
+    }
+
+    /// Writes one token's K and V rows (`kv_dim` each) for `layer` at `pos` of the sequence whose
+    /// page table is `pages`, after checking that the page is the writer's.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        owner: u64,
+        pages: &[PageEntry],
+        pos: usize,
+        k: &[f32],
+        v: &[f32],
+    ) -> Result<(), KvError> {
+        let ps = self.shape.page_size;
+        let kvd = self.shape.kv_dim();
+        assert!(layer < self.n_layers && k.len() == kvd && v.len() == kvd);
+        let e = *pages.get(pos / ps).ok_or(IsolationViolation::ShortPageTable {
+            have: pages.len(),
+            positions: pos + 1,
+        })?;
+        let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
+            page: e.page,
+            pages: self.n_pages,
+        })?;
+        if tag.owner != owner || tag.epoch != e.epoch {
+            self.counters.tag_mismatches += 1;
+            return Err(if tag.owner != owner {
+                IsolationViolation::ForeignOwner {
+                    page: e.page,
+                    expected: owner,
+                    found: tag.owner,
+                }
+            } else {
+                IsolationViolation::StaleEpoch {
+                    page: e.page,
+                    expected: e.epoch,
+                    found: tag.epoch,
+                }
+            }
+            .into());
+        }
+        let at = ((layer * self.n_pages + e.page as usize) * ps + pos % ps) * kvd;
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.k[at..at + kvd], k);
+        half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.v[at..at + kvd], v);
+        Ok(())
+    }
+
+    /// One layer's K/V storage, for attention.
+    pub fn layer(&self, layer: usize) -> KvLayer<'_> {
+        let n = self.n_pages * self.shape.page_elems();
+        KvLayer {
+            k: &self.k[layer * n..(layer + 1) * n],
+            v: &self.v[layer * n..(layer + 1) * n],
+        }
+    }
+
+    /// Every page's tag.
+    pub fn tags(&self) -> &[PageTag] {
+        &self.tags
+    }
+
+    /// Counts a refused read (attention reports these to the engine, which reports them here).
+    pub fn record_violation(&mut self) {
+        self.counters.tag_mismatches += 1;
+    }
+
+    /// Takes an extra reference on a page (for a step, transfer or guest that must outlive the
+    /// sequence's own hold). Fails if the entry is stale.
+    pub fn retain(&mut self, e: PageEntry) -> Result<(), KvError> {
+        let i = e.page as usize;
+        match self.tags.get(i) {
+            Some(t) if t.epoch == e.epoch && self.state[i] != PageState::Free => {
+                self.refs[i] += 1;
+                Ok(())
+            }
+            Some(t) => {
+                self.counters.tag_mismatches += 1;
+                Err(IsolationViolation::StaleEpoch {
+                    page: e.page,
+                    expected: e.epoch,
+                    found: t.epoch,
+                }
+                .into())
+            }
+            None => Err(IsolationViolation::NoSuchPage {
+                page: e.page,
+                pages: self.n_pages,
+            }
+            .into()),
+        }
+    }
+
+    /// Drops a reference taken with [`retain`](Self::retain); frees the page if it was the last.
+    pub fn release(&mut self, e: PageEntry) -> Result<(), KvError> {
+        let i = e.page as usize;
+        match self.tags.get(i) {
+            Some(t) if t.epoch == e.epoch && self.refs[i] > 0 => {
+                self.unref(e.page);
+                Ok(())
+            }
+            Some(t) => Err(IsolationViolation::StaleEpoch {
+                page: e.page,
+                expected: e.epoch,
+                found: t.epoch,
+            }
+            .into()),
+            None => Err(IsolationViolation::NoSuchPage {
+                page: e.page,
+                pages: self.n_pages,
+            }
+            .into()),
+        }
+    }
+
+    fn unref(&mut self, page: u32) {
+        let i = page as usize;
+        self.refs[i] -= 1;
+        if self.refs[i] == 0 {
+            let t = &mut self.tags[i];
+            // Invariant 3: the epoch changes before the page can be handed out again.
+            *t = PageTag {
+                owner: 0,
+                epoch: t.epoch.wrapping_add(1),
+                written: 0,
+            };
+            self.state[i] = PageState::Free;
+            self.free.push(page);
+            self.counters.frees += 1;
+        }
+    }
+
+    /// Closes a sequence: returns its unused reservation and drops its page references. Pages that
+    /// others still hold wait in "awaiting release".
+    pub fn close(&mut self, seq: SeqId) -> Result<(), KvError> {
+        let s = self.seqs.remove(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        self.reserved_total -= s.reserved;
+        if let Some(n) = self.owner_pages.get_mut(&s.owner) {
+            *n -= s.reserved + s.pages.len();
+            if *n == 0 {
+                self.owner_pages.remove(&s.owner);
+            }
+        }
+        for e in s.pages {
+            let i = e.page as usize;
+            self.state[i] = PageState::AwaitingRelease;
+            self.unref(e.page);
+        }
+        Ok(())
+    }
+
+    /// The counters now.
+    pub fn counters(&self) -> KvCounters {
+        let mut c = self.counters;
+        c.pages_free = self.free.len();
+        c.pages_used = self.state.iter().filter(|s| **s == PageState::Owned).count();
+        c.pages_awaiting_release = self.state.iter().filter(|s| **s == PageState::AwaitingRelease).count();
+        c.pages_reserved = self.reserved_total;
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const SHAPE: AttnShape = AttnShape {
+        n_heads: 2,
+        n_kv_heads: 1,
+        head_dim: 4,
+        page_size: 4,
+    };
+
+    fn pool(pages: usize) -> KvPool {
+        KvPool::new(SHAPE, 2, pages * KvPool::page_bytes(&SHAPE, 2)).unwrap()
+    }
+
+    #[test]
+    fn capacity_check_names_both_numbers() {
+        let p = pool(10);
+        assert!(p.check_capacity(40).is_ok());
+        let e = p.check_capacity(41).unwrap_err().to_string();
+        assert!(e.contains("40 tokens") && e.contains("41 tokens"), "{e}");
+    }
+
+    #[test]
+    fn free_bumps_epoch_and_clears_tag() {
+        let mut p = pool(2);
+        p.open(1, 5, 1).unwrap();
+        p.ensure(1, 3).unwrap();
+        let e = p.table(1).unwrap().1[0];
+        p.commit_slots(1, 3).unwrap();
+        assert_eq!(
+            p.tags()[e.page as usize],
+            PageTag {
+                owner: 5,
+                epoch: e.epoch,
+                written: 3
+            }
+        );
+        p.close(1).unwrap();
+        assert_eq!(
+            p.tags()[e.page as usize],
+            PageTag {
+                owner: 0,
+                epoch: e.epoch + 1,
+                written: 0
+            }
+        );
+        // The stale entry no longer works for writes or retains.
+        assert!(p.write(0, 5, &[e], 0, &[0.0; 4], &[0.0; 4]).is_err());
+        assert!(p.retain(e).is_err());
+        assert_eq!(p.counters().tag_mismatches, 2);
+    }
+
+    #[test]
+    fn release_is_deferred_while_held() {
+        let mut p = pool(2);
+        p.open(1, 5, 2).unwrap();
+        p.ensure(1, 5).unwrap();
+        let held = p.table(1).unwrap().1[1];
+        p.retain(held).unwrap(); // e.g. a transfer in flight
+        p.close(1).unwrap();
+        let c = p.counters();
+        assert_eq!((c.pages_free, c.pages_awaiting_release, c.pages_used), (1, 1, 0));
+        p.release(held).unwrap();
+        let c = p.counters();
+        assert_eq!((c.pages_free, c.pages_awaiting_release), (2, 0));
+    }
+
+    #[test]
+    fn budgets_and_exhaustion_refuse_without_side_effects() {
+        let mut p = pool(4);
+        p.set_owner_budget(7, 2);
+        assert!(matches!(p.open(1, 7, 3), Err(KvError::OwnerBudget { .. })));
+        p.open(1, 7, 2).unwrap();
+        assert!(matches!(p.open(2, 7, 1), Err(KvError::OwnerBudget { .. })));
+        p.open(3, 8, 2).unwrap();
+        assert!(matches!(p.open(4, 9, 1), Err(KvError::PoolExhausted { .. })));
+        assert_eq!(p.counters().allocations, 0);
+        assert!(matches!(p.ensure(1, 9), Err(KvError::ReservationExceeded { .. })));
+    }
+
+    #[test]
+    fn writes_to_foreign_pages_are_refused() {
+        let mut p = pool(2);
+        p.open(1, 5, 1).unwrap();
+        p.open(2, 6, 1).unwrap();
+        p.ensure(1, 1).unwrap();
+        p.ensure(2, 1).unwrap();
+        let theirs = p.table(2).unwrap().1.to_vec();
+        let e = p.write(0, 5, &theirs, 0, &[1.0; 4], &[1.0; 4]).unwrap_err();
+        assert!(matches!(e, KvError::Isolation(IsolationViolation::ForeignOwner { .. })));
+    }
+
+    proptest! {
+        /// Random open/grow/retain/close/release sequences: pages are conserved, no page is free
+        /// while referenced, and at quiescence every page is free again.
+        #[test]
+        fn pool_state_machine_conserves_pages(ops in proptest::collection::vec((0u8..5, 0u64..6, 1usize..12), 1..80)) {
+            let mut p = pool(8);
+            let mut held: Vec<PageEntry> = Vec::new();
+            for (op, seq, n) in ops {
+                match op {
+                    0 => { let _ = p.open(seq, seq % 3 + 1, n.min(4)); }
+                    1 => { let _ = p.ensure(seq, n); }
+                    2 => if let Ok((_, t)) = p.table(seq) && let Some(&e) = t.first() {
+                        p.retain(e).unwrap();
+                        held.push(e);
+                    },
+                    3 => { let _ = p.close(seq); }
+                    _ => if let Some(e) = held.pop() { p.release(e).unwrap(); },
+                }
+                let c = p.counters();
+                prop_assert_eq!(c.pages_free + c.pages_used + c.pages_awaiting_release, 8);
+                prop_assert!(c.pages_reserved <= c.pages_free);
+                for e in &held {
+                    prop_assert!(p.state[e.page as usize] != PageState::Free);
+                }
+            }
+            for s in 0..6 { let _ = p.close(s); }
+            for e in held { p.release(e).unwrap(); }
+            let c = p.counters();
+            prop_assert_eq!((c.pages_free, c.pages_reserved), (8, 0));
+        }
+    }
+}
