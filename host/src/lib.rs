@@ -7,3 +7,4 @@
 
 pub mod gguf;
 pub mod kv;
+pub mod model;

@@ -1,0 +1,448 @@
+//! A llama-architecture model loaded from GGUF, and its batched forward pass over the KV pool.
+//!
+//! [`Model::load`] validates the hyperparameters against the tensor shapes, repacks the weights for
+//! the kernels (Q, K and V stacked into one matrix, gate and up into another) and keeps the rest.
+//! [`Model::forward`] runs one engine step: any mix of sequences, each with some new tokens at its
+//! next positions (a prefill chunk or one decode token), flattened into one activation matrix so
+//! every matmul is one call for the whole batch. Each sequence's K/V go to its own pages and its
+//! attention reads them through its page table with tag checks; a sequence whose check fails gets
+//! its violation and no logits, and the others in the batch are unaffected.
+
+use std::path::Path;
+
+use warden_kernels::attention::{AttnSeq, AttnShape, IsolationViolation, TagCheck};
+use warden_kernels::matmul::{QActs, QMatrix};
+use warden_kernels::ops::Rope;
+use warden_kernels::quant::{GgmlType, dequantize};
+use warden_kernels::{Backend, CpuBackend};
+
+use crate::gguf::{Gguf, GgufError};
+use crate::kv::{KvError, KvPool, SeqId};
+
+/// Errors loading a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The file is not valid GGUF.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// Valid GGUF that is not a model Warden can run.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    /// A tensor whose shape or type does not fit the hyperparameters.
+    #[error("tensor {name:?}: {why}")]
+    BadTensor {
+        /// Tensor.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// Llama hyperparameters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Embedding width.
+    pub dim: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Width of one head.
+    pub head_dim: usize,
+    /// Feed-forward width.
+    pub ffn_dim: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Trained context length.
+    pub context_length: usize,
+    /// RoPE frequency base.
+    pub rope_base: f32,
+    /// Dimensions RoPE rotates.
+    pub rope_dim: usize,
+    /// RMSNorm epsilon.
+    pub norm_eps: f32,
+    /// Whether the output projection reuses the token embedding.
+    pub tied_embeddings: bool,
+}
+
+impl LlamaConfig {
+    fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+        let arch = g.get_str("general.architecture")?;
+        if arch != "llama" {
+            return Err(ModelError::Unsupported(format!(
+                "architecture {arch:?} (supported: llama)"
+            )));
+        }
+        let u = |k: &str| -> Result<usize, ModelError> {
+            let v = g.get_u64(&format!("llama.{k}"))?;
+            if v == 0 || v > 1 << 24 {
+                return Err(ModelError::Unsupported(format!("llama.{k} = {v}")));
+            }
+            Ok(v as usize)
+        };
+        let dim = u("embedding_length")?;
+        let n_heads = u("attention.head_count")?;
+        let n_kv_heads = match g.get("llama.attention.head_count_kv") {
+            Some(_) => u("attention.head_count_kv")?,
+            None => n_heads,
+        };
+        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
+            return Err(ModelError::Unsupported(format!(
+                "embedding {dim} with {n_heads} heads and {n_kv_heads} KV heads"
+            )));
+        }
+        let head_dim = dim / n_heads;
+        let rope_dim = match g.get("llama.rope.dimension_count") {
+            Some(_) => u("rope.dimension_count")?,
+            None => head_dim,
+        };
+        if rope_dim > head_dim || !rope_dim.is_multiple_of(2) {
+            return Err(ModelError::Unsupported(format!(
+                "rope dimension {rope_dim} for heads of {head_dim}"
+            )));
+        }
+        let (embd, _) = g.tensor_data("token_embd.weight")?;
+        let vocab = match g.get("llama.vocab_size") {
+            Some(_) => u("vocab_size")?,
+            None => embd.dims.get(1).copied().unwrap_or(0) as usize,
+        };
+        let f = |k: &str, default: f64| -> Result<f32, ModelError> {
+            match g.get(k) {
+                None => Ok(default as f32),
+                Some(_) => {
+                    let v = g.get_f64(k)?;
+                    if !(v.is_finite() && v > 0.0) {
+                        return Err(ModelError::Unsupported(format!("{k} = {v}")));
+                    }
+                    Ok(v as f32)
+                }
+            }
+        };
+        Ok(Self {
+            n_layers: u("block_count")?,
+            dim,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            ffn_dim: u("feed_forward_length")?,
+            vocab,
+            context_length: u("context_length")?,
+            rope_base: f("llama.rope.freq_base", 10000.0)?,
+            rope_dim,
+            norm_eps: f("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
+            tied_embeddings: g.tensor("output.weight").is_none(),
+        })
+    }
+
+    /// The attention shape for a KV pool with pages of `page_size`.
+    pub fn attn_shape(&self, page_size: usize) -> AttnShape {
+        AttnShape {
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            page_size,
+        }
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    wqkv: QMatrix,
+    wo: QMatrix,
+    ffn_norm: Vec<f32>,
+    w_gate_up: QMatrix,
+    w_down: QMatrix,
+}
+
+/// A loaded model.
+pub struct Model {
+    cfg: LlamaConfig,
+    embd_type: GgmlType,
+    embd: Vec<u8>,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    output: QMatrix,
+    rope: Rope,
+    backend: Box<dyn Backend>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("cfg", &self.cfg)
+            .field("backend", &self.backend.name())
+            .finish()
+    }
+}
+
+/// One sequence's part of a step.
+#[derive(Debug, Clone)]
+pub struct StepSeq<'a> {
+    /// Its id in the KV pool (the pool knows its owner and pages).
+    pub seq: SeqId,
+    /// New tokens, at positions `pos0..pos0 + tokens.len()`.
+    pub tokens: &'a [u32],
+    /// Position of the first new token.
+    pub pos0: usize,
+    /// Whether to compute logits for the last new token.
+    pub want_logits: bool,
+}
+
+/// Errors of one sequence in a step.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum StepError {
+    /// A tag check refused a read or write: the sequence must fail.
+    #[error(transparent)]
+    Isolation(#[from] IsolationViolation),
+    /// The pool refused (no such sequence, pages not allocated).
+    #[error(transparent)]
+    Kv(#[from] KvError),
+}
+
+/// Reusable buffers for [`Model::forward`].
+#[derive(Default)]
+pub struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    q: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate_up: Vec<f32>,
+    hidden: Vec<f32>,
+    acts: QActs,
+}
+
+fn norm_weights(g: &Gguf, name: &str, dim: usize) -> Result<Vec<f32>, ModelError> {
+    let (t, data) = g.tensor_data(name)?;
+    if t.elems() != dim as u64 {
+        return Err(ModelError::BadTensor {
+            name: name.into(),
+            why: format!("has {} elements, expected {dim}", t.elems()),
+        });
+    }
+    let mut out = vec![0f32; dim];
+    dequantize(t.ty, data, &mut out);
+    Ok(out)
+}
+
+fn matrix_part<'a>(
+    g: &'a Gguf,
+    name: &str,
+    cols: usize,
+    rows: usize,
+) -> Result<(GgmlType, usize, &'a [u8]), ModelError> {
+    let (t, data) = g.tensor_data(name)?;
+    if t.dims.len() != 2 || t.dims[0] != cols as u64 || t.dims[1] != rows as u64 {
+        return Err(ModelError::BadTensor {
+            name: name.into(),
+            why: format!("shape {:?}, expected [{cols}, {rows}]", t.dims),
+        });
+    }
+    Ok((t.ty, rows, data))
+}
+
+fn matrix(g: &Gguf, names: &[(&str, usize)], cols: usize) -> Result<QMatrix, ModelError> {
+    let parts = names
+        .iter()
+        .map(|&(n, rows)| matrix_part(g, n, cols, rows))
+        .collect::<Result<Vec<_>, _>>()?;
+    QMatrix::concat(&parts, cols).map_err(|e| ModelError::BadTensor {
+        name: names[0].0.into(),
+        why: e.to_string(),
+    })
+}
+
+impl Model {
+    /// Loads a llama-architecture GGUF model from `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<Self, ModelError> {
+        Self::from_gguf(&Gguf::open(path)?)
+    }
+
+    /// Builds the model from a parsed GGUF file.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
+        let cfg = LlamaConfig::from_gguf(g)?;
+        let (dim, kvd, ffn) = (cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim);
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layers.push(Layer {
+                attn_norm: norm_weights(g, &n("attn_norm"), dim)?,
+                wqkv: matrix(g, &[(&n("attn_q"), dim), (&n("attn_k"), kvd), (&n("attn_v"), kvd)], dim)?,
+                wo: matrix(g, &[(&n("attn_output"), dim)], dim)?,
+                ffn_norm: norm_weights(g, &n("ffn_norm"), dim)?,
+                w_gate_up: matrix(g, &[(&n("ffn_gate"), ffn), (&n("ffn_up"), ffn)], dim)?,
+                w_down: matrix(g, &[(&n("ffn_down"), dim)], ffn)?,
+            });
+        }
+        let (embd_ty, _, embd) = matrix_part(g, "token_embd.weight", dim, cfg.vocab)?;
+        let out_name = if cfg.tied_embeddings {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        Ok(Self {
+            rope: Rope::new(cfg.head_dim, cfg.rope_dim, cfg.rope_base),
+            output: matrix(g, &[(out_name, cfg.vocab)], dim)?,
+            output_norm: norm_weights(g, "output_norm.weight", dim)?,
+            embd_type: embd_ty,
+            embd: embd.to_vec(),
+            layers,
+            cfg,
+            backend: Box::new(CpuBackend),
+        })
+    }
+
+    /// The hyperparameters.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// The backend's name.
+    pub fn backend_name(&self) -> String {
+        self.backend.name()
+    }
+
+    fn embed(&self, token: u32, out: &mut [f32]) {
+        let row_bytes = self.embd_type.bytes_for(self.cfg.dim as u64).unwrap_or(0) as usize;
+        let t = token as usize;
+        dequantize(self.embd_type, &self.embd[t * row_bytes..(t + 1) * row_bytes], out);
+    }
+
+    /// Runs one step. Returns, per sequence, its logits (when asked for) or the error that fails
+    /// it. Token ids must be below the vocabulary size (the engine validates them at admission).
+    pub fn forward(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[StepSeq<'_>],
+        check: TagCheck,
+        s: &mut Scratch,
+    ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
+        let c = &self.cfg;
+        let (dim, kvd, ffn) = (c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim);
+        let qkv_w = dim + 2 * kvd;
+        let total: usize = seqs.iter().map(|q| q.tokens.len()).sum();
+        let mut results: Vec<Result<(), StepError>> = vec![Ok(()); seqs.len()];
+        let mut positions = Vec::with_capacity(total);
+        let mut tables = Vec::with_capacity(seqs.len());
+        for (i, sq) in seqs.iter().enumerate() {
+            positions.extend((0..sq.tokens.len()).map(|j| (sq.pos0 + j) as u32));
+            match pool.table(sq.seq) {
+                Ok((owner, t)) => tables.push((owner, t.to_vec())),
+                Err(e) => {
+                    results[i] = Err(e.into());
+                    tables.push((0, Vec::new()));
+                }
+            }
+        }
+        s.x.resize(total * dim, 0.0);
+        for (row, &tok) in seqs.iter().flat_map(|q| q.tokens).enumerate() {
+            let (x, embd) = (&mut s.x, self);
+            embd.embed(tok.min(c.vocab as u32 - 1), &mut x[row * dim..(row + 1) * dim]);
+        }
+        let shape = c.attn_shape(pool.shape().page_size);
+        s.xn.resize(total * dim, 0.0);
+        s.qkv.resize(total * qkv_w, 0.0);
+        s.q.resize(total * dim, 0.0);
+        s.attn.resize(total * dim, 0.0);
+        s.proj.resize(total * dim, 0.0);
+        s.gate_up.resize(total * 2 * ffn, 0.0);
+        s.hidden.resize(total * ffn, 0.0);
+        let be = &*self.backend;
+        for (li, layer) in self.layers.iter().enumerate() {
+            be.rms_norm(&s.x, &layer.attn_norm, c.norm_eps, &mut s.xn);
+            s.acts.quantize(&s.xn, dim);
+            be.matmul(&layer.wqkv, &s.acts, &mut s.qkv);
+            for r in 0..total {
+                s.q[r * dim..(r + 1) * dim].copy_from_slice(&s.qkv[r * qkv_w..r * qkv_w + dim]);
+            }
+            be.rope(&self.rope, &mut s.q, dim, &positions);
+            // K is rotated in place inside the stacked rows, one row at a time.
+            for (r, &p) in positions.iter().enumerate() {
+                be.rope(
+                    &self.rope,
+                    &mut s.qkv[r * qkv_w + dim..r * qkv_w + dim + kvd],
+                    kvd,
+                    &[p],
+                );
+            }
+            // Write each sequence's new K/V into its own pages (tag-checked).
+            let mut row = 0;
+            for (i, sq) in seqs.iter().enumerate() {
+                let (owner, table) = &tables[i];
+                for j in 0..sq.tokens.len() {
+                    if results[i].is_ok() {
+                        let base = (row + j) * qkv_w + dim;
+                        let (k, v) = s.qkv[base..base + 2 * kvd].split_at(kvd);
+                        if let Err(e) = pool.write(li, *owner, table, sq.pos0 + j, k, v) {
+                            results[i] = Err(e.into());
+                        }
+                    }
+                }
+                row += sq.tokens.len();
+            }
+            let attn_seqs: Vec<AttnSeq<'_>> = seqs
+                .iter()
+                .zip(&tables)
+                .map(|(sq, (owner, t))| AttnSeq {
+                    owner: *owner,
+                    pages: t,
+                    pos0: sq.pos0,
+                    n_new: sq.tokens.len(),
+                })
+                .collect();
+            let r = be.attention(
+                pool.layer(li),
+                pool.tags(),
+                &shape,
+                &attn_seqs,
+                &s.q,
+                &mut s.attn,
+                check,
+            );
+            for (i, ri) in r.into_iter().enumerate() {
+                if let (Ok(()), Err(v)) = (&results[i], ri) {
+                    pool.record_violation();
+                    results[i] = Err(v.into());
+                }
+            }
+            s.acts.quantize(&s.attn, dim);
+            be.matmul(&layer.wo, &s.acts, &mut s.proj);
+            warden_kernels::ops::add_assign(&mut s.x, &s.proj);
+            be.rms_norm(&s.x, &layer.ffn_norm, c.norm_eps, &mut s.xn);
+            s.acts.quantize(&s.xn, dim);
+            be.matmul(&layer.w_gate_up, &s.acts, &mut s.gate_up);
+            be.swiglu(&s.gate_up, ffn, &mut s.hidden);
+            s.acts.quantize(&s.hidden, ffn);
+            be.matmul(&layer.w_down, &s.acts, &mut s.proj);
+            warden_kernels::ops::add_assign(&mut s.x, &s.proj);
+        }
+        // Logits for the last token of each sequence that wants them and has not failed.
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for (i, sq) in seqs.iter().enumerate() {
+            end += sq.tokens.len();
+            if sq.want_logits && results[i].is_ok() && !sq.tokens.is_empty() {
+                rows.push((i, end - 1));
+            }
+        }
+        let mut logits_of: Vec<Option<Vec<f32>>> = vec![None; seqs.len()];
+        if !rows.is_empty() {
+            let mut last = vec![0f32; rows.len() * dim];
+            for (k, &(_, r)) in rows.iter().enumerate() {
+                last[k * dim..(k + 1) * dim].copy_from_slice(&s.x[r * dim..(r + 1) * dim]);
+            }
+            let mut normed = vec![0f32; last.len()];
+            be.rms_norm(&last, &self.output_norm, c.norm_eps, &mut normed);
+            s.acts.quantize(&normed, dim);
+            let mut logits = vec![0f32; rows.len() * c.vocab];
+            be.matmul(&self.output, &s.acts, &mut logits);
+            for (k, &(i, _)) in rows.iter().enumerate() {
+                logits_of[i] = Some(logits[k * c.vocab..(k + 1) * c.vocab].to_vec());
+            }
+        }
+        results.into_iter().zip(logits_of).map(|(r, l)| r.map(|()| l)).collect()
+    }
+}
