@@ -220,6 +220,11 @@ impl KvPool {
         self.budgets.insert(owner, pages);
     }
 
+    /// The page budget of `owner`, if one is set.
+    pub fn owner_budget(&self, owner: u64) -> Option<usize> {
+        self.budgets.get(&owner).copied()
+    }
+
     /// Free pages not promised to any open sequence.
     pub fn available_pages(&self) -> usize {
         self.free.len() - self.reserved_total.min(self.free.len())

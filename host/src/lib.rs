@@ -5,6 +5,7 @@
 //! sampling). See `DESIGN.md` in the shared folder for the invariants every module keeps.
 #![deny(missing_docs)]
 
+pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;

@@ -11,7 +11,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let (ra, rb) = (ca.remainder(), cb.remainder());
     for (x, y) in ca.zip(cb) {
         for i in 0..16 {
-            acc[i] = x[i].mul_add(y[i], acc[i]);
+            acc[i] += x[i] * y[i];
         }
     }
     let mut s: f32 = acc.iter().sum();
@@ -25,7 +25,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len());
     for (yi, xi) in y.iter_mut().zip(x) {
-        *yi = xi.mul_add(a, *yi);
+        *yi += xi * a;
     }
 }
 

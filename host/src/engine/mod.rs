@@ -1,0 +1,414 @@
+//! The engine: admission, continuous batching with chunked prefill, sampling and retirement.
+//!
+//! One progress model (as vLLM v1): each running sequence has `tokens` (prompt then output) and
+//! `computed`, how many of them have KV in its pages. A step gives every sequence whose tokens are
+//! all computed but the last (a decode) one token, then fills the rest of the step's token budget
+//! with prefill chunks; sequences join and leave between any two steps. Every way a scheduled
+//! request ends — finished, cancelled, failed — goes through [`Engine::retire`], which closes its KV
+//! state (pages return to the pool once unreferenced) and emits exactly one [`Event::Done`].
+//! Rejected requests never get here: [`Engine::submit`] returns them before anything is allocated.
+
+pub mod request;
+pub mod sampling;
+pub mod text;
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use warden_kernels::attention::TagCheck;
+
+use crate::kv::{KvCounters, KvError, KvPool};
+use crate::model::{Model, Scratch, StepError, StepSeq};
+use request::{
+    AbortReason, AdmissionLimits, FinishReason, GenerateRequest, Outcome, RejectReason, Rejected, RequestId, Usage,
+    ValidRequest,
+};
+use sampling::Sampler;
+use text::{Detokenizer, TextStream};
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Maximum prompt plus completion tokens per request. Default: the model's context length.
+    pub max_context: usize,
+    /// Tokens per step (decode tokens plus prefill chunks). Default 512.
+    pub max_batch_tokens: usize,
+    /// Sequences running at once. Default 64.
+    pub max_running: usize,
+    /// Requests waiting for a slot; more are rejected. Default 1024.
+    pub max_waiting: usize,
+    /// Token slots per KV page. Default 16.
+    pub page_size: usize,
+    /// Bytes of KV memory. Default 512 MiB.
+    pub kv_memory_bytes: usize,
+    /// Tag checks; [`TagCheck::SkipForBenchmark`] only in `warden bench`.
+    pub tag_check: TagCheck,
+}
+
+impl EngineConfig {
+    /// Defaults for `model`.
+    pub fn for_model(model: &Model) -> Self {
+        Self {
+            max_context: model.config().context_length,
+            max_batch_tokens: 512,
+            max_running: 64,
+            max_waiting: 1024,
+            page_size: 16,
+            kv_memory_bytes: 512 << 20,
+            tag_check: TagCheck::Enforce,
+        }
+    }
+}
+
+/// What a step produced for a request.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// A generated token and the text it completes (possibly empty while text is held back).
+    Token {
+        /// Request.
+        id: RequestId,
+        /// Token id.
+        token: u32,
+        /// Text now safe to emit.
+        text: String,
+    },
+    /// The request ended; the last event for this id.
+    Done {
+        /// Request.
+        id: RequestId,
+        /// How it ended.
+        outcome: Outcome,
+        /// Remaining held-back text (non-empty only for finished requests).
+        text: String,
+        /// Token counts.
+        usage: Usage,
+    },
+}
+
+struct Seq {
+    id: RequestId,
+    owner: u64,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    computed: usize,
+    max_tokens: usize,
+    ignore_eos: bool,
+    sampler: Sampler,
+    text: TextStream,
+    opened: bool,
+}
+
+impl Seq {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// The engine. Single-threaded: one caller drives [`step`](Engine::step); the kernels inside use
+/// the rayon pool.
+pub struct Engine {
+    model: Arc<Model>,
+    detok: Arc<dyn Detokenizer>,
+    cfg: EngineConfig,
+    pool: KvPool,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    next_id: RequestId,
+    scratch: Scratch,
+    events: Vec<Event>,
+}
+
+/// Errors creating an engine.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The KV pool refused the configuration (including invariant 4).
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// A setting out of range.
+    #[error("invalid engine setting: {0}")]
+    Config(String),
+}
+
+impl Engine {
+    /// An engine over `model`. Refuses to start when the KV pool cannot hold `cfg.max_context`
+    /// tokens (invariant 4), naming both numbers.
+    pub fn new(model: Arc<Model>, detok: Arc<dyn Detokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        if cfg.max_batch_tokens == 0 || cfg.max_running == 0 || cfg.max_context == 0 {
+            return Err(EngineError::Config(
+                "max_batch_tokens, max_running and max_context must be positive".into(),
+            ));
+        }
+        let mc = model.config();
+        let pool = KvPool::new(mc.attn_shape(cfg.page_size), mc.n_layers, cfg.kv_memory_bytes)?;
+        pool.check_capacity(cfg.max_context)?;
+        Ok(Self {
+            model,
+            detok,
+            cfg,
+            pool,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 1,
+            scratch: Scratch::default(),
+            events: Vec::new(),
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// The KV pool's counters.
+    pub fn kv_counters(&self) -> KvCounters {
+        self.pool.counters()
+    }
+
+    /// The KV pool (tests and the admin API set budgets through it).
+    pub fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
+    }
+
+    /// Admission limits in force.
+    pub fn limits(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            max_context: self.cfg.max_context,
+            vocab: self.model.config().vocab,
+            pool_tokens: self.pool.capacity_tokens(),
+        }
+    }
+
+    /// Requests waiting plus running.
+    pub fn pending(&self) -> usize {
+        self.waiting.len() + self.running.len()
+    }
+
+    /// Whether a step would do anything.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Admits a request or rejects it. A rejected request allocates nothing and never runs.
+    pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let valid = req.validate(&self.limits())?;
+        let r = valid.request();
+        let needed = self.pool.pages_for(r.prompt.len() + r.max_tokens);
+        if let Some(budget) = self.pool.owner_budget(r.owner)
+            && needed > budget
+        {
+            return Err(Rejected {
+                reason: RejectReason::OverKvBudget { needed, budget },
+            });
+        }
+        self.enqueue(valid)
+    }
+
+    /// Queues a request that passed admission.
+    fn enqueue(&mut self, valid: ValidRequest) -> Result<RequestId, Rejected> {
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(Rejected {
+                reason: RejectReason::QueueFull {
+                    limit: self.cfg.max_waiting,
+                },
+            });
+        }
+        let r = valid.req;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.waiting.push_back(Seq {
+            id,
+            owner: r.owner,
+            prompt_len: r.prompt.len(),
+            tokens: r.prompt,
+            computed: 0,
+            max_tokens: r.max_tokens,
+            ignore_eos: r.ignore_eos,
+            sampler: Sampler::new(r.sampling),
+            text: TextStream::new(r.stop),
+            opened: false,
+        });
+        Ok(id)
+    }
+
+    /// Cancels a request through the retirement path. Returns whether it was still pending.
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let seq = self.waiting.remove(i).expect("index from position");
+            self.retire(seq, Outcome::Aborted(AbortReason::Cancelled));
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let seq = self.running.swap_remove(i);
+            self.retire(seq, Outcome::Aborted(AbortReason::Cancelled));
+            return true;
+        }
+        false
+    }
+
+    /// Aborts everything pending (shutdown).
+    pub fn abort_all(&mut self) -> Vec<Event> {
+        let all: Vec<Seq> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
+        for s in all {
+            self.retire(s, Outcome::Aborted(AbortReason::Shutdown));
+        }
+        std::mem::take(&mut self.events)
+    }
+
+    /// The one way a scheduled request ends.
+    fn retire(&mut self, mut seq: Seq, outcome: Outcome) {
+        if seq.opened {
+            // Closing cannot fail for an open sequence; its pages go back once unreferenced.
+            let _ = self.pool.close(seq.id);
+        }
+        let text = match outcome {
+            Outcome::Finished(_) => seq.text.finish(),
+            Outcome::Aborted(_) => String::new(),
+        };
+        let usage = Usage {
+            prompt_tokens: seq.prompt_len,
+            completion_tokens: seq.output_len(),
+            cached_tokens: 0,
+        };
+        self.events.push(Event::Done {
+            id: seq.id,
+            outcome,
+            text,
+            usage,
+        });
+    }
+
+    /// Moves waiting requests into the running set, in arrival order, while slots and KV
+    /// reservations allow. A request whose owner is at its KV budget waits without blocking other
+    /// owners' requests behind it.
+    fn admit_waiting(&mut self) {
+        let mut i = 0;
+        while i < self.waiting.len() && self.running.len() < self.cfg.max_running {
+            let s = &self.waiting[i];
+            let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
+            match self.pool.open(s.id, s.owner, pages) {
+                Ok(()) => {
+                    let mut seq = self.waiting.remove(i).expect("index in range");
+                    seq.opened = true;
+                    self.running.push(seq);
+                }
+                Err(KvError::OwnerBudget { .. }) => i += 1,
+                // Wait for running sequences to finish and free pages.
+                Err(KvError::PoolExhausted { .. }) => break,
+                Err(e) => {
+                    let seq = self.waiting.remove(i).expect("index in range");
+                    self.retire(seq, Outcome::Aborted(AbortReason::Kv(e)));
+                }
+            }
+        }
+    }
+
+    /// Plans a step: one token for every decoding sequence, then prefill chunks in arrival order
+    /// until the token budget is spent. Returns (running index, new tokens).
+    fn plan(&self) -> Vec<(usize, usize)> {
+        let mut budget = self.cfg.max_batch_tokens;
+        let mut plan = Vec::new();
+        for (i, s) in self.running.iter().enumerate() {
+            if s.tokens.len() - s.computed == 1 && budget > 0 {
+                plan.push((i, 1));
+                budget -= 1;
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            let left = s.tokens.len() - s.computed;
+            if left > 1 && budget > 0 {
+                let n = left.min(budget);
+                plan.push((i, n));
+                budget -= n;
+            }
+        }
+        plan
+    }
+
+    /// Runs one step and returns its events.
+    pub fn step(&mut self) -> Vec<Event> {
+        self.admit_waiting();
+        let mut ends: Vec<Option<Outcome>> = vec![None; self.running.len()];
+        let mut step = Vec::new();
+        for (i, n) in self.plan() {
+            let s = &self.running[i];
+            let upto = s.computed + n;
+            match self
+                .pool
+                .ensure(s.id, upto)
+                .and_then(|()| self.pool.commit_slots(s.id, upto))
+            {
+                Ok(()) => step.push((i, n)),
+                Err(KvError::Isolation(v)) => ends[i] = Some(Outcome::Aborted(AbortReason::Isolation(v))),
+                Err(e) => ends[i] = Some(Outcome::Aborted(AbortReason::Kv(e))),
+            }
+        }
+        if !step.is_empty() {
+            let seqs: Vec<StepSeq<'_>> = step
+                .iter()
+                .map(|&(i, n)| {
+                    let s = &self.running[i];
+                    StepSeq {
+                        seq: s.id,
+                        tokens: &s.tokens[s.computed..s.computed + n],
+                        pos0: s.computed,
+                        want_logits: s.computed + n == s.tokens.len(),
+                    }
+                })
+                .collect();
+            let results = self
+                .model
+                .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch);
+            for (&(i, n), r) in step.iter().zip(results) {
+                let s = &mut self.running[i];
+                ends[i] = match r {
+                    Err(StepError::Isolation(v)) => Some(Outcome::Aborted(AbortReason::Isolation(v))),
+                    Err(StepError::Kv(e)) => Some(Outcome::Aborted(AbortReason::Kv(e))),
+                    Ok(None) => {
+                        s.computed += n;
+                        None
+                    }
+                    Ok(Some(mut logits)) => {
+                        s.computed += n;
+                        let tok = s.sampler.sample(&mut logits, &s.tokens);
+                        Self::accept(&*self.detok, &mut self.events, s, tok)
+                    }
+                };
+            }
+        }
+        // Retire in reverse index order, so swap_remove keeps the lower indices valid.
+        for (i, end) in ends.into_iter().enumerate().rev() {
+            if let Some(outcome) = end {
+                let seq = self.running.swap_remove(i);
+                self.retire(seq, outcome);
+            }
+        }
+        std::mem::take(&mut self.events)
+    }
+
+    /// Appends a sampled token to a sequence and emits its text; returns how the sequence ends,
+    /// if this token ends it.
+    fn accept(detok: &dyn Detokenizer, events: &mut Vec<Event>, s: &mut Seq, tok: u32) -> Option<Outcome> {
+        if detok.is_eog(tok) && !s.ignore_eos {
+            return Some(Outcome::Finished(FinishReason::Stop));
+        }
+        s.tokens.push(tok);
+        let (text, stopped) = s.text.push(&detok.token_bytes(tok));
+        events.push(Event::Token {
+            id: s.id,
+            token: tok,
+            text,
+        });
+        if stopped {
+            Some(Outcome::Finished(FinishReason::Stop))
+        } else if s.output_len() >= s.max_tokens {
+            Some(Outcome::Finished(FinishReason::Length))
+        } else {
+            None
+        }
+    }
+}

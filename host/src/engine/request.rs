@@ -1,0 +1,262 @@
+//! Requests and their states: what a caller submits, what admission makes of it, and how it ends.
+//!
+//! A [`GenerateRequest`] is raw input. [`validate`](GenerateRequest::validate) turns it into a
+//! [`ValidRequest`], the only type the scheduler accepts, or a [`Rejected`] that carries its reason
+//! and can never be scheduled (invariant 1). A scheduled request ends exactly once, as
+//! [`Outcome::Finished`] or [`Outcome::Aborted`]; "rejected", "aborted" and "finished" are distinct
+//! and every consumer matches the one it means.
+
+use warden_kernels::attention::IsolationViolation;
+
+use super::sampling::SamplingParams;
+use crate::kv::KvError;
+
+/// A request's id within one engine.
+pub type RequestId = u64;
+
+/// A generation request as a caller submits it.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    /// The tenant (the owner in every KV tag); must be non-zero.
+    pub owner: u64,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Strings that end generation (not included in the output).
+    pub stop: Vec<String>,
+    /// Keep generating past end-of-generation tokens (benchmarks).
+    pub ignore_eos: bool,
+}
+
+impl GenerateRequest {
+    /// A greedy request for `max_tokens` tokens.
+    pub fn greedy(owner: u64, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            owner,
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens,
+            stop: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Limits admission checks against.
+#[derive(Debug, Clone, Copy)]
+pub struct AdmissionLimits {
+    /// Maximum prompt plus completion tokens.
+    pub max_context: usize,
+    /// Vocabulary size (token ids must be below it).
+    pub vocab: usize,
+    /// Tokens the KV pool can ever hold for one sequence.
+    pub pool_tokens: usize,
+}
+
+/// Why admission refused a request.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RejectReason {
+    /// No prompt tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// A token id outside the vocabulary.
+    #[error("prompt token {index} is id {id}, outside the vocabulary of {vocab}")]
+    InvalidToken {
+        /// Position in the prompt.
+        index: usize,
+        /// The id.
+        id: u32,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// Prompt plus completion exceed the maximum context.
+    #[error(
+        "this model's maximum context length is {limit} tokens, but {requested} were requested ({prompt_tokens} in the prompt, {max_tokens} for the completion)"
+    )]
+    ContextLengthExceeded {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Completion tokens asked for.
+        max_tokens: usize,
+        /// Their sum.
+        requested: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// A parameter out of range.
+    #[error("invalid {field}: {message}")]
+    InvalidParameter {
+        /// The field.
+        field: &'static str,
+        /// What is wrong, with the value.
+        message: String,
+    },
+    /// The waiting queue is full.
+    #[error("the request queue is full ({limit} waiting); retry later")]
+    QueueFull {
+        /// Queue bound.
+        limit: usize,
+    },
+    /// The owner's KV budget can never hold this request.
+    #[error("request needs {needed} KV pages, more than the tenant's budget of {budget}")]
+    OverKvBudget {
+        /// Pages needed.
+        needed: usize,
+        /// Budget.
+        budget: usize,
+    },
+}
+
+impl RejectReason {
+    /// A stable machine-readable code.
+    pub fn code(&self) -> &'static str {
+        match self {
+            RejectReason::EmptyPrompt => "empty_prompt",
+            RejectReason::InvalidToken { .. } => "invalid_token",
+            RejectReason::ContextLengthExceeded { .. } => "context_length_exceeded",
+            RejectReason::InvalidParameter { .. } => "invalid_parameter",
+            RejectReason::QueueFull { .. } => "queue_full",
+            RejectReason::OverKvBudget { .. } => "kv_budget_exceeded",
+        }
+    }
+}
+
+/// A request refused at admission. It owns the original request so the caller can report it, and
+/// has no path into the scheduler.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("request rejected: {reason}")]
+pub struct Rejected {
+    /// Why.
+    pub reason: RejectReason,
+}
+
+/// A request that passed admission. Only [`GenerateRequest::validate`] builds one.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    pub(super) req: GenerateRequest,
+}
+
+impl ValidRequest {
+    /// The request.
+    pub fn request(&self) -> &GenerateRequest {
+        &self.req
+    }
+}
+
+impl GenerateRequest {
+    /// Admission: checks the request against `limits` without touching any shared state.
+    pub fn validate(self, limits: &AdmissionLimits) -> Result<ValidRequest, Rejected> {
+        let reject = |reason| Err(Rejected { reason });
+        if self.owner == 0 {
+            return reject(RejectReason::InvalidParameter {
+                field: "owner",
+                message: "must be non-zero".into(),
+            });
+        }
+        if self.prompt.is_empty() {
+            return reject(RejectReason::EmptyPrompt);
+        }
+        if let Some((index, &id)) = self
+            .prompt
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= limits.vocab)
+        {
+            return reject(RejectReason::InvalidToken {
+                index,
+                id,
+                vocab: limits.vocab,
+            });
+        }
+        if self.max_tokens == 0 {
+            return reject(RejectReason::InvalidParameter {
+                field: "max_tokens",
+                message: "must be at least 1".into(),
+            });
+        }
+        let requested = self.prompt.len().saturating_add(self.max_tokens);
+        let limit = limits.max_context.min(limits.pool_tokens);
+        if requested > limit {
+            return reject(RejectReason::ContextLengthExceeded {
+                prompt_tokens: self.prompt.len(),
+                max_tokens: self.max_tokens,
+                requested,
+                limit,
+            });
+        }
+        if let Err(message) = self.sampling.validate() {
+            let field = message.split_whitespace().next().unwrap_or("sampling");
+            let field = ["temperature", "top_p", "min_p", "repetition_penalty"]
+                .into_iter()
+                .find(|f| *f == field)
+                .unwrap_or("sampling");
+            return reject(RejectReason::InvalidParameter { field, message });
+        }
+        if self.stop.len() > 16 || self.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+            return reject(RejectReason::InvalidParameter {
+                field: "stop",
+                message: "at most 16 non-empty strings of at most 256 bytes".into(),
+            });
+        }
+        Ok(ValidRequest { req: self })
+    }
+}
+
+/// Why a scheduled request finished normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl FinishReason {
+    /// OpenAI's `finish_reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Why a scheduled request was aborted.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum AbortReason {
+    /// The caller cancelled it (e.g. the client disconnected).
+    #[error("cancelled")]
+    Cancelled,
+    /// A KV tag check failed: the request yields no further data.
+    #[error("isolation violation: {0}")]
+    Isolation(IsolationViolation),
+    /// The KV pool refused mid-request.
+    #[error("KV pool error: {0}")]
+    Kv(KvError),
+    /// The engine is shutting down.
+    #[error("the engine is shutting down")]
+    Shutdown,
+}
+
+/// How a scheduled request ended.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// It completed.
+    Finished(FinishReason),
+    /// It was stopped before completing.
+    Aborted(AbortReason),
+}
+
+/// Token counts of a request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from a prefix cache.
+    pub cached_tokens: usize,
+}

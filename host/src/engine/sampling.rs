@@ -1,0 +1,284 @@
+//! Token sampling: repetition penalty, top-k, top-p, min-p, temperature, and a seeded RNG.
+//!
+//! The order is llama.cpp's: penalties on raw logits, then the truncations (top-k, top-p, min-p)
+//! on the softmax of the temperature-scaled logits, then a draw. Temperature 0 is greedy argmax.
+//! Each sequence owns its RNG (ChaCha8), seeded from the request's seed when given, so the same
+//! request with the same seed yields the same tokens whatever else is in the batch.
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// Sampling parameters, validated at admission (see [`SamplingParams::validate`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 for greedy; otherwise logits are divided by it. Default 0.
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 disables. Default 0.
+    pub top_k: usize,
+    /// Keep the smallest set whose probability reaches `top_p`; 1 disables. Default 1.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely; 0 disables. Default 0.
+    pub min_p: f32,
+    /// Divide positive (multiply negative) logits of tokens already seen; 1 disables. Default 1.
+    pub repetition_penalty: f32,
+    /// How many recent tokens (prompt and output) the penalty looks at. Default 64.
+    pub repeat_last_n: usize,
+    /// RNG seed; a random one when absent.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Checks every field's range; the error names the field and the value.
+    pub fn validate(&self) -> Result<(), String> {
+        let t = self.temperature;
+        if !(t.is_finite() && (0.0..=2.0).contains(&t)) {
+            return Err(format!("temperature must be between 0 and 2, got {t}"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        let rp = self.repetition_penalty;
+        if !(rp.is_finite() && rp > 0.0 && rp <= 10.0) {
+            return Err(format!("repetition_penalty must be in (0, 10], got {rp}"));
+        }
+        Ok(())
+    }
+}
+
+/// One sequence's sampler.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    probs: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler for validated `params`.
+    pub fn new(params: SamplingParams) -> Self {
+        let seed = params.seed.unwrap_or_else(|| rand::rng().random());
+        Self {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            params,
+            probs: Vec::new(),
+        }
+    }
+
+    /// Picks the next token from `logits` given the sequence's tokens so far (for the penalty).
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            let start = history.len().saturating_sub(p.repeat_last_n);
+            let mut seen: Vec<u32> = history[start..].to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            for &t in &seen {
+                if let Some(l) = logits.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        if p.temperature == 0.0 {
+            return argmax(logits);
+        }
+        let inv_t = 1.0 / p.temperature;
+        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+        // Unnormalised probabilities; min-p filters against the maximum (probability 1 here).
+        self.probs.clear();
+        for (i, &l) in logits.iter().enumerate() {
+            let w = ((l - max) * inv_t).exp();
+            if w >= p.min_p {
+                self.probs.push((i as u32, w));
+            }
+        }
+        let by_weight = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        if p.top_k > 0 && p.top_k < self.probs.len() {
+            self.probs.select_nth_unstable_by(p.top_k - 1, by_weight);
+            self.probs.truncate(p.top_k);
+        }
+        if p.top_p < 1.0 {
+            let total: f32 = self.probs.iter().map(|x| x.1).sum();
+            // Sort only as much of the head as the mass needs: grow k until it covers top_p.
+            let mut k = 256.min(self.probs.len());
+            loop {
+                if k < self.probs.len() {
+                    self.probs.select_nth_unstable_by(k - 1, by_weight);
+                }
+                self.probs[..k].sort_unstable_by(by_weight);
+                let mut acc = 0.0;
+                let cut = self.probs[..k].iter().position(|x| {
+                    acc += x.1;
+                    acc >= p.top_p * total
+                });
+                match cut {
+                    Some(c) => {
+                        self.probs.truncate(c + 1);
+                        break;
+                    }
+                    None if k == self.probs.len() => break,
+                    None => k = (k * 4).min(self.probs.len()),
+                }
+            }
+        }
+        let total: f32 = self.probs.iter().map(|x| x.1).sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for &(id, w) in &self.probs {
+            r -= w;
+            if r <= 0.0 {
+                return id;
+            }
+        }
+        self.probs.last().map(|x| x.0).unwrap_or_else(|| argmax(logits))
+    }
+}
+
+/// Index of the largest logit (lowest index on ties, as llama.cpp's greedy sampler).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &l) in logits.iter().enumerate() {
+        if l > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..1000).map(|i| ((i * 37) % 101) as f32 / 10.0).collect()
+    }
+
+    #[test]
+    fn greedy_is_argmax() {
+        let mut s = Sampler::new(SamplingParams::default());
+        let mut l = logits();
+        let want = argmax(&l);
+        assert_eq!(s.sample(&mut l, &[]), want);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed: Some(42),
+            ..Default::default()
+        };
+        let draw = |p: &SamplingParams| {
+            let mut s = Sampler::new(p.clone());
+            (0..20).map(|_| s.sample(&mut logits(), &[])).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(&p), draw(&p));
+        assert_ne!(
+            draw(&p),
+            draw(&SamplingParams {
+                seed: Some(43),
+                ..p.clone()
+            })
+        );
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_k_limits_the_set() {
+        let mut l = logits();
+        let want = argmax(&l);
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.5,
+            top_k: 1,
+            seed: Some(1),
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut l, &[]), want);
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 2.0,
+            top_k: 3,
+            seed: Some(1),
+            ..Default::default()
+        });
+        let mut sorted: Vec<usize> = (0..1000).collect();
+        let l = logits();
+        sorted.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+        for _ in 0..50 {
+            let t = s.sample(&mut logits(), &[]) as usize;
+            assert!(sorted[..3].contains(&t));
+        }
+    }
+
+    #[test]
+    fn min_p_and_top_p_cut_the_tail() {
+        // One dominant token: top_p 0.5 and min_p 0.5 both leave only it.
+        let mut l = vec![0.0f32; 500];
+        l[7] = 10.0;
+        for p in [
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.5,
+                seed: Some(3),
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                min_p: 0.5,
+                seed: Some(3),
+                ..Default::default()
+            },
+        ] {
+            let mut s = Sampler::new(p);
+            for _ in 0..20 {
+                assert_eq!(s.sample(&mut l.clone(), &[]), 7);
+            }
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_demotes_seen_tokens() {
+        let mut l = vec![1.0f32, 0.9, 0.1];
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut l, &[0]), 1);
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let e = SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("temperature"));
+        let e = SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("top_p"));
+    }
+}
