@@ -321,7 +321,16 @@ impl KvPool {
         }
         for (j, e) in s.pages.iter().enumerate() {
             let t = &mut self.tags[e.page as usize];
-            if t.owner != s.owner || t.epoch != e.epoch {
+            if t.owner != s.owner {
+                self.counters.tag_mismatches += 1;
+                return Err(IsolationViolation::ForeignOwner {
+                    page: e.page,
+                    expected: s.owner,
+                    found: t.owner,
+                }
+                .into());
+            }
+            if t.epoch != e.epoch {
                 self.counters.tag_mismatches += 1;
                 return Err(IsolationViolation::StaleEpoch {
                     page: e.page,
@@ -470,18 +479,34 @@ impl KvPool {
     pub fn close(&mut self, seq: SeqId) -> Result<(), KvError> {
         let s = self.seqs.remove(&seq).ok_or(KvError::NoSuchSequence(seq))?;
         self.reserved_total -= s.reserved;
+        let mut held = s.reserved;
+        for e in s.pages {
+            let i = e.page as usize;
+            // Release only what the tags say this sequence holds: an entry that names another
+            // owner's page or a stale epoch (a corrupted table) must not free someone else's page.
+            match self.tags.get(i) {
+                Some(t) if t.owner == s.owner && t.epoch == e.epoch && self.refs[i] > 0 => {
+                    self.state[i] = PageState::AwaitingRelease;
+                    self.unref(e.page);
+                    held += 1;
+                }
+                _ => self.counters.tag_mismatches += 1,
+            }
+        }
         if let Some(n) = self.owner_pages.get_mut(&s.owner) {
-            *n -= s.reserved + s.pages.len();
+            *n = n.saturating_sub(held);
             if *n == 0 {
                 self.owner_pages.remove(&s.owner);
             }
         }
-        for e in s.pages {
-            let i = e.page as usize;
-            self.state[i] = PageState::AwaitingRelease;
-            self.unref(e.page);
-        }
         Ok(())
+    }
+
+    /// A sequence's page table, writable: tests use it to forge the tables a bug (or an attacker)
+    /// would produce, and check that the tags catch them.
+    #[cfg(test)]
+    pub(crate) fn forge_table(&mut self, seq: SeqId) -> &mut Vec<PageEntry> {
+        &mut self.seqs.get_mut(&seq).expect("open sequence").pages
     }
 
     /// The counters now.

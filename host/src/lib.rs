@@ -9,3 +9,9 @@ pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+
+#[cfg(test)]
+mod testutil;
+
+/// Where `scripts/fetch-model.sh` puts the default model, relative to the checkout.
+pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";

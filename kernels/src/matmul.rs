@@ -392,8 +392,9 @@ impl QActs {
                 *q = qi as i8;
                 sum += qi;
             }
-            self.d[b] = d;
-            self.s[b] = d * sum as f32;
+            // llama.cpp stores both as f16; so do we, to compute what it computes.
+            self.d[b] = f16::from_f32(d).to_f32();
+            self.s[b] = f16::from_f32(d * sum as f32).to_f32();
         }
     }
 }

@@ -412,3 +412,6 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

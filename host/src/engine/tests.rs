@@ -1,0 +1,431 @@
+//! Engine tests on the real default model: llama.cpp parity, batching equivalence, isolation and
+//! admission.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use warden_kernels::attention::{IsolationViolation, TagCheck};
+
+use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, RequestId};
+use super::{Engine, EngineConfig, Event};
+use crate::kv::KvPool;
+use crate::model::{Scratch, StepSeq};
+use crate::testutil::{IdDetok, model, oracle};
+
+fn config(max_context: usize, max_batch_tokens: usize) -> EngineConfig {
+    EngineConfig {
+        max_context,
+        max_batch_tokens,
+        max_running: 64,
+        max_waiting: 64,
+        page_size: 16,
+        kv_memory_bytes: 96 << 20,
+        tag_check: TagCheck::Enforce,
+    }
+}
+
+fn engine(max_batch_tokens: usize) -> Engine {
+    Engine::new(model(), Arc::new(IdDetok), config(2048, max_batch_tokens)).expect("engine starts")
+}
+
+/// Tokens and outcome of every request, running the engine until it is idle.
+#[derive(Default)]
+struct Runs {
+    tokens: HashMap<RequestId, Vec<u32>>,
+    outcomes: HashMap<RequestId, Outcome>,
+}
+
+impl Runs {
+    fn absorb(&mut self, events: Vec<Event>) {
+        for e in events {
+            match e {
+                Event::Token { id, token, .. } => {
+                    assert!(!self.outcomes.contains_key(&id), "token after Done for {id}");
+                    self.tokens.entry(id).or_default().push(token);
+                }
+                Event::Done { id, outcome, .. } => {
+                    assert!(self.outcomes.insert(id, outcome).is_none(), "two Done events for {id}");
+                }
+            }
+        }
+    }
+
+    fn drain(&mut self, e: &mut Engine) {
+        while e.has_work() {
+            let ev = e.step();
+            self.absorb(ev);
+        }
+    }
+}
+
+fn solo(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut e = engine(512);
+    let id = e
+        .submit(GenerateRequest::greedy(1, prompt.to_vec(), max_tokens))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    runs.drain(&mut e);
+    assert!(
+        matches!(runs.outcomes[&id], Outcome::Finished(_)),
+        "{:?}",
+        runs.outcomes[&id]
+    );
+    runs.tokens.remove(&id).unwrap_or_default()
+}
+
+#[test]
+fn greedy_output_matches_llama_cpp() {
+    let (prompts, eog) = oracle();
+    assert_eq!(eog, vec![0, 2, 4]);
+    for p in &prompts {
+        let got = solo(&p.prompt_tokens, 16);
+        assert_eq!(got, p.generated_tokens[..16], "greedy continuation of {:?}", p.prompt);
+    }
+}
+
+#[test]
+fn first_position_logits_match_llama_cpp() {
+    let m = model();
+    let (prompts, _) = oracle();
+    for p in &prompts {
+        let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
+        let n = p.prompt_tokens.len();
+        pool.open(1, 1, pool.pages_for(n)).expect("open");
+        pool.ensure(1, n).expect("ensure");
+        pool.commit_slots(1, n).expect("commit");
+        let step = [StepSeq {
+            seq: 1,
+            tokens: &p.prompt_tokens,
+            pos0: 0,
+            want_logits: true,
+        }];
+        let out = m.forward(&mut pool, &step, TagCheck::Enforce, &mut Scratch::default());
+        let logits = out
+            .into_iter()
+            .next()
+            .expect("one result")
+            .expect("no error")
+            .expect("logits");
+        for t in &p.first_position_top5 {
+            let ours = logits[t.id as usize];
+            assert!(
+                (ours - t.logit).abs() < 0.5,
+                "{:?}: token {} logit {ours}, llama.cpp {}",
+                p.prompt,
+                t.id,
+                t.logit
+            );
+        }
+        assert_eq!(super::sampling::argmax(&logits), p.first_position_top5[0].id);
+    }
+}
+
+/// Sixteen different prompts, deterministic and of varied lengths.
+fn sixteen_prompts() -> Vec<Vec<u32>> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..16)
+        .map(|i| {
+            let len = 3 + (i * 37) % 90;
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Ordinary tokens, away from the control tokens at the start of the vocabulary.
+                    100 + (x % 20_000) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_batch_of_sixteen_with_chunked_prefill_yields_what_each_yields_alone() {
+    let prompts = sixteen_prompts();
+    let max_tokens = 12;
+    let alone: Vec<Vec<u32>> = prompts.iter().map(|p| solo(p, max_tokens)).collect();
+
+    // A 40-token step budget: prefills are chunked and share steps with other sequences' decodes;
+    // half the requests arrive while the first half is already running.
+    let mut e = engine(40);
+    let mut runs = Runs::default();
+    let mut ids = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        if i == 8 {
+            for _ in 0..3 {
+                let ev = e.step();
+                runs.absorb(ev);
+            }
+        }
+        ids.push(
+            e.submit(GenerateRequest::greedy(1 + i as u64 % 3, p.clone(), max_tokens))
+                .expect("admitted"),
+        );
+    }
+    runs.drain(&mut e);
+    for (i, id) in ids.iter().enumerate() {
+        assert!(
+            matches!(runs.outcomes[id], Outcome::Finished(_)),
+            "request {i}: {:?}",
+            runs.outcomes[id]
+        );
+        assert_eq!(
+            runs.tokens.get(id).cloned().unwrap_or_default(),
+            alone[i],
+            "request {i} (prompt of {} tokens)",
+            prompts[i].len()
+        );
+    }
+    let c = e.kv_counters();
+    assert_eq!(c.pages_free, c.pages_total, "every page is free at quiescence: {c:?}");
+}
+
+/// Steps until request `id` has produced a token (so its prompt is in its pages).
+fn step_until_decoding(e: &mut Engine, runs: &mut Runs, ids: &[RequestId]) {
+    for _ in 0..64 {
+        if ids.iter().all(|id| runs.tokens.contains_key(id)) {
+            return;
+        }
+        let ev = e.step();
+        runs.absorb(ev);
+    }
+    panic!("requests {ids:?} never started decoding");
+}
+
+#[test]
+fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
+    let prompts = sixteen_prompts();
+    let b_alone = solo(&prompts[1], 8);
+    let mut e = engine(512);
+    let a = e
+        .submit(GenerateRequest::greedy(7, prompts[0].clone(), 8))
+        .expect("admitted");
+    let b = e
+        .submit(GenerateRequest::greedy(8, prompts[1].clone(), 8))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    step_until_decoding(&mut e, &mut runs, &[a, b]);
+    let a_tokens_before = runs.tokens[&a].len();
+    let mismatches_before = e.kv_counters().tag_mismatches;
+
+    // A bug hands A's page table tenant B's first page.
+    let b_page = e.pool.table(b).expect("b open").1[0];
+    let table = e.pool.forge_table(a);
+    let own = table[0];
+    table[0] = b_page;
+    table.push(own);
+
+    runs.drain(&mut e);
+    match &runs.outcomes[&a] {
+        Outcome::Aborted(AbortReason::Isolation(IsolationViolation::ForeignOwner {
+            page,
+            expected: 7,
+            found: 8,
+        })) => {
+            assert_eq!(*page, b_page.page)
+        }
+        other => panic!("A should fail with a foreign-owner violation, got {other:?}"),
+    }
+    assert_eq!(
+        runs.tokens[&a].len(),
+        a_tokens_before,
+        "A got no token after the violation"
+    );
+    assert!(matches!(runs.outcomes[&b], Outcome::Finished(_)));
+    assert_eq!(runs.tokens[&b], b_alone, "B's output is unaffected");
+    let c = e.kv_counters();
+    assert!(
+        c.tag_mismatches > mismatches_before,
+        "the counters show the violation: {c:?}"
+    );
+    assert_eq!(
+        c.pages_free, c.pages_total,
+        "A's close freed its own pages and not B's: {c:?}"
+    );
+}
+
+#[test]
+fn a_freed_and_reused_page_is_a_stale_epoch() {
+    let prompts = sixteen_prompts();
+    let mut e = engine(512);
+    // X runs to completion; a copy of its page table outlives it.
+    let x = e
+        .submit(GenerateRequest::greedy(5, prompts[2].clone(), 2))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    let ev = e.step();
+    runs.absorb(ev);
+    let x_table = e.pool.table(x).expect("x open").1.to_vec();
+    runs.drain(&mut e);
+    // Y, the same tenant, gets X's freed pages back with new epochs.
+    let y = e
+        .submit(GenerateRequest::greedy(5, prompts[3].clone(), 8))
+        .expect("admitted");
+    step_until_decoding(&mut e, &mut runs, &[y]);
+    let y_pages: Vec<u32> = e.pool.table(y).expect("y open").1.iter().map(|p| p.page).collect();
+    let stale = *x_table
+        .iter()
+        .find(|p| y_pages.contains(&p.page))
+        .expect("a page of X was reused by Y");
+    let table = e.pool.forge_table(y);
+    let own = table[0];
+    table[0] = stale;
+    table.push(own);
+
+    runs.drain(&mut e);
+    match &runs.outcomes[&y] {
+        Outcome::Aborted(AbortReason::Isolation(IsolationViolation::StaleEpoch { page, expected, found })) => {
+            assert_eq!((*page, *expected), (stale.page, stale.epoch));
+            assert!(found > expected);
+        }
+        other => panic!("Y should fail with a stale-epoch violation, got {other:?}"),
+    }
+    let c = e.kv_counters();
+    assert!(c.tag_mismatches > 0);
+    assert_eq!(c.pages_free, c.pages_total, "{c:?}");
+}
+
+/// The 2026 shape at the model's own boundary: reserve 8 pages, fill 1, attend over 8.
+#[test]
+fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
+    let m = model();
+    let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
+    pool.open(1, 3, 8).expect("open");
+    pool.ensure(1, 8 * 16).expect("eight pages");
+    let prompt: Vec<u32> = sixteen_prompts()[2][..16].to_vec();
+    pool.commit_slots(1, 16).expect("commit the first page");
+    let step = [StepSeq {
+        seq: 1,
+        tokens: &prompt,
+        pos0: 0,
+        want_logits: true,
+    }];
+    assert!(m.forward(&mut pool, &step, TagCheck::Enforce, &mut Scratch::default())[0].is_ok());
+
+    let before = pool.counters().tag_mismatches;
+    // A step that claims position 127 reads all eight pages; seven were never written.
+    let step = [StepSeq {
+        seq: 1,
+        tokens: &prompt[..1],
+        pos0: 127,
+        want_logits: true,
+    }];
+    let r = m.forward(&mut pool, &step, TagCheck::Enforce, &mut Scratch::default());
+    match &r[0] {
+        Err(crate::model::StepError::Isolation(IsolationViolation::UnwrittenSlots { written: 0, .. })) => {}
+        other => panic!("expected unwritten slots, got {other:?}"),
+    }
+    assert!(pool.counters().tag_mismatches > before);
+}
+
+#[test]
+fn an_over_length_prompt_is_rejected_before_any_page_is_allocated() {
+    let mut e = engine(512);
+    let before = e.kv_counters();
+    let prompt = vec![1000u32; 2000];
+    let r = e.submit(GenerateRequest::greedy(1, prompt, 100)).expect_err("rejected");
+    assert_eq!(
+        r.reason,
+        RejectReason::ContextLengthExceeded {
+            prompt_tokens: 2000,
+            max_tokens: 100,
+            requested: 2100,
+            limit: 2048
+        }
+    );
+    assert_eq!(r.reason.code(), "context_length_exceeded");
+    assert!(!e.has_work());
+    let ev = e.step();
+    assert!(ev.is_empty(), "a rejected request never produces an event");
+    let after = e.kv_counters();
+    assert_eq!(after.allocations, before.allocations, "no page was allocated");
+    assert_eq!(after.allocations, 0);
+    assert_eq!((after.pages_reserved, after.pages_used), (0, 0));
+}
+
+#[test]
+fn malformed_requests_are_rejected_with_their_reason() {
+    let mut e = engine(512);
+    let cases: Vec<(GenerateRequest, &str)> = vec![
+        (GenerateRequest::greedy(1, vec![], 4), "empty_prompt"),
+        (GenerateRequest::greedy(1, vec![49_152], 4), "invalid_token"),
+        (GenerateRequest::greedy(1, vec![5], 0), "invalid_parameter"),
+        (GenerateRequest::greedy(0, vec![5], 4), "invalid_parameter"),
+        (
+            GenerateRequest {
+                sampling: super::sampling::SamplingParams {
+                    temperature: f32::NAN,
+                    ..Default::default()
+                },
+                ..GenerateRequest::greedy(1, vec![5], 4)
+            },
+            "invalid_parameter",
+        ),
+    ];
+    for (req, code) in cases {
+        let r = e.submit(req.clone()).expect_err("rejected");
+        assert_eq!(r.reason.code(), code, "{req:?}: {}", r.reason);
+    }
+    assert_eq!(e.kv_counters().allocations, 0);
+}
+
+#[test]
+fn a_request_over_its_owners_kv_budget_is_rejected_and_within_it_waits() {
+    let mut e = engine(512);
+    e.pool_mut().set_owner_budget(9, 2);
+    let r = e
+        .submit(GenerateRequest::greedy(9, vec![500; 40], 8))
+        .expect_err("3 pages > budget of 2");
+    assert_eq!(r.reason, RejectReason::OverKvBudget { needed: 3, budget: 2 });
+    // Two requests of two pages each: the second waits for the first, then runs.
+    let a = e
+        .submit(GenerateRequest::greedy(9, vec![500; 20], 4))
+        .expect("admitted");
+    let b = e
+        .submit(GenerateRequest::greedy(9, vec![501; 20], 4))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    runs.drain(&mut e);
+    for id in [a, b] {
+        assert!(
+            matches!(runs.outcomes[&id], Outcome::Finished(FinishReason::Length)),
+            "{:?}",
+            runs.outcomes[&id]
+        );
+    }
+}
+
+#[test]
+fn cancellation_goes_through_retirement_and_returns_pages() {
+    let mut e = engine(512);
+    let a = e
+        .submit(GenerateRequest::greedy(1, vec![700; 50], 100))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    step_until_decoding(&mut e, &mut runs, &[a]);
+    assert!(e.kv_counters().pages_used > 0);
+    assert!(e.cancel(a));
+    assert!(!e.cancel(a), "a request is cancelled once");
+    runs.absorb(e.step());
+    assert!(matches!(runs.outcomes[&a], Outcome::Aborted(AbortReason::Cancelled)));
+    let c = e.kv_counters();
+    assert_eq!((c.pages_free, c.pages_reserved), (c.pages_total, 0), "{c:?}");
+}
+
+#[test]
+fn a_pool_smaller_than_the_max_context_refuses_to_start() {
+    let mut cfg = config(8192, 512);
+    cfg.kv_memory_bytes = 16 << 20;
+    let err = Engine::new(model(), Arc::new(IdDetok), cfg).err().expect("refused");
+    let msg = err.to_string();
+    assert!(msg.contains("8192"), "names the max context: {msg}");
+    assert!(
+        msg.contains(
+            &KvPool::new(model().config().attn_shape(16), 30, 16 << 20)
+                .expect("pool")
+                .capacity_tokens()
+                .to_string()
+        ),
+        "names the capacity: {msg}"
+    );
+}

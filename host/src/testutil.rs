@@ -1,0 +1,79 @@
+//! Shared helpers for the crate's tests: the real default model, loaded once, and the llama.cpp
+//! oracle fixture.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use serde::Deserialize;
+
+use crate::engine::text::Detokenizer;
+use crate::model::Model;
+
+/// The default model's path in this checkout.
+pub fn model_path() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(crate::DEFAULT_MODEL)
+}
+
+/// The default model, loaded once per test binary. Fails (never skips) when it is missing.
+pub fn model() -> Arc<Model> {
+    static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
+    MODEL
+        .get_or_init(|| {
+            let p = model_path();
+            if !p.exists() {
+                panic!("model missing at {}: run scripts/fetch-model.sh", p.display());
+            }
+            Arc::new(Model::load(&p).unwrap_or_else(|e| panic!("loading {}: {e}", p.display())))
+        })
+        .clone()
+}
+
+/// A detokenizer that needs no vocabulary: token `id` reads as `<id>`, and SmolLM2's
+/// end-of-generation ids end generation.
+pub struct IdDetok;
+
+impl Detokenizer for IdDetok {
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        format!("<{id}>").into_bytes()
+    }
+    fn is_eog(&self, id: u32) -> bool {
+        [0, 2, 4].contains(&id)
+    }
+}
+
+/// One prompt of the llama.cpp oracle.
+#[derive(Debug, Deserialize)]
+pub struct OraclePrompt {
+    /// The prompt text.
+    pub prompt: String,
+    /// llama.cpp's tokenization of it.
+    pub prompt_tokens: Vec<u32>,
+    /// llama.cpp's greedy continuation.
+    pub generated_tokens: Vec<u32>,
+    /// The five highest logits at the first generated position.
+    pub first_position_top5: Vec<OracleLogit>,
+}
+
+/// A logit in the oracle.
+#[derive(Debug, Deserialize)]
+pub struct OracleLogit {
+    /// Token id.
+    pub id: u32,
+    /// Raw logit.
+    pub logit: f32,
+}
+
+#[derive(Deserialize)]
+struct Oracle {
+    end_of_generation_ids: Vec<u32>,
+    prompts: std::collections::BTreeMap<String, OraclePrompt>,
+}
+
+/// The oracle's prompts and its end-of-generation ids.
+pub fn oracle() -> (Vec<OraclePrompt>, Vec<u32>) {
+    let o: Oracle = serde_json::from_str(include_str!("../tests/fixtures/smollm2-q4_1-greedy.json"))
+        .expect("the oracle fixture parses");
+    (o.prompts.into_values().collect(), o.end_of_generation_ids)
+}
