@@ -43,6 +43,7 @@ impl Backend for CpuBackend {
     fn name(&self) -> String {
         match crate::matmul::Kernel::best() {
             crate::matmul::Kernel::Avx512Vnni => "cpu-avx512vnni".into(),
+            crate::matmul::Kernel::Avx2 => "cpu-avx2".into(),
             crate::matmul::Kernel::Scalar => "cpu-scalar".into(),
         }
     }

@@ -201,12 +201,21 @@ impl QMatrix {
                             // detection of avx512f, avx512bw and avx512vnni (see `Kernel::best`).
                             unsafe { avx512::q4_tile(b.as_slice(), tile, nb, x, tok, nt, &mut tile_out) }
                         }
+                        (Packed::Q4(b), Kernel::Avx2) => {
+                            // SAFETY: `Kernel::Avx2` is only constructed after runtime detection of
+                            // avx2, fma and f16c (see `Kernel::best`).
+                            unsafe { avx2::q4_tile(b.as_slice(), tile, nb, x, tok, nt, &mut tile_out) }
+                        }
                         (Packed::Q4(b), Kernel::Scalar) => {
                             scalar_q4_tile(b.as_slice(), tile, nb, x, tok, nt, &mut tile_out)
                         }
                         (Packed::Q8(b), Kernel::Avx512Vnni) => {
                             // SAFETY: as above.
                             unsafe { avx512::q8_tile(b.as_slice(), tile, nb, x, tok, nt, &mut tile_out) }
+                        }
+                        (Packed::Q8(b), Kernel::Avx2) => {
+                            // SAFETY: as above.
+                            unsafe { avx2::q8_tile(b.as_slice(), tile, nb, x, tok, nt, &mut tile_out) }
                         }
                         (Packed::Q8(b), Kernel::Scalar) => {
                             scalar_q8_tile(b.as_slice(), tile, nb, x, tok, nt, &mut tile_out)
@@ -256,11 +265,31 @@ impl SendPtr {
 pub enum Kernel {
     /// Portable scalar code (the reference).
     Scalar,
+    /// AVX2 with FMA and F16C: `vpmaddubsw` + `vpmaddwd` in place of `vpdpbusd`.
+    Avx2,
     /// AVX-512 with VNNI `vpdpbusd`.
     Avx512Vnni,
 }
 
 impl Kernel {
+    /// Every kernel this CPU supports, the reference first.
+    pub fn available() -> Vec<Kernel> {
+        let mut v = vec![Kernel::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                v.push(Kernel::Avx2);
+            }
+            if Kernel::best() == Kernel::Avx512Vnni {
+                v.push(Kernel::Avx512Vnni);
+            }
+        }
+        v
+    }
+
     /// The fastest kernel this CPU supports.
     pub fn best() -> Kernel {
         #[cfg(target_arch = "x86_64")]
@@ -270,6 +299,12 @@ impl Kernel {
                 && std::is_x86_feature_detected!("avx512vnni")
             {
                 return Kernel::Avx512Vnni;
+            }
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                return Kernel::Avx2;
             }
         }
         Kernel::Scalar
@@ -597,6 +632,138 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// Widens pairwise i16 sums (from `vpmaddubsw`) to i32 sums of each 32-bit lane.
+    macro_rules! widen {
+        ($s16:expr) => {
+            _mm256_madd_epi16($s16, _mm256_set1_epi16(1))
+        };
+    }
+
+    /// One Q4 row tile against up to four tokens, eight rows (one half tile) at a time.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q4_tile(
+        p: &[u8],
+        tile: usize,
+        nb: usize,
+        x: &QActs,
+        tok: usize,
+        nt: usize,
+        out: &mut [f32; ROW_TILE * TOKEN_TILE],
+    ) {
+        assert!(
+            (tile * nb + nb) * Q4_TILE_BLOCK_BYTES <= p.len() && (tok + nt) * nb * QK <= x.q.len() && nt <= TOKEN_TILE
+        );
+        let mask = _mm256_set1_epi8(0x0f);
+        let xq = x.q.as_ptr();
+        for half in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); TOKEN_TILE];
+            for b in 0..nb {
+                // SAFETY (all pointer reads below): bounds asserted at entry; each block is
+                // Q4_TILE_BLOCK_BYTES inside `p`, each activation block QK bytes inside `x.q`.
+                unsafe {
+                    let base = p.as_ptr().add((tile * nb + b) * Q4_TILE_BLOCK_BYTES);
+                    let mut lo = [_mm256_setzero_si256(); 4];
+                    let mut hi = [_mm256_setzero_si256(); 4];
+                    for g in 0..4 {
+                        let v = _mm256_loadu_si256(base.add(g * 64 + half * 32).cast());
+                        lo[g] = _mm256_and_si256(v, mask);
+                        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                    }
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(base.add(256 + half * 16).cast()));
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(base.add(288 + half * 16).cast()));
+                    for t in 0..nt {
+                        let xb = (tok + t) * nb + b;
+                        let xp = xq.add(xb * QK).cast::<i32>();
+                        // Eight pair sums of at most 2·15·127 each: at most 30 480, no overflow.
+                        let mut s16 = _mm256_setzero_si256();
+                        for g in 0..4 {
+                            let xl = _mm256_set1_epi32(xp.add(g).read_unaligned());
+                            let xh = _mm256_set1_epi32(xp.add(4 + g).read_unaligned());
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[g], xl));
+                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[g], xh));
+                        }
+                        let s = widen!(s16);
+                        let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(xb)));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
+                        acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*x.s.get_unchecked(xb)), acc[t]);
+                    }
+                }
+            }
+            for t in 0..nt {
+                // SAFETY: `out` holds TOKEN_TILE·ROW_TILE floats; t < nt ≤ TOKEN_TILE, half < 2.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * ROW_TILE + half * 8), acc[t]) };
+            }
+        }
+    }
+
+    /// One Q8 row tile against up to four tokens, eight rows at a time. Signed × signed products
+    /// use `|w| · sign(x, w)`: `|w|` ≤ 128 is exact as an unsigned byte (even for w = −128), and
+    /// the pair sums (at most 2·128·127) fit i16.
+    ///
+    /// # Safety
+    /// As [`q4_tile`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q8_tile(
+        p: &[u8],
+        tile: usize,
+        nb: usize,
+        x: &QActs,
+        tok: usize,
+        nt: usize,
+        out: &mut [f32; ROW_TILE * TOKEN_TILE],
+    ) {
+        assert!(
+            (tile * nb + nb) * Q8_TILE_BLOCK_BYTES <= p.len() && (tok + nt) * nb * QK <= x.q.len() && nt <= TOKEN_TILE
+        );
+        let xq = x.q.as_ptr();
+        for half in 0..2 {
+            let mut acc = [_mm256_setzero_ps(); TOKEN_TILE];
+            for b in 0..nb {
+                // SAFETY: as in `q4_tile`.
+                unsafe {
+                    let base = p.as_ptr().add((tile * nb + b) * Q8_TILE_BLOCK_BYTES);
+                    let mut w = [_mm256_setzero_si256(); 8];
+                    let mut wabs = [_mm256_setzero_si256(); 8];
+                    for g in 0..8 {
+                        w[g] = _mm256_loadu_si256(base.add(g * 64 + half * 32).cast());
+                        wabs[g] = _mm256_abs_epi8(w[g]);
+                    }
+                    let dw = _mm256_loadu_ps(base.add(512 + half * 32).cast());
+                    for t in 0..nt {
+                        let xb = (tok + t) * nb + b;
+                        let xp = xq.add(xb * QK).cast::<i32>();
+                        let mut s = _mm256_setzero_si256();
+                        for g in 0..8 {
+                            let xv = _mm256_set1_epi32(xp.add(g).read_unaligned());
+                            let prod = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(xv, w[g]));
+                            s = _mm256_add_epi32(s, widen!(prod));
+                        }
+                        let dx = _mm256_set1_ps(*x.d.get_unchecked(xb));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[t]);
+                    }
+                }
+            }
+            for t in 0..nt {
+                // SAFETY: as in `q4_tile`.
+                unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * ROW_TILE + half * 8), acc[t]) };
+            }
+        }
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+mod avx2 {
+    pub(super) use super::avx512::{q4_tile, q8_tile};
+}
+
 #[cfg(not(target_arch = "x86_64"))]
 mod avx512 {
     use super::*;
@@ -692,11 +859,11 @@ mod tests {
             // 8-bit activations: error well under 2% of the output scale.
             assert!((a - b).abs() <= 0.02 * scale, "{ty} scalar[{i}] = {a}, reference {b}");
         }
-        if Kernel::best() == Kernel::Avx512Vnni {
+        for k in Kernel::available() {
             let mut simd = vec![0f32; tokens * rows];
-            m.matmul_with(&qa, &mut simd, Kernel::Avx512Vnni);
+            m.matmul_with(&qa, &mut simd, k);
             for (i, (a, b)) in simd.iter().zip(&scalar).enumerate() {
-                assert!((a - b).abs() <= 1e-4 * scale, "{ty} simd[{i}] = {a}, scalar {b}");
+                assert!((a - b).abs() <= 1e-4 * scale, "{ty} {k:?}[{i}] = {a}, scalar {b}");
             }
         }
     }
