@@ -295,38 +295,52 @@ struct Merge {
 #[derive(Debug)]
 struct Stage {
     re: regex::Regex,
-    /// The pattern ends in `(\s+)`, standing for GPT-2's `\s+(?!\S)|\s+`: a whitespace run matched
-    /// by that group gives its last character to the next piece when more text follows. (The
-    /// `regex` crate has no look-ahead; this keeps matching linear-time.)
-    ws_lookahead: bool,
+    lookahead: Lookahead,
+}
+
+/// How a stage's pattern stands in for GPT-2's trailing `\s+(?!\S)|\s+`: the pattern ends in a
+/// plain `\s+`, and a whitespace run that alternative matches gives its last character to the
+/// next piece when more text follows. (The `regex` crate has no look-ahead; emulating it keeps
+/// matching linear-time.)
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Lookahead {
+    /// No such alternative.
+    No,
+    /// The pattern ends in `\s+`, and only that alternative can match whitespace alone.
+    Ws,
+    /// The pattern ends in `\s*[\r\n]+|\s+`: whitespace-only matches without `\r` or `\n` come
+    /// from `\s+` (with a newline in the run, the earlier alternative matches first).
+    WsAfterNewlines,
 }
 
 impl Stage {
-    fn new(pattern: &str, ws_lookahead: bool) -> Self {
+    fn new(pattern: &str, lookahead: Lookahead) -> Self {
         // The patterns are constants of this file, all compiled by the tests below.
         let re = regex::Regex::new(pattern).expect("built-in pre-tokenizer pattern compiles");
-        Self { re, ws_lookahead }
+        Self { re, lookahead }
+    }
+
+    /// Whether the match `m` (followed by more text) came from the trailing `\s+` and has more
+    /// than one character, so `\s+(?!\S)` would have stopped one character short.
+    fn gives_back_last(&self, m: &str) -> bool {
+        let ws_only = || m.chars().all(char::is_whitespace);
+        let several = || m.chars().nth(1).is_some();
+        match self.lookahead {
+            Lookahead::No => false,
+            Lookahead::Ws => several() && ws_only(),
+            Lookahead::WsAfterNewlines => several() && ws_only() && !m.contains(['\r', '\n']),
+        }
     }
 
     fn split_into<'t>(&self, s: &'t str, out: &mut Vec<&'t str>) {
         let mut pos = 0; // start of the text not yet emitted
         let mut at = 0; // where to search next
         while at < s.len() {
-            let (start, end) = if self.ws_lookahead {
-                let Some(caps) = self.re.captures_at(s, at) else { break };
-                let Some(m) = caps.get(0) else { break };
-                let mut end = m.end();
-                if caps.get(1).is_some() && end < s.len() {
-                    let last = s[m.start()..end].chars().next_back().map_or(0, char::len_utf8);
-                    if last < end - m.start() {
-                        end -= last;
-                    }
-                }
-                (m.start(), end)
-            } else {
-                let Some(m) = self.re.find_at(s, at) else { break };
-                (m.start(), m.end())
-            };
+            let Some(m) = self.re.find_at(s, at) else { break };
+            let (start, mut end) = (m.start(), m.end());
+            if end < s.len() && self.gives_back_last(m.as_str()) {
+                end -= m.as_str().chars().next_back().map_or(0, char::len_utf8);
+            }
             if start > pos {
                 out.push(&s[pos..start]);
             }
@@ -346,9 +360,11 @@ impl Stage {
     }
 }
 
-const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|(\s+)";
-const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|(\s+)";
-const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|(\s+)";
+// GPT-2's pattern and llama.cpp's adaptations of llama3's and qwen2's, with the trailing
+// `\s+(?!\S)|\s+` written as `\s+` (see [`Lookahead`]).
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+";
+const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+";
 
 /// A `gpt2` vocabulary's pre-tokenizer: stages applied in order, each to every piece the previous
 /// one produced (llama.cpp's `regex_exprs` for the `tokenizer.ggml.pre` name).
@@ -365,22 +381,33 @@ impl PreTokenizer {
         Ok(match name.unwrap_or("default") {
             "default" => (
                 stages(vec![
-                    Stage::new(r"[\p{P}\$\+<=>\^~\|]+", false),
-                    Stage::new(GPT2_PATTERN, true),
-                    Stage::new(r"\p{N}+", false),
-                    Stage::new(r"[0-9][0-9][0-9]", false),
+                    Stage::new(r"[\p{P}\$\+<=>\^~\|]+", Lookahead::No),
+                    Stage::new(GPT2_PATTERN, Lookahead::Ws),
+                    Stage::new(r"\p{N}+", Lookahead::No),
+                    Stage::new(r"[0-9][0-9][0-9]", Lookahead::No),
                 ]),
                 false,
                 false,
             ),
-            "gpt-2" => (stages(vec![Stage::new(GPT2_PATTERN, true)]), false, false),
+            "gpt-2" => (stages(vec![Stage::new(GPT2_PATTERN, Lookahead::Ws)]), false, false),
             "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => (
-                stages(vec![Stage::new(r"\p{N}", false), Stage::new(GPT2_PATTERN, true)]),
+                stages(vec![
+                    Stage::new(r"\p{N}", Lookahead::No),
+                    Stage::new(GPT2_PATTERN, Lookahead::Ws),
+                ]),
                 false,
                 false,
             ),
-            "llama3" | "llama-v3" | "llama-bpe" => (stages(vec![Stage::new(LLAMA3_PATTERN, true)]), true, true),
-            "qwen2" => (stages(vec![Stage::new(QWEN2_PATTERN, true)]), false, false),
+            "llama3" | "llama-v3" | "llama-bpe" => (
+                stages(vec![Stage::new(LLAMA3_PATTERN, Lookahead::WsAfterNewlines)]),
+                true,
+                true,
+            ),
+            "qwen2" => (
+                stages(vec![Stage::new(QWEN2_PATTERN, Lookahead::WsAfterNewlines)]),
+                false,
+                false,
+            ),
             other => {
                 return Err(TokenizerError::UnknownPre {
                     name: other.to_string(),
@@ -1367,6 +1394,29 @@ mod tests {
         assert_eq!(t.encode("The capital of France is", true), [504, 3575, 282, 4649, 314]);
         assert_eq!(t.encode("def fibonacci(n):", true), [1604, 3987, 46477, 24, 94, 727]);
         assert_eq!(t.encode("", true), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn smollm_encodes_like_hf_tokenizers() {
+        // Reference: Hugging Face `tokenizers` 0.23 built from this file's vocabulary and merges
+        // with SmolLM2's pre-tokenizer (individual digits, then byte-level GPT-2 regex).
+        let t = smollm();
+        let cases: &[(&str, &[u32])] = &[
+            ("  \n\n  x", &[256, 8866, 1792]),
+            ("12345", &[33, 34, 35, 36, 37]),
+            ("Hello   world\n", &[19556, 256, 905, 198]),
+            ("I'm sure they'll", &[57, 5248, 2090, 502, 3060]),
+            ("héllo 😀", &[88, 2756, 31394, 40303, 218]),
+            (
+                "x = [1, 22]\n\tif y:\n\t\treturn",
+                &[
+                    104, 446, 933, 33, 28, 216, 34, 34, 77, 198, 197, 342, 329, 42, 3354, 197, 5406,
+                ],
+            ),
+        ];
+        for (text, want) in cases {
+            assert_eq!(t.encode(text, true), *want, "{text:?}");
+        }
     }
 
     #[test]
