@@ -2,13 +2,17 @@
 //!
 //! Layers, one direction: [`gguf`] (model files) → [`model`] (llama forward pass over
 //! `warden_kernels`) → [`kv`] (the tagged, paged KV pool) → [`engine`] (admission, scheduling,
-//! sampling). See `DESIGN.md` in the shared folder for the invariants every module keeps.
+//! sampling). Beside them, [`tokenizer`] and [`chat`] turn conversations into tokens and
+//! tokens back into text. See `DESIGN.md` in the shared folder for the invariants every module keeps.
 #![deny(missing_docs)]
 
+pub mod bench;
+pub mod chat;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod model;
+pub mod tokenizer;
 
 #[cfg(test)]
 mod testutil;

@@ -1,0 +1,175 @@
+//! `warden bench`: engine throughput on the loaded model, with and without tag checks.
+//!
+//! Every figure is measured twice in the same process, once with the tag checks of invariant 2 on
+//! and once with them off (a switch only this module sets), alternating so drift on a shared
+//! machine hits both alike; the ratio of the two is the price of isolation. Each configuration runs
+//! [`BenchConfig::repeats`] times and reports its best run, as throughput benchmarks usually do:
+//! noise only ever slows a run down.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use warden_kernels::attention::TagCheck;
+
+use crate::engine::request::{GenerateRequest, Outcome};
+use crate::engine::text::Detokenizer;
+use crate::engine::{Engine, EngineConfig, EngineError, Event};
+use crate::model::Model;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// The prefill prompt (512 tokens in `warden bench`).
+    pub prefill_prompt: Vec<u32>,
+    /// Concurrent sequences for the decode figures (1, 4 and 16 in `warden bench`).
+    pub decode_batches: Vec<usize>,
+    /// Tokens each decode sequence generates (128 in `warden bench`).
+    pub decode_tokens: usize,
+    /// Runs of each configuration; the best counts. Default 3.
+    pub repeats: usize,
+}
+
+/// One figure: tokens per second with tag checks on and off.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figure {
+    /// Concurrent sequences.
+    pub sequences: usize,
+    /// Tokens per second with tag checks (the product as it runs).
+    pub tok_s: f64,
+    /// Tokens per second with tag checks off (bench only).
+    pub tok_s_tags_off: f64,
+    /// `tok_s / tok_s_tags_off`: 1.0 means isolation is free.
+    pub ratio: f64,
+}
+
+/// The bench's result, printed as one JSON object.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// The model file.
+    pub model: String,
+    /// The compute backend.
+    pub backend: String,
+    /// Worker threads.
+    pub threads: usize,
+    /// Prompt tokens of the prefill figure.
+    pub prefill_tokens: usize,
+    /// Prefill throughput (one sequence).
+    pub prefill: Figure,
+    /// Tokens generated per sequence in the decode figures.
+    pub decode_tokens: usize,
+    /// Total decode throughput at each batch size.
+    pub decode: Vec<Figure>,
+}
+
+/// Runs the bench.
+pub fn run(
+    model: Arc<Model>,
+    detok: Arc<dyn Detokenizer>,
+    model_name: &str,
+    cfg: &BenchConfig,
+) -> Result<BenchReport, EngineError> {
+    let engine = |check: TagCheck| {
+        let mut ec = EngineConfig::for_model(&model);
+        ec.tag_check = check;
+        ec.max_batch_tokens = ec.max_batch_tokens.max(cfg.prefill_prompt.len());
+        Engine::new(model.clone(), detok.clone(), ec)
+    };
+    let mut on = engine(TagCheck::Enforce)?;
+    let mut off = engine(TagCheck::SkipForBenchmark)?;
+    // Warm caches, page in the weights and start the thread pool before anything is timed.
+    prefill(&mut on, &cfg.prefill_prompt);
+    prefill(&mut off, &cfg.prefill_prompt);
+
+    let n = cfg.prefill_prompt.len();
+    let (a, b) = best_of(
+        cfg.repeats,
+        || prefill(&mut on, &cfg.prefill_prompt),
+        || prefill(&mut off, &cfg.prefill_prompt),
+    );
+    let prefill = figure(1, n as f64, a, b);
+
+    let mut decode_figs = Vec::new();
+    for &k in &cfg.decode_batches {
+        let (a, b) = best_of(
+            cfg.repeats,
+            || decode(&mut on, k, cfg.decode_tokens),
+            || decode(&mut off, k, cfg.decode_tokens),
+        );
+        decode_figs.push(figure(k, (k * (cfg.decode_tokens - 1)) as f64, a, b));
+    }
+    Ok(BenchReport {
+        model: model_name.to_string(),
+        backend: model.backend_name(),
+        threads: rayon::current_num_threads(),
+        prefill_tokens: n,
+        prefill,
+        decode_tokens: cfg.decode_tokens,
+        decode: decode_figs,
+    })
+}
+
+fn figure(sequences: usize, tokens: f64, on: Duration, off: Duration) -> Figure {
+    let tok_s = tokens / on.as_secs_f64();
+    let tok_s_tags_off = tokens / off.as_secs_f64();
+    Figure {
+        sequences,
+        tok_s,
+        tok_s_tags_off,
+        ratio: tok_s / tok_s_tags_off,
+    }
+}
+
+/// Alternates the two runs `repeats` times and keeps each one's best.
+fn best_of(repeats: usize, mut a: impl FnMut() -> Duration, mut b: impl FnMut() -> Duration) -> (Duration, Duration) {
+    let (mut best_a, mut best_b) = (Duration::MAX, Duration::MAX);
+    for _ in 0..repeats.max(1) {
+        best_a = best_a.min(a());
+        best_b = best_b.min(b());
+    }
+    (best_a, best_b)
+}
+
+/// Time from submitting `prompt` to its first token: the whole prompt in one step.
+fn prefill(e: &mut Engine, prompt: &[u32]) -> Duration {
+    let mut req = GenerateRequest::greedy(1, prompt.to_vec(), 1);
+    req.ignore_eos = true;
+    let t0 = Instant::now();
+    e.submit(req).expect("the bench prompt fits the engine");
+    finish(e);
+    t0.elapsed()
+}
+
+/// Time for `k` sequences to generate their tokens after the first (the decode steps alone).
+fn decode(e: &mut Engine, k: usize, tokens: usize) -> Duration {
+    for i in 0..k {
+        // Short, distinct prompts: the figure is about decode, not prefill.
+        let prompt: Vec<u32> = (0..16).map(|j| 1000 + (i * 16 + j) as u32).collect();
+        let mut req = GenerateRequest::greedy(1 + i as u64, prompt, tokens);
+        req.ignore_eos = true;
+        e.submit(req).expect("the bench request fits the engine");
+    }
+    // The first step prefills every prompt and samples each first token.
+    let first = e.step();
+    assert_eq!(
+        first.iter().filter(|ev| matches!(ev, Event::Token { .. })).count(),
+        k,
+        "all prompts prefilled at once"
+    );
+    let t0 = Instant::now();
+    finish(e);
+    t0.elapsed()
+}
+
+fn finish(e: &mut Engine) {
+    while e.has_work() {
+        for ev in e.step() {
+            if let Event::Done { outcome, .. } = ev {
+                assert!(
+                    matches!(outcome, Outcome::Finished(_)),
+                    "bench request ended with {outcome:?}"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,463 @@
+//! Chat templates: the Jinja template a model ships in `tokenizer.chat_template`, rendered with
+//! minijinja the way Hugging Face's `apply_chat_template` renders it.
+//!
+//! The template sees `messages` (a list of `{role, content}` maps), `add_generation_prompt`,
+//! `bos_token` and `eos_token`, and can call `raise_exception(message)`. The environment matches
+//! Hugging Face's: `trim_blocks` and `lstrip_blocks` on, `{% break %}`/`{% continue %}`, `tojson`,
+//! and Python string, list and dict methods (`.strip()`, `.startswith()`, `.items()`, ...).
+//!
+//! A template comes from a model file, so rendering is bounded: every render gets a fixed amount
+//! of fuel (minijinja instructions), recursion is capped, and output past a size limit is an
+//! error ([`ChatLimits`]). Those bound time spent in loops and the size of the prompt; they do not
+//! bound memory a template allocates in single operations (a string doubled by `~` in a macro
+//! recursion grows exponentially on little fuel), so a file from an untrusted source should be
+//! rendered where its memory is capped too.
+//!
+//! ```no_run
+//! use warden::chat::{ChatMessage, ChatTemplate};
+//! let gguf = warden::gguf::Gguf::open("models/SmolLM2-135M-Instruct.Q4_1.gguf").unwrap();
+//! let template = ChatTemplate::from_gguf(&gguf).unwrap().expect("SmolLM2 ships a template");
+//! let prompt = template.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
+//! assert!(prompt.ends_with("<|im_start|>assistant\n"));
+//! ```
+
+use std::io;
+
+use minijinja::{Environment, Error, ErrorKind, context};
+use serde::{Deserialize, Serialize};
+
+use crate::gguf::{Gguf, Value};
+
+const KEY_TEMPLATE: &str = "tokenizer.chat_template";
+const TEMPLATE_NAME: &str = "chat_template";
+
+/// One message of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// Who speaks: `system`, `user`, `assistant`, or whatever roles the template knows.
+    pub role: String,
+    /// What they say.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A message from `role` saying `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// What went wrong reading or rendering a chat template.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ChatError {
+    /// `tokenizer.chat_template` is not a string.
+    #[error("metadata key \"tokenizer.chat_template\" should be a string, found {0}")]
+    WrongType(&'static str),
+    /// A template source longer than [`ChatLimits::max_template_bytes`].
+    #[error("chat template is {len} bytes, more than the {limit} accepted")]
+    TemplateTooLarge {
+        /// Its length.
+        len: usize,
+        /// The limit.
+        limit: usize,
+    },
+    /// The template does not parse.
+    #[error("chat template does not compile: {0}")]
+    Syntax(String),
+    /// The template failed while rendering (minijinja's message).
+    #[error("chat template failed: {0}")]
+    Render(String),
+    /// The template called `raise_exception(message)`.
+    #[error("chat template raised an exception: {0}")]
+    Raised(String),
+    /// The render used more than [`ChatLimits::fuel`] instructions.
+    #[error("chat template ran out of fuel ({0} instructions)")]
+    OutOfFuel(u64),
+    /// The rendered prompt grew past [`ChatLimits::max_output_bytes`].
+    #[error("rendered chat prompt is longer than {0} bytes")]
+    OutputTooLarge(usize),
+}
+
+/// Bounds on a template and on one render.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatLimits {
+    /// Largest template source accepted, in bytes. Default 1 MiB (real templates are under 20 KiB).
+    pub max_template_bytes: usize,
+    /// minijinja instructions one render may run. Default 5,000,000: a few hundred per message
+    /// for the most elaborate templates, so thousands of messages fit.
+    pub fuel: u64,
+    /// Largest rendered prompt, in bytes. Default 16 MiB.
+    pub max_output_bytes: usize,
+    /// Deepest nesting of macro calls, includes and blocks. Default 100.
+    pub recursion: usize,
+}
+
+impl Default for ChatLimits {
+    fn default() -> Self {
+        Self {
+            max_template_bytes: 1 << 20,
+            fuel: 5_000_000,
+            max_output_bytes: 16 << 20,
+            recursion: 100,
+        }
+    }
+}
+
+/// The error `raise_exception` returns, recognised again when the render fails.
+#[derive(Debug)]
+struct RaisedException(String);
+
+impl std::fmt::Display for RaisedException {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for RaisedException {}
+
+/// A compiled chat template with the BOS and EOS texts it is rendered with.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos: String,
+    eos: String,
+    limits: ChatLimits,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate")
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The text of token `key` names in the vocabulary, or "" when the id or vocabulary is absent or
+/// malformed (the tokenizer reports those; a template only needs the text).
+fn token_text(gguf: &Gguf, key: &str) -> String {
+    let Some(id) = gguf.get(key).and_then(Value::as_u64) else {
+        return String::new();
+    };
+    let Ok(tokens) = gguf.get_array("tokenizer.ggml.tokens") else {
+        return String::new();
+    };
+    match usize::try_from(id).ok().and_then(|i| tokens.get(i)) {
+        Some(Value::String(s)) => s.clone(),
+        _ => String::new(),
+    }
+}
+
+impl ChatTemplate {
+    /// The template in `tokenizer.chat_template`, with the texts of `tokenizer.ggml.bos_token_id`
+    /// and `eos_token_id` as `bos_token` and `eos_token`; `None` when the file has no template.
+    pub fn from_gguf(gguf: &Gguf) -> Result<Option<Self>, ChatError> {
+        let source = match gguf.get(KEY_TEMPLATE) {
+            None => return Ok(None),
+            Some(Value::String(s)) => s,
+            Some(v) => return Err(ChatError::WrongType(v.type_name())),
+        };
+        let bos = token_text(gguf, "tokenizer.ggml.bos_token_id");
+        let eos = token_text(gguf, "tokenizer.ggml.eos_token_id");
+        Self::new(source, bos, eos).map(Some)
+    }
+
+    /// Compiles `source` with the default [`ChatLimits`].
+    pub fn new(source: &str, bos: String, eos: String) -> Result<Self, ChatError> {
+        Self::with_limits(source, bos, eos, ChatLimits::default())
+    }
+
+    /// Compiles `source`, to be rendered within `limits`.
+    pub fn with_limits(source: &str, bos: String, eos: String, limits: ChatLimits) -> Result<Self, ChatError> {
+        if source.len() > limits.max_template_bytes {
+            return Err(ChatError::TemplateTooLarge {
+                len: source.len(),
+                limit: limits.max_template_bytes,
+            });
+        }
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.set_fuel(Some(limits.fuel));
+        env.set_recursion_limit(limits.recursion);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<minijinja::Value, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, "raise_exception called")
+                    .with_source(RaisedException(message)))
+            },
+        );
+        env.add_template_owned(TEMPLATE_NAME, source.to_string())
+            .map_err(|e| ChatError::Syntax(e.to_string()))?;
+        Ok(Self { env, bos, eos, limits })
+    }
+
+    /// The `bos_token` the template sees.
+    pub fn bos_token(&self) -> &str {
+        &self.bos
+    }
+
+    /// The `eos_token` the template sees.
+    pub fn eos_token(&self) -> &str {
+        &self.eos
+    }
+
+    /// The prompt for `messages`; with `add_generation_prompt`, followed by whatever the template
+    /// writes to start the assistant's reply.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatError> {
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| ChatError::Render(e.to_string()))?;
+        let ctx = context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        };
+        let mut out = Capped {
+            buf: Vec::new(),
+            limit: self.limits.max_output_bytes,
+            overflow: false,
+        };
+        let result = template.render_captured_to(ctx, &mut out).map(|_| ());
+        match result {
+            Ok(()) => Ok(String::from_utf8_lossy(&out.buf).into_owned()),
+            Err(e) => Err(self.classify(e, out.overflow)),
+        }
+    }
+
+    fn classify(&self, e: Error, overflow: bool) -> ChatError {
+        if overflow {
+            return ChatError::OutputTooLarge(self.limits.max_output_bytes);
+        }
+        if e.kind() == ErrorKind::OutOfFuel {
+            return ChatError::OutOfFuel(self.limits.fuel);
+        }
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            if let Some(RaisedException(message)) = s.downcast_ref::<RaisedException>() {
+                return ChatError::Raised(message.clone());
+            }
+            source = s.source();
+        }
+        ChatError::Render(e.to_string())
+    }
+}
+
+/// An output buffer that refuses to grow past `limit`.
+struct Capped {
+    buf: Vec<u8>,
+    limit: usize,
+    overflow: bool,
+}
+
+impl io::Write for Capped {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        if self.buf.len().saturating_add(data.len()) > self.limit {
+            self.overflow = true;
+            return Err(io::Error::other("rendered prompt too large"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+    use std::path::PathBuf;
+
+    fn smollm_gguf() -> Gguf {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+        assert!(
+            path.exists(),
+            "model missing: run scripts/fetch-model.sh ({})",
+            path.display()
+        );
+        Gguf::open(&path).unwrap()
+    }
+
+    fn msgs(v: &[(&str, &str)]) -> Vec<ChatMessage> {
+        v.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect()
+    }
+
+    #[test]
+    fn chat_template_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<ChatTemplate>();
+        check::<ChatMessage>();
+    }
+
+    #[test]
+    fn smollm_template_adds_the_default_system_prompt() {
+        let t = ChatTemplate::from_gguf(&smollm_gguf()).unwrap().unwrap();
+        assert_eq!(t.bos_token(), "<|im_start|>");
+        assert_eq!(t.eos_token(), "<|im_end|>");
+        assert_eq!(
+            t.render(&msgs(&[("user", "Hi")]), true).unwrap(),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+             <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
+        assert_eq!(
+            t.render(&msgs(&[("user", "Hi")]), false).unwrap(),
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+             <|im_start|>user\nHi<|im_end|>\n"
+        );
+    }
+
+    #[test]
+    fn smollm_template_keeps_a_given_system_prompt() {
+        let t = ChatTemplate::from_gguf(&smollm_gguf()).unwrap().unwrap();
+        let conv = msgs(&[
+            ("system", "Be brief."),
+            ("user", "2+2?"),
+            ("assistant", "4"),
+            ("user", "  and {{ 3+3 }}?\n"),
+        ]);
+        assert_eq!(
+            t.render(&conv, true).unwrap(),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n\
+             <|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n  and {{ 3+3 }}?\n<|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        assert_eq!(t.render(&[], true).unwrap(), "<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn smollm_prompt_tokenizes_with_its_control_tokens() {
+        let g = smollm_gguf();
+        let t = ChatTemplate::from_gguf(&g).unwrap().unwrap();
+        let tok = crate::tokenizer::Tokenizer::from_gguf(&g).unwrap();
+        let ids = tok.encode(&t.render(&msgs(&[("user", "Hi")]), true).unwrap(), true);
+        assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 3); // <|im_start|>
+        assert_eq!(ids.iter().filter(|&&i| i == 2).count(), 2); // <|im_end|>
+        assert_eq!(ids.first(), Some(&1));
+    }
+
+    #[test]
+    fn absent_or_mistyped_template_key() {
+        let g = Gguf::from_bytes(GgufWriter::default().build()).unwrap();
+        assert!(ChatTemplate::from_gguf(&g).unwrap().is_none());
+        let g = Gguf::from_bytes(GgufWriter::default().kv(KEY_TEMPLATE, Value::U32(3)).build()).unwrap();
+        assert_eq!(ChatTemplate::from_gguf(&g).unwrap_err(), ChatError::WrongType("u32"));
+        // Without a vocabulary the special texts are empty, not an error.
+        let g = Gguf::from_bytes(
+            GgufWriter::default()
+                .kv(KEY_TEMPLATE, Value::String("{{ bos_token }}|{{ eos_token }}".into()))
+                .kv("tokenizer.ggml.bos_token_id", Value::U32(99))
+                .build(),
+        )
+        .unwrap();
+        assert_eq!(
+            ChatTemplate::from_gguf(&g)
+                .unwrap()
+                .unwrap()
+                .render(&[], false)
+                .unwrap(),
+            "|"
+        );
+    }
+
+    #[test]
+    fn templates_see_bos_eos_and_python_methods() {
+        let src = "{{ bos_token }}{% for m in messages %}{% if m.role.startswith('us') %}\
+                   [{{ m['content'].strip().upper() }}]{% else %}{{ m.content | tojson }}{% endif %}\
+                   {% if loop.last %}{% break %}{% endif %}{% endfor %}{{ eos_token }}";
+        let t = ChatTemplate::new(src, "<s>".into(), "</s>".into()).unwrap();
+        let out = t
+            .render(&msgs(&[("user", "  hi "), ("assistant", "a\"b")]), false)
+            .unwrap();
+        assert_eq!(out, "<s>[HI]\"a\\\"b\"</s>");
+    }
+
+    #[test]
+    fn block_whitespace_is_trimmed_like_hugging_face() {
+        let src = "{% for m in messages %}\n    {{ m.content }}\n{% endfor %}\n";
+        let t = ChatTemplate::new(src, String::new(), String::new()).unwrap();
+        assert_eq!(
+            t.render(&msgs(&[("user", "a"), ("user", "b")]), false).unwrap(),
+            "    a\n    b\n"
+        );
+    }
+
+    #[test]
+    fn raise_exception_becomes_an_error() {
+        let src =
+            "{% if messages[0].role != 'system' %}{{ raise_exception('first message must be system') }}{% endif %}ok";
+        let t = ChatTemplate::new(src, String::new(), String::new()).unwrap();
+        assert_eq!(
+            t.render(&msgs(&[("user", "x")]), false).unwrap_err(),
+            ChatError::Raised("first message must be system".into())
+        );
+        assert_eq!(t.render(&msgs(&[("system", "x")]), false).unwrap(), "ok");
+    }
+
+    #[test]
+    fn template_errors_carry_minijinja_messages() {
+        let e = ChatTemplate::new("{% for %}", String::new(), String::new()).unwrap_err();
+        assert!(matches!(&e, ChatError::Syntax(m) if m.contains("syntax error")), "{e}");
+        let t = ChatTemplate::new("{{ messages[0].content + 1 }}", String::new(), String::new()).unwrap();
+        let e = t.render(&msgs(&[("user", "x")]), false).unwrap_err();
+        assert!(
+            matches!(&e, ChatError::Render(m) if m.contains("invalid operation")),
+            "{e}"
+        );
+        let t = ChatTemplate::new("{{ 'a'.no_such_method() }}", String::new(), String::new()).unwrap();
+        assert!(matches!(t.render(&[], false), Err(ChatError::Render(m)) if m.contains("unknown method")));
+    }
+
+    #[test]
+    fn runaway_templates_are_stopped() {
+        let none = || (String::new(), String::new());
+        // A loop that would run 10^15 iterations runs out of fuel.
+        let (b, e) = none();
+        let spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}\
+                    {% endfor %}{% endfor %}{% endfor %}";
+        let t = ChatTemplate::new(spin, b, e).unwrap();
+        let started = std::time::Instant::now();
+        assert_eq!(t.render(&[], false).unwrap_err(), ChatError::OutOfFuel(5_000_000));
+        assert!(started.elapsed() < std::time::Duration::from_secs(30));
+        // Unbounded recursion hits the recursion limit.
+        let (b, e) = none();
+        let t = ChatTemplate::new("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", b, e).unwrap();
+        assert!(matches!(t.render(&[], false), Err(ChatError::Render(_))));
+        // Huge output is cut off at the limit.
+        let limits = ChatLimits {
+            max_output_bytes: 1000,
+            ..ChatLimits::default()
+        };
+        let (b, e) = none();
+        let t = ChatTemplate::with_limits("{% for i in range(2000) %}x{% endfor %}", b, e, limits).unwrap();
+        assert_eq!(t.render(&[], false).unwrap_err(), ChatError::OutputTooLarge(1000));
+        let (b, e) = none();
+        let t = ChatTemplate::with_limits("{{ 'x' * 5000 }}", b, e, limits).unwrap();
+        assert_eq!(t.render(&[], false).unwrap_err(), ChatError::OutputTooLarge(1000));
+        let (b, e) = none();
+        let t = ChatTemplate::with_limits("{{ 'x' * 1000 }}", b, e, limits).unwrap();
+        assert_eq!(t.render(&[], false).unwrap().len(), 1000);
+        // And an oversized template is refused before compiling.
+        let big = "x".repeat(2 << 20);
+        assert!(matches!(
+            ChatTemplate::new(&big, String::new(), String::new()),
+            Err(ChatError::TemplateTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn messages_deserialize_from_openai_style_json() {
+        let m: Vec<ChatMessage> =
+            serde_json::from_str(r#"[{"role":"user","content":"Hi"},{"role":"assistant","content":"Yo"}]"#).unwrap();
+        assert_eq!(m, msgs(&[("user", "Hi"), ("assistant", "Yo")]));
+        assert!(serde_json::from_str::<ChatMessage>(r#"{"role":"user"}"#).is_err());
+    }
+}
