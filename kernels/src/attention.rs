@@ -258,14 +258,39 @@ fn attend_one(
     c1: usize,
 ) -> Vec<f32> {
     let hd = shape.head_dim;
+    // Positions this chunk can see: up to its last query's position.
+    let ctx = s.pos0 + c1;
+    thread_local! {
+        /// Per-thread K, V (as f32) and score buffers, reused across calls.
+        static BUFS: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    }
+    BUFS.with_borrow_mut(|(keys, vals, scores)| {
+        keys.resize(ctx * hd, 0.0);
+        vals.resize(ctx * hd, 0.0);
+        scores.resize(ctx, 0.0);
+        attend_gathered(kv, shape, s, q, h, c0, c1, keys, vals, scores)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attend_gathered(
+    kv: KvLayer<'_>,
+    shape: &AttnShape,
+    s: &AttnSeq<'_>,
+    q: &[f32],
+    h: usize,
+    c0: usize,
+    c1: usize,
+    keys: &mut [f32],
+    vals: &mut [f32],
+    scores: &mut [f32],
+) -> Vec<f32> {
+    let hd = shape.head_dim;
     let kvd = shape.kv_dim();
     let ps = shape.page_size;
     let group = shape.n_heads / shape.n_kv_heads;
     let qdim = shape.n_heads * hd;
-    // Positions this chunk can see: up to its last query's position.
     let ctx = s.pos0 + c1;
-    let mut keys = vec![0f32; ctx * hd];
-    let mut vals = vec![0f32; ctx * hd];
     for pos in 0..ctx {
         let e = s.pages[pos / ps];
         let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
@@ -274,7 +299,6 @@ fn attend_one(
     }
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; (c1 - c0) * group * hd];
-    let mut scores = vec![0f32; ctx];
     for i in c0..c1 {
         let visible = s.pos0 + i + 1;
         for g in 0..group {

@@ -1,11 +1,41 @@
 //! Elementwise and row-wise operations of a llama block: RMSNorm, RoPE, SwiGLU, softmax.
 //!
-//! These are small next to the matmuls; they are written so LLVM vectorises them (chunked
-//! accumulators, no bounds checks in inner loops) rather than with intrinsics.
+//! The hot ones (dot products, `axpy`, `exp`) have AVX2+FMA versions chosen at run time, with the
+//! portable code as the fallback and as the reference the tests compare against.
 
-/// Dot product with eight independent accumulators (vectorises to 256/512-bit FMAs).
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Whether the AVX2 paths may run (avx2, fma and f16c all present; checked once).
+#[inline]
+pub fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Dot product.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        return unsafe { dot_avx2(a, b) };
+    }
+    dot_portable(a, b)
+}
+
+/// Portable dot product with sixteen independent accumulators.
+pub fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -21,12 +51,118 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    _mm_cvtss_f32(s)
+}
+
+/// # Safety
+/// The CPU must support avx2 and fma; `a.len() == b.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY (pointer reads): every read is below `n`, the length of both slices.
+    unsafe {
+        while i + 32 <= n {
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(
+                    _mm256_loadu_ps(pa.add(i + 8 * k)),
+                    _mm256_loadu_ps(pb.add(i + 8 * k)),
+                    *a,
+                );
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+            i += 8;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        let mut s = hsum(v);
+        while i < n {
+            s += *pa.add(i) * *pb.add(i);
+            i += 1;
+        }
+        s
+    }
+}
+
 /// `y += a · x`.
 pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time; lengths are equal.
+        unsafe { axpy_avx2(a, x, y) };
+        return;
+    }
     for (yi, xi) in y.iter_mut().zip(x) {
         *yi += xi * a;
     }
+}
+
+/// # Safety
+/// The CPU must support avx2 and fma; `x.len() == y.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_avx2(a: f32, x: &[f32], y: &mut [f32]) {
+    let n = x.len();
+    let (px, py) = (x.as_ptr(), y.as_mut_ptr());
+    let av = _mm256_set1_ps(a);
+    let mut i = 0;
+    // SAFETY (pointer accesses): every index is below `n`, the length of both slices.
+    unsafe {
+        while i + 8 <= n {
+            _mm256_storeu_ps(
+                py.add(i),
+                _mm256_fmadd_ps(_mm256_loadu_ps(px.add(i)), av, _mm256_loadu_ps(py.add(i))),
+            );
+            i += 8;
+        }
+        while i < n {
+            *py.add(i) += *px.add(i) * a;
+            i += 1;
+        }
+    }
+}
+
+/// `e^x` for eight lanes (Cephes' polynomial, within 2 ulp of `f32::exp` on [−87, 88]; below
+/// −87 it returns 0, which softmax and SiLU want).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.0));
+    let under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0), _CMP_LT_OQ);
+    let n = _mm256_round_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        5.000_000_1e-1,
+    ] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+    let pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    ));
+    _mm256_andnot_ps(under, _mm256_mul_ps(p, pow2))
 }
 
 /// RMSNorm of each `w.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
@@ -82,17 +218,53 @@ pub fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
     assert!(gate_up.len() == 2 * out.len() && out.len().is_multiple_of(width));
     for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
         let (g, u) = gu.split_at(width);
-        for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: avx2 and fma were detected at run time; `g`, `u` and `o` are `width` long.
+            done = unsafe { swiglu_avx2(g, u, o) };
+        }
+        for ((oi, &gi), &ui) in o[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
             *oi = gi / (1.0 + (-gi).exp()) * ui;
         }
     }
+}
+
+/// SwiGLU over the multiple-of-eight prefix; returns its length.
+///
+/// # Safety
+/// The CPU must support avx2 and fma; the three slices have equal length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn swiglu_avx2(g: &[f32], u: &[f32], o: &mut [f32]) -> usize {
+    let n = o.len() / 8 * 8;
+    let one = _mm256_set1_ps(1.0);
+    for i in (0..n).step_by(8) {
+        // SAFETY: i + 8 ≤ n ≤ the length of each slice.
+        unsafe {
+            let gv = _mm256_loadu_ps(g.as_ptr().add(i));
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+            let silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(
+                o.as_mut_ptr().add(i),
+                _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr().add(i))),
+            );
+        }
+    }
+    n
 }
 
 /// In-place softmax of `x`.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
     let mut sum = 0f32;
-    for v in x.iter_mut() {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        (done, sum) = unsafe { exp_sub_avx2(x, max) };
+    }
+    for v in x[done..].iter_mut() {
         *v = (*v - max).exp();
         sum += *v;
     }
@@ -100,6 +272,27 @@ pub fn softmax(x: &mut [f32]) {
     for v in x.iter_mut() {
         *v *= inv;
     }
+}
+
+/// `x[i] = e^(x[i] − max)` over the multiple-of-eight prefix; returns its length and sum.
+///
+/// # Safety
+/// The CPU must support avx2 and fma.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_sub_avx2(x: &mut [f32], max: f32) -> (usize, f32) {
+    let n = x.len() / 8 * 8;
+    let m = _mm256_set1_ps(max);
+    let mut acc = _mm256_setzero_ps();
+    for i in (0..n).step_by(8) {
+        // SAFETY: i + 8 ≤ n ≤ x.len().
+        unsafe {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x.as_ptr().add(i)), m));
+            _mm256_storeu_ps(x.as_mut_ptr().add(i), e);
+            acc = _mm256_add_ps(acc, e);
+        }
+    }
+    (n, hsum(acc))
 }
 
 /// `x += y`.
@@ -150,6 +343,46 @@ mod tests {
         swiglu(&gu, 2, &mut o);
         assert!((o[0] - 3.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
         assert!((o[1] - (-2.0 / (1.0 + 2f32.exp())) * 4.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn simd_paths_match_the_portable_ones() {
+        let a: Vec<f32> = (0..203).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+        let b: Vec<f32> = (0..203).map(|i| ((i * 53) % 97) as f32 / 40.0 - 1.2).collect();
+        for n in [0, 1, 7, 8, 31, 32, 33, 64, 203] {
+            let (x, y) = (&a[..n], &b[..n]);
+            assert!((dot(x, y) - dot_portable(x, y)).abs() < 1e-4, "dot of {n}");
+            let mut y1 = y.to_vec();
+            axpy(0.7, x, &mut y1);
+            for i in 0..n {
+                assert!((y1[i] - (y[i] + 0.7 * x[i])).abs() < 1e-6);
+            }
+        }
+        // exp through softmax and SwiGLU, against f32::exp, across the whole useful range.
+        let xs: Vec<f32> = (0..4000).map(|i| i as f32 * 0.05 - 120.0).collect();
+        let mut sm = xs.clone();
+        softmax(&mut sm);
+        let max = xs.iter().fold(f32::MIN, |m, &v| m.max(v));
+        let total: f64 = xs.iter().map(|&v| ((v - max) as f64).exp()).sum();
+        for (i, &v) in xs.iter().enumerate() {
+            let want = (((v - max) as f64).exp() / total) as f32;
+            assert!(
+                (sm[i] - want).abs() <= 1e-6 * want.max(1e-30) + 1e-37,
+                "softmax at {v}: {} vs {want}",
+                sm[i]
+            );
+        }
+        let gu: Vec<f32> = xs.iter().chain(xs.iter()).copied().collect();
+        let mut o = vec![0f32; xs.len()];
+        swiglu(&gu, xs.len(), &mut o);
+        for (i, &g) in xs.iter().enumerate() {
+            let want = g / (1.0 + (-g).exp()) * g;
+            assert!(
+                (o[i] - want).abs() <= 1e-5 * want.abs().max(1e-6),
+                "swiglu at {g}: {} vs {want}",
+                o[i]
+            );
+        }
     }
 
     #[test]
