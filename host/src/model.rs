@@ -320,6 +320,19 @@ impl Model {
         check: TagCheck,
         s: &mut Scratch,
     ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
+        // The whole step runs on a worker of the thread pool: the kernels' parallel loops then
+        // split work between workers that are already awake, instead of each of the ~150 calls
+        // of a step waking sleeping threads from outside the pool and blocking until they finish.
+        rayon::scope(|_| self.forward_in_pool(pool, seqs, check, s))
+    }
+
+    fn forward_in_pool(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[StepSeq<'_>],
+        check: TagCheck,
+        s: &mut Scratch,
+    ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
         let c = &self.cfg;
         let (dim, kvd, ffn) = (c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim);
         let qkv_w = dim + 2 * kvd;
