@@ -9,7 +9,7 @@
 use half::f16;
 use rayon::prelude::*;
 
-use crate::ops::{axpy, dot, softmax};
+use crate::ops::{axpy, softmax};
 
 /// The tag every KV page carries. The pool that owns the pages maintains it; kernels only read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -248,6 +248,9 @@ pub fn paged_attention(
 
 /// One KV head's query group for queries `c0..c1` of one sequence; returns
 /// `(c1−c0) × group × head_dim` outputs.
+///
+/// The visible K/V are gathered once into f32 (K transposed, so scores for many keys come out of
+/// one pass with no horizontal sums); then each query row's scores, softmax and weighted sum of V.
 fn attend_one(
     kv: KvLayer<'_>,
     shape: &AttnShape,
@@ -257,20 +260,24 @@ fn attend_one(
     c0: usize,
     c1: usize,
 ) -> Vec<f32> {
-    let hd = shape.head_dim;
-    // Positions this chunk can see: up to its last query's position.
-    let ctx = s.pos0 + c1;
     thread_local! {
-        /// Per-thread K, V (as f32) and score buffers, reused across calls.
-        static BUFS: std::cell::RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+        /// Per-thread buffers (K transposed, V, queries, scores), reused across calls.
+        static BUFS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
     }
-    BUFS.with_borrow_mut(|(keys, vals, scores)| {
-        keys.resize(ctx * hd, 0.0);
-        vals.resize(ctx * hd, 0.0);
-        scores.resize(ctx, 0.0);
-        attend_gathered(kv, shape, s, q, h, c0, c1, keys, vals, scores)
-    })
+    BUFS.with_borrow_mut(|b| attend_gathered(kv, shape, s, q, h, c0, c1, b))
 }
+
+#[derive(Default)]
+struct Buffers {
+    kt: Vec<f32>,
+    vals: Vec<f32>,
+    qs: Vec<f32>,
+    scores: Vec<f32>,
+    row: Vec<f32>,
+}
+
+/// Key columns are padded to a multiple of this, for the SIMD score loop.
+const KEY_BLOCK: usize = 16;
 
 #[allow(clippy::too_many_arguments)]
 fn attend_gathered(
@@ -281,41 +288,150 @@ fn attend_gathered(
     h: usize,
     c0: usize,
     c1: usize,
-    keys: &mut [f32],
-    vals: &mut [f32],
-    scores: &mut [f32],
+    b: &mut Buffers,
 ) -> Vec<f32> {
     let hd = shape.head_dim;
     let kvd = shape.kv_dim();
     let ps = shape.page_size;
     let group = shape.n_heads / shape.n_kv_heads;
     let qdim = shape.n_heads * hd;
+    // Positions this chunk can see: up to its last query's position.
     let ctx = s.pos0 + c1;
+    let ld = ctx.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+    b.kt.clear();
+    b.kt.resize(hd * ld, 0.0);
+    b.vals.resize(ctx * hd, 0.0);
+    b.row.resize(hd, 0.0);
     for pos in 0..ctx {
         let e = s.pages[pos / ps];
         let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut keys[pos * hd..(pos + 1) * hd]);
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.v[at..at + hd], &mut vals[pos * hd..(pos + 1) * hd]);
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut b.row);
+        for (d, &k) in b.row.iter().enumerate() {
+            b.kt[d * ld + pos] = k;
+        }
+        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.v[at..at + hd], &mut b.vals[pos * hd..(pos + 1) * hd]);
     }
+    // The chunk's query rows (query i, head g of the group), pre-scaled.
+    let rows = (c1 - c0) * group;
     let scale = 1.0 / (hd as f32).sqrt();
-    let mut out = vec![0f32; (c1 - c0) * group * hd];
+    b.qs.clear();
     for i in c0..c1 {
-        let visible = s.pos0 + i + 1;
         for g in 0..group {
             let hq = h * group + g;
-            let qr = &q[i * qdim + hq * hd..][..hd];
-            let sc = &mut scores[..visible];
-            for (j, sj) in sc.iter_mut().enumerate() {
-                *sj = dot(qr, &keys[j * hd..(j + 1) * hd]) * scale;
-            }
-            softmax(sc);
-            let o = &mut out[((i - c0) * group + g) * hd..][..hd];
-            for (j, &p) in sc.iter().enumerate() {
-                axpy(p, &vals[j * hd..(j + 1) * hd], o);
+            b.qs.extend(q[i * qdim + hq * hd..][..hd].iter().map(|v| v * scale));
+        }
+    }
+    b.scores.resize(rows * ld, 0.0);
+    scores(&b.qs, hd, &b.kt, ld, &mut b.scores[..rows * ld]);
+    let mut out = vec![0f32; rows * hd];
+    for r in 0..rows {
+        let visible = s.pos0 + c0 + r / group + 1;
+        let sc = &mut b.scores[r * ld..r * ld + visible];
+        softmax(sc);
+        weighted_sum(sc, &b.vals, &mut out[r * hd..(r + 1) * hd]);
+    }
+    out
+}
+
+/// `out[r·ld + j] = q_r · k_j` for every query row `r` of `qs` (rows of `hd`) and every key column
+/// `j < ld` of `kt` (`hd × ld`, transposed keys).
+fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, out: &mut [f32]) {
+    let rows = qs.len() / hd;
+    assert!(qs.len() == rows * hd && kt.len() == hd * ld && out.len() == rows * ld && ld.is_multiple_of(KEY_BLOCK));
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time; the shapes were asserted above.
+        unsafe { simd::scores(qs, hd, kt, ld, out) };
+        return;
+    }
+    for r in 0..rows {
+        let o = &mut out[r * ld..(r + 1) * ld];
+        o.fill(0.0);
+        for d in 0..hd {
+            axpy(qs[r * hd + d], &kt[d * ld..(d + 1) * ld], o);
+        }
+    }
+}
+
+/// `out = Σ_j p[j] · vals[j]` (rows of `out.len()`).
+fn weighted_sum(p: &[f32], vals: &[f32], out: &mut [f32]) {
+    let hd = out.len();
+    assert!(vals.len() >= p.len() * hd);
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY (both): avx2 and fma were detected at run time; `vals` holds `p.len()` rows.
+        match hd {
+            64 => return unsafe { simd::weighted_sum::<8>(p, vals, out) },
+            128 => return unsafe { simd::weighted_sum::<16>(p, vals, out) },
+            _ => {}
+        }
+    }
+    out.fill(0.0);
+    for (j, &pj) in p.iter().enumerate() {
+        axpy(pj, &vals[j * hd..(j + 1) * hd], out);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// As [`super::scores`], four query rows by sixteen keys per register tile.
+    ///
+    /// # Safety
+    /// The CPU must support avx2 and fma; shapes as `super::scores` asserts.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, out: &mut [f32]) {
+        let rows = qs.len() / hd;
+        let (qp, kp, op) = (qs.as_ptr(), kt.as_ptr(), out.as_mut_ptr());
+        let mut r = 0;
+        // SAFETY (pointer accesses): r + k < rows, d < hd, j + 16 ≤ ld: inside each buffer.
+        unsafe {
+            while r < rows {
+                let nr = (rows - r).min(4);
+                for j in (0..ld).step_by(16) {
+                    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+                    for d in 0..hd {
+                        let k0 = _mm256_loadu_ps(kp.add(d * ld + j));
+                        let k1 = _mm256_loadu_ps(kp.add(d * ld + j + 8));
+                        for (k, a) in acc.iter_mut().enumerate().take(nr) {
+                            let qv = _mm256_broadcast_ss(&*qp.add((r + k) * hd + d));
+                            a[0] = _mm256_fmadd_ps(qv, k0, a[0]);
+                            a[1] = _mm256_fmadd_ps(qv, k1, a[1]);
+                        }
+                    }
+                    for (k, a) in acc.iter().enumerate().take(nr) {
+                        _mm256_storeu_ps(op.add((r + k) * ld + j), a[0]);
+                        _mm256_storeu_ps(op.add((r + k) * ld + j + 8), a[1]);
+                    }
+                }
+                r += nr;
             }
         }
     }
-    out
+
+    /// As [`super::weighted_sum`] for `out.len() == 8·NV`, the output held in registers.
+    ///
+    /// # Safety
+    /// The CPU must support avx2 and fma; `vals` holds `p.len()` rows of `8·NV`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn weighted_sum<const NV: usize>(p: &[f32], vals: &[f32], out: &mut [f32]) {
+        let hd = 8 * NV;
+        let mut acc = [_mm256_setzero_ps(); NV];
+        // SAFETY (pointer accesses): j < p.len() and the row is inside `vals`; `out` is hd long.
+        unsafe {
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm256_set1_ps(pj);
+                let row = vals.as_ptr().add(j * hd);
+                for (k, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(row.add(8 * k)), *a);
+                }
+            }
+            for (k, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * k), *a);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -414,10 +530,10 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(40))]
         #[test]
         fn paged_equals_dense(
-            kv_heads in 1usize..4, group in 1usize..4, hd_quarter in 1usize..5, ps in 1usize..9,
+            kv_heads in 1usize..4, group in 1usize..4, hd in prop::sample::select(vec![4usize, 8, 12, 16, 64, 128]), ps in 1usize..9,
             pos0 in 0usize..40, n_new in 1usize..40, perm_seed in 0u64..1000,
         ) {
-            let shape = AttnShape { n_heads: kv_heads * group, n_kv_heads: kv_heads, head_dim: hd_quarter * 4, page_size: ps };
+            let shape = AttnShape { n_heads: kv_heads * group, n_kv_heads: kv_heads, head_dim: hd, page_size: ps };
             let positions = pos0 + n_new;
             let n_pages = positions.div_ceil(ps) + 3;
             let mut f = Fixture::new(shape, n_pages);
