@@ -576,6 +576,8 @@ fn f32_tile(
 }
 
 #[cfg(target_arch = "x86_64")]
+// Token indices also address activation blocks and output rows, not just `acc`.
+#[allow(clippy::needless_range_loop)]
 mod avx512 {
     use super::*;
     use std::arch::x86_64::*;
@@ -687,6 +689,8 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+// Token indices also address activation blocks and output rows, not just `acc`.
+#[allow(clippy::needless_range_loop)]
 mod avx2 {
     use super::*;
     use std::arch::x86_64::*;

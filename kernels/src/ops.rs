@@ -148,13 +148,7 @@ fn exp8(x: __m256) -> __m256 {
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
     let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        5.000_000_1e-1,
-    ] {
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
     let p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0)));
@@ -170,7 +164,8 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert!(x.len() == out.len() && x.len().is_multiple_of(n));
     for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        let ss = dot(xr, xr) as f64 / n as f64;
+        // Sum of squares in f64, as llama.cpp does.
+        let ss = xr.iter().map(|&v| (v * v) as f64).sum::<f64>() / n as f64;
         let scale = (1.0 / (ss + eps as f64).sqrt()) as f32;
         for ((o, &xi), &wi) in or.iter_mut().zip(xr).zip(w) {
             *o = xi * scale * wi;
@@ -249,6 +244,74 @@ unsafe fn swiglu_avx2(g: &[f32], u: &[f32], o: &mut [f32]) -> usize {
                 o.as_mut_ptr().add(i),
                 _mm256_mul_ps(silu, _mm256_loadu_ps(u.as_ptr().add(i))),
             );
+        }
+    }
+    n
+}
+
+/// `x[i] = e^x[i]` in place, as glibc's `expf` rounds it in all but rare cases: the SIMD path
+/// evaluates in f64 and rounds once to f32, which is how glibc computes `expf`. Attention uses it
+/// where llama.cpp calls `expf`, so that near-ties between tokens break the same way.
+pub fn exp_in_place(x: &mut [f32]) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: avx2 and fma were detected at run time.
+        done = unsafe { exp_f64_avx2(x) };
+    }
+    for v in x[done..].iter_mut() {
+        *v = v.exp();
+    }
+}
+
+/// [`exp_in_place`] over the multiple-of-four prefix; returns its length.
+///
+/// # Safety
+/// The CPU must support avx2 and fma.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn exp_f64_avx2(x: &mut [f32]) -> usize {
+    let n = x.len() / 4 * 4;
+    for i in (0..n).step_by(4) {
+        // SAFETY: i + 4 ≤ n ≤ x.len().
+        unsafe {
+            let xs = _mm_loadu_ps(x.as_ptr().add(i));
+            // Beyond these bounds expf is 0 (or a denormal softmax cannot use) and +inf.
+            let xd = _mm256_min_pd(
+                _mm256_max_pd(_mm256_cvtps_pd(xs), _mm256_set1_pd(-104.0)),
+                _mm256_set1_pd(89.0),
+            );
+            let k = _mm256_round_pd(
+                _mm256_mul_pd(xd, _mm256_set1_pd(std::f64::consts::LOG2_E)),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            );
+            let r = _mm256_fnmadd_pd(k, _mm256_set1_pd(std::f64::consts::LN_2), xd);
+            // Taylor series to r^10 on |r| ≤ ln2/2: relative error below 1e-12.
+            let mut p = _mm256_set1_pd(1.0 / 3_628_800.0);
+            for c in [
+                1.0 / 362_880.0,
+                1.0 / 40_320.0,
+                1.0 / 5_040.0,
+                1.0 / 720.0,
+                1.0 / 120.0,
+                1.0 / 24.0,
+                1.0 / 6.0,
+                0.5,
+                1.0,
+                1.0,
+            ] {
+                p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(c));
+            }
+            // 2^k through the exponent bits (k in [−151, 129]; the f64 exponent range holds it).
+            let ki = _mm256_cvtpd_epi32(k);
+            let bits = _mm256_slli_epi64(
+                _mm256_add_epi64(_mm256_cvtepi32_epi64(ki), _mm256_set1_epi64x(1023)),
+                52,
+            );
+            let e = _mm256_mul_pd(p, _mm256_castsi256_pd(bits));
+            let out = _mm256_cvtpd_ps(e);
+            let under = _mm_cmplt_ps(xs, _mm_set1_ps(-103.0));
+            _mm_storeu_ps(x.as_mut_ptr().add(i), _mm_andnot_ps(under, out));
         }
     }
     n
@@ -381,6 +444,28 @@ mod tests {
                 (o[i] - want).abs() <= 1e-5 * want.abs().max(1e-6),
                 "swiglu at {g}: {} vs {want}",
                 o[i]
+            );
+        }
+    }
+
+    #[test]
+    fn exp_in_place_rounds_like_libm() {
+        let xs: Vec<f32> = (0..20_000).map(|i| i as f32 * 0.0095 - 100.0).collect();
+        let mut e = xs.clone();
+        exp_in_place(&mut e);
+        let differ = xs.iter().zip(&e).filter(|(x, e)| x.exp() != **e).count();
+        // Both round an accurate result once; they disagree (by one ulp) only on results within
+        // a hair of a rounding boundary.
+        assert!(
+            differ <= xs.len() / 1000,
+            "{differ} of {} differ from f32::exp",
+            xs.len()
+        );
+        for (x, e) in xs.iter().zip(&e) {
+            assert!(
+                x.exp() == *e || (x.exp() - e).abs() <= x.exp() * 1.2e-7,
+                "exp({x}) = {e}, libm {}",
+                x.exp()
             );
         }
     }
