@@ -321,23 +321,9 @@ impl KvPool {
         }
         for (j, e) in s.pages.iter().enumerate() {
             let t = &mut self.tags[e.page as usize];
-            if t.owner != s.owner {
+            if let Err(v) = t.check_holder(s.owner, *e) {
                 self.counters.tag_mismatches += 1;
-                return Err(IsolationViolation::ForeignOwner {
-                    page: e.page,
-                    expected: s.owner,
-                    found: t.owner,
-                }
-                .into());
-            }
-            if t.epoch != e.epoch {
-                self.counters.tag_mismatches += 1;
-                return Err(IsolationViolation::StaleEpoch {
-                    page: e.page,
-                    expected: e.epoch,
-                    found: t.epoch,
-                }
-                .into());
+                return Err(v.into());
             }
             let w = upto.saturating_sub(j * ps).min(ps) as u32;
             t.written = t.written.max(w);
@@ -367,22 +353,9 @@ impl KvPool {
             page: e.page,
             pages: self.n_pages,
         })?;
-        if tag.owner != owner || tag.epoch != e.epoch {
+        if let Err(v) = tag.check_holder(owner, e) {
             self.counters.tag_mismatches += 1;
-            return Err(if tag.owner != owner {
-                IsolationViolation::ForeignOwner {
-                    page: e.page,
-                    expected: owner,
-                    found: tag.owner,
-                }
-            } else {
-                IsolationViolation::StaleEpoch {
-                    page: e.page,
-                    expected: e.epoch,
-                    found: tag.epoch,
-                }
-            }
-            .into());
+            return Err(v.into());
         }
         let at = ((layer * self.n_pages + e.page as usize) * ps + pos % ps) * kvd;
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.k[at..at + kvd], k);

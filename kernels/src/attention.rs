@@ -22,6 +22,28 @@ pub struct PageTag {
     pub written: u32,
 }
 
+impl PageTag {
+    /// Whether a holder `owner` with page table entry `e` may use this page: it must be the
+    /// page's owner and hold the page's current epoch. Returns the violation otherwise.
+    pub fn check_holder(&self, owner: u64, e: PageEntry) -> Result<(), IsolationViolation> {
+        if self.owner != owner {
+            return Err(IsolationViolation::ForeignOwner {
+                page: e.page,
+                expected: owner,
+                found: self.owner,
+            });
+        }
+        if self.epoch != e.epoch {
+            return Err(IsolationViolation::StaleEpoch {
+                page: e.page,
+                expected: e.epoch,
+                found: self.epoch,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// One entry of a sequence's page table: which page, and the epoch the sequence was given.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PageEntry {
@@ -163,20 +185,7 @@ pub fn check_pages(
         if check == TagCheck::SkipForBenchmark {
             continue;
         }
-        if tag.owner != owner {
-            return Err(IsolationViolation::ForeignOwner {
-                page: e.page,
-                expected: owner,
-                found: tag.owner,
-            });
-        }
-        if tag.epoch != e.epoch {
-            return Err(IsolationViolation::StaleEpoch {
-                page: e.page,
-                expected: e.epoch,
-                found: tag.epoch,
-            });
-        }
+        tag.check_holder(owner, *e)?;
         let needed = (positions - j * page_size).min(page_size) as u32;
         if needed > tag.written {
             return Err(IsolationViolation::UnwrittenSlots {
