@@ -575,6 +575,21 @@ fn f32_tile(
     }
 }
 
+/// Calls `$f::<NT>` with the token count as a constant, so the kernels' per-token accumulators
+/// are fixed-size arrays the compiler keeps in registers (a runtime count leaves them in memory,
+/// one store and reload per block).
+#[cfg(target_arch = "x86_64")]
+macro_rules! by_tokens {
+    ($nt:expr, $f:ident($($arg:expr),*)) => {
+        match $nt {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            _ => $f::<TOKEN_TILE>($($arg),*),
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 // Token indices also address activation blocks and output rows, not just `acc`.
 #[allow(clippy::needless_range_loop)]
@@ -599,11 +614,28 @@ mod avx512 {
         assert!(
             (tile * nb + nb) * Q4_TILE_BLOCK_BYTES <= p.len() && (tok + nt) * nb * QK <= x.q.len() && nt <= TOKEN_TILE
         );
+        // SAFETY: bounds asserted above; the CPU features are this function's own contract.
+        unsafe { by_tokens!(nt, q4_tokens(p, tile, nb, x, tok, out)) }
+    }
+
+    /// [`q4_tile`] for exactly `NT` tokens.
+    ///
+    /// # Safety
+    /// As [`q4_tile`], with its bounds checked for `nt == NT`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn q4_tokens<const NT: usize>(
+        p: &[u8],
+        tile: usize,
+        nb: usize,
+        x: &QActs,
+        tok: usize,
+        out: &mut [f32; ROW_TILE * TOKEN_TILE],
+    ) {
         let mask = _mm512_set1_epi8(0x0f);
-        let mut acc = [_mm512_setzero_ps(); TOKEN_TILE];
+        let mut acc = [_mm512_setzero_ps(); NT];
         let xq = x.q.as_ptr();
         for b in 0..nb {
-            // SAFETY (all pointer reads below): bounds asserted at entry; each block is
+            // SAFETY (all pointer reads below): bounds checked by the caller; each block is
             // Q4_TILE_BLOCK_BYTES inside `p`, each activation block QK bytes inside `x.q`.
             unsafe {
                 let base = p.as_ptr().add((tile * nb + b) * Q4_TILE_BLOCK_BYTES);
@@ -616,7 +648,7 @@ mod avx512 {
                 }
                 let dw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(256).cast()));
                 let mw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(288).cast()));
-                for t in 0..nt {
+                for t in 0..NT {
                     let xb = (tok + t) * nb + b;
                     let xp = xq.add(xb * QK).cast::<i32>();
                     let mut s = _mm512_setzero_si512();
@@ -630,8 +662,8 @@ mod avx512 {
                 }
             }
         }
-        for t in 0..nt {
-            // SAFETY: `out` holds TOKEN_TILE·ROW_TILE floats and t < nt ≤ TOKEN_TILE.
+        for t in 0..NT {
+            // SAFETY: `out` holds TOKEN_TILE·ROW_TILE floats and t < NT ≤ TOKEN_TILE.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * ROW_TILE), acc[t]) };
         }
     }
@@ -653,11 +685,28 @@ mod avx512 {
         assert!(
             (tile * nb + nb) * Q8_TILE_BLOCK_BYTES <= p.len() && (tok + nt) * nb * QK <= x.q.len() && nt <= TOKEN_TILE
         );
+        // SAFETY: bounds asserted above; the CPU features are this function's own contract.
+        unsafe { by_tokens!(nt, q8_tokens(p, tile, nb, x, tok, out)) }
+    }
+
+    /// [`q8_tile`] for exactly `NT` tokens.
+    ///
+    /// # Safety
+    /// As [`q8_tile`], with its bounds checked for `nt == NT`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn q8_tokens<const NT: usize>(
+        p: &[u8],
+        tile: usize,
+        nb: usize,
+        x: &QActs,
+        tok: usize,
+        out: &mut [f32; ROW_TILE * TOKEN_TILE],
+    ) {
         let flip = _mm512_set1_epi8(-128);
-        let mut acc = [_mm512_setzero_ps(); TOKEN_TILE];
+        let mut acc = [_mm512_setzero_ps(); NT];
         let xq = x.q.as_ptr();
         for b in 0..nb {
-            // SAFETY: as in `q4_tile`.
+            // SAFETY: as in `q4_tokens`.
             unsafe {
                 let base = p.as_ptr().add((tile * nb + b) * Q8_TILE_BLOCK_BYTES);
                 let mut w = [_mm512_setzero_si512(); 8];
@@ -666,7 +715,7 @@ mod avx512 {
                 }
                 let dw = _mm512_loadu_ps(base.add(512).cast());
                 let corr = _mm512_loadu_ps(base.add(576).cast());
-                for t in 0..nt {
+                for t in 0..NT {
                     let xb = (tok + t) * nb + b;
                     let xp = xq.add(xb * QK).cast::<i32>();
                     let mut s = _mm512_setzero_si512();
@@ -681,8 +730,8 @@ mod avx512 {
                 }
             }
         }
-        for t in 0..nt {
-            // SAFETY: as in `q4_tile`.
+        for t in 0..NT {
+            // SAFETY: as in `q4_tokens`.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(t * ROW_TILE), acc[t]) };
         }
     }
@@ -719,44 +768,60 @@ mod avx2 {
         assert!(
             (tile * nb + nb) * Q4_TILE_BLOCK_BYTES <= p.len() && (tok + nt) * nb * QK <= x.q.len() && nt <= TOKEN_TILE
         );
+        // SAFETY: bounds asserted above; the CPU features are this function's own contract.
+        unsafe { by_tokens!(nt, q4_tokens(p, tile, nb, x, tok, out)) }
+    }
+
+    /// [`q4_tile`] for exactly `NT` tokens. Each 64-byte group of nibbles is unpacked once and
+    /// used for every token before the next is loaded, so only the `2·NT` accumulators and one
+    /// group's two registers are live (sixteen ymm registers hold all of it for `NT` = 4).
+    ///
+    /// # Safety
+    /// As [`q4_tile`], with its bounds checked for `nt == NT`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_tokens<const NT: usize>(
+        p: &[u8],
+        tile: usize,
+        nb: usize,
+        x: &QActs,
+        tok: usize,
+        out: &mut [f32; ROW_TILE * TOKEN_TILE],
+    ) {
         let mask = _mm256_set1_epi8(0x0f);
         let xq = x.q.as_ptr();
         for half in 0..2 {
-            let mut acc = [_mm256_setzero_ps(); TOKEN_TILE];
+            let mut acc = [_mm256_setzero_ps(); NT];
             for b in 0..nb {
-                // SAFETY (all pointer reads below): bounds asserted at entry; each block is
+                // SAFETY (all pointer reads below): bounds checked by the caller; each block is
                 // Q4_TILE_BLOCK_BYTES inside `p`, each activation block QK bytes inside `x.q`.
                 unsafe {
                     let base = p.as_ptr().add((tile * nb + b) * Q4_TILE_BLOCK_BYTES);
-                    let mut lo = [_mm256_setzero_si256(); 4];
-                    let mut hi = [_mm256_setzero_si256(); 4];
+                    let xp: [*const i32; NT] = std::array::from_fn(|t| xq.add(((tok + t) * nb + b) * QK).cast());
+                    // Eight pair sums of at most 2·15·127 each per lane: at most 30 480, no overflow.
+                    let mut s16 = [_mm256_setzero_si256(); NT];
                     for g in 0..4 {
                         let v = _mm256_loadu_si256(base.add(g * 64 + half * 32).cast());
-                        lo[g] = _mm256_and_si256(v, mask);
-                        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                        let lo = _mm256_and_si256(v, mask);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+                        for t in 0..NT {
+                            let xl = _mm256_set1_epi32(xp[t].add(g).read_unaligned());
+                            let xh = _mm256_set1_epi32(xp[t].add(4 + g).read_unaligned());
+                            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(lo, xl));
+                            s16[t] = _mm256_add_epi16(s16[t], _mm256_maddubs_epi16(hi, xh));
+                        }
                     }
                     let dw = _mm256_cvtph_ps(_mm_loadu_si128(base.add(256 + half * 16).cast()));
                     let mw = _mm256_cvtph_ps(_mm_loadu_si128(base.add(288 + half * 16).cast()));
-                    for t in 0..nt {
+                    for t in 0..NT {
                         let xb = (tok + t) * nb + b;
-                        let xp = xq.add(xb * QK).cast::<i32>();
-                        // Eight pair sums of at most 2·15·127 each: at most 30 480, no overflow.
-                        let mut s16 = _mm256_setzero_si256();
-                        for g in 0..4 {
-                            let xl = _mm256_set1_epi32(xp.add(g).read_unaligned());
-                            let xh = _mm256_set1_epi32(xp.add(4 + g).read_unaligned());
-                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[g], xl));
-                            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[g], xh));
-                        }
-                        let s = widen!(s16);
                         let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*x.d.get_unchecked(xb)));
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[t]);
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen!(s16[t])), scale, acc[t]);
                         acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(*x.s.get_unchecked(xb)), acc[t]);
                     }
                 }
             }
-            for t in 0..nt {
-                // SAFETY: `out` holds TOKEN_TILE·ROW_TILE floats; t < nt ≤ TOKEN_TILE, half < 2.
+            for t in 0..NT {
+                // SAFETY: `out` holds TOKEN_TILE·ROW_TILE floats; t < NT ≤ TOKEN_TILE, half < 2.
                 unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * ROW_TILE + half * 8), acc[t]) };
             }
         }
@@ -781,36 +846,50 @@ mod avx2 {
         assert!(
             (tile * nb + nb) * Q8_TILE_BLOCK_BYTES <= p.len() && (tok + nt) * nb * QK <= x.q.len() && nt <= TOKEN_TILE
         );
+        // SAFETY: bounds asserted above; the CPU features are this function's own contract.
+        unsafe { by_tokens!(nt, q8_tokens(p, tile, nb, x, tok, out)) }
+    }
+
+    /// [`q8_tile`] for exactly `NT` tokens, one 64-byte weight group at a time (as `q4_tokens`).
+    ///
+    /// # Safety
+    /// As [`q8_tile`], with its bounds checked for `nt == NT`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_tokens<const NT: usize>(
+        p: &[u8],
+        tile: usize,
+        nb: usize,
+        x: &QActs,
+        tok: usize,
+        out: &mut [f32; ROW_TILE * TOKEN_TILE],
+    ) {
         let xq = x.q.as_ptr();
         for half in 0..2 {
-            let mut acc = [_mm256_setzero_ps(); TOKEN_TILE];
+            let mut acc = [_mm256_setzero_ps(); NT];
             for b in 0..nb {
-                // SAFETY: as in `q4_tile`.
+                // SAFETY: as in `q4_tokens`.
                 unsafe {
                     let base = p.as_ptr().add((tile * nb + b) * Q8_TILE_BLOCK_BYTES);
-                    let mut w = [_mm256_setzero_si256(); 8];
-                    let mut wabs = [_mm256_setzero_si256(); 8];
+                    let xp: [*const i32; NT] = std::array::from_fn(|t| xq.add(((tok + t) * nb + b) * QK).cast());
+                    let mut s = [_mm256_setzero_si256(); NT];
                     for g in 0..8 {
-                        w[g] = _mm256_loadu_si256(base.add(g * 64 + half * 32).cast());
-                        wabs[g] = _mm256_abs_epi8(w[g]);
+                        let w = _mm256_loadu_si256(base.add(g * 64 + half * 32).cast());
+                        let wabs = _mm256_abs_epi8(w);
+                        for t in 0..NT {
+                            let xv = _mm256_set1_epi32(xp[t].add(g).read_unaligned());
+                            let prod = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xv, w));
+                            s[t] = _mm256_add_epi32(s[t], widen!(prod));
+                        }
                     }
                     let dw = _mm256_loadu_ps(base.add(512 + half * 32).cast());
-                    for t in 0..nt {
-                        let xb = (tok + t) * nb + b;
-                        let xp = xq.add(xb * QK).cast::<i32>();
-                        let mut s = _mm256_setzero_si256();
-                        for g in 0..8 {
-                            let xv = _mm256_set1_epi32(xp.add(g).read_unaligned());
-                            let prod = _mm256_maddubs_epi16(wabs[g], _mm256_sign_epi8(xv, w[g]));
-                            s = _mm256_add_epi32(s, widen!(prod));
-                        }
-                        let dx = _mm256_set1_ps(*x.d.get_unchecked(xb));
-                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, dx), acc[t]);
+                    for t in 0..NT {
+                        let dx = _mm256_set1_ps(*x.d.get_unchecked((tok + t) * nb + b));
+                        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(dw, dx), acc[t]);
                     }
                 }
             }
-            for t in 0..nt {
-                // SAFETY: as in `q4_tile`.
+            for t in 0..NT {
+                // SAFETY: as in `q4_tokens`.
                 unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(t * ROW_TILE + half * 8), acc[t]) };
             }
         }
