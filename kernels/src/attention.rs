@@ -222,15 +222,19 @@ pub fn paged_attention(
         .iter()
         .map(|s| check_pages(s.owner, s.pages, s.pos0 + s.n_new, shape.page_size, tags, check))
         .collect();
-    // Tasks: (sequence, kv head, query chunk) for sequences whose pages passed.
-    const QCHUNK: usize = 32;
+    // Tasks: (sequence, kv head, query range) for sequences whose pages passed. Each sequence's
+    // queries are split into parts of equal causal work, as many as the pool needs to balance
+    // (a single long prefill has only `n_kv_heads` heads to share out).
+    let live = results.iter().filter(|r| r.is_ok()).count();
+    let parts = (4 * rayon::current_num_threads()).div_ceil((live * shape.n_kv_heads).max(1));
     let mut tasks = Vec::new();
     let mut row0 = 0;
     for (si, s) in seqs.iter().enumerate() {
         if results[si].is_ok() {
+            let bounds = causal_split(s.pos0, s.n_new, parts.min(s.n_new.div_ceil(QCHUNK)));
             for h in 0..shape.n_kv_heads {
-                for c0 in (0..s.n_new).step_by(QCHUNK) {
-                    tasks.push((si, row0, h, c0, (c0 + QCHUNK).min(s.n_new)));
+                for w in bounds.windows(2) {
+                    tasks.push((si, row0, h, w[0], w[1]));
                 }
             }
         }
@@ -238,16 +242,16 @@ pub fn paged_attention(
     }
     let outputs: Vec<Vec<f32>> = tasks
         .par_iter()
-        .map(|&(si, row0, h, c0, c1)| attend_one(kv, shape, &seqs[si], &q[row0 * qdim..], h, c0, c1))
+        .map(|&(si, row0, h, a, b)| attend_one(kv, shape, &seqs[si], &q[row0 * qdim..], h, a, b))
         .collect();
     out.fill(0.0);
     let group = shape.n_heads / shape.n_kv_heads;
     let hd = shape.head_dim;
-    for (&(_, row0, h, c0, c1), o) in tasks.iter().zip(&outputs) {
-        for i in c0..c1 {
+    for (&(_, row0, h, a, b), o) in tasks.iter().zip(&outputs) {
+        for i in a..b {
             for g in 0..group {
                 let hq = h * group + g;
-                let src = &o[((i - c0) * group + g) * hd..][..hd];
+                let src = &o[((i - a) * group + g) * hd..][..hd];
                 out[(row0 + i) * qdim + hq * hd..][..hd].copy_from_slice(src);
             }
         }
@@ -255,25 +259,46 @@ pub fn paged_attention(
     results
 }
 
-/// One KV head's query group for queries `c0..c1` of one sequence; returns
-/// `(c1−c0) × group × head_dim` outputs.
-///
-/// The visible K/V are gathered once into f32 (K transposed, so scores for many keys come out of
-/// one pass with no horizontal sums); then each query row's scores, softmax and weighted sum of V.
+/// Queries scored together: bounds the score buffer to `QCHUNK · group` rows.
+const QCHUNK: usize = 32;
+
+/// Splits queries `0..n` (query `i` sees `pos0 + i + 1` keys) into at most `parts` ranges of about
+/// equal work; returns the range bounds, from 0 to `n`.
+fn causal_split(pos0: usize, n: usize, parts: usize) -> Vec<usize> {
+    let parts = parts.clamp(1, n.max(1));
+    let work = |k: usize| k * pos0 + k * (k + 1) / 2;
+    let total = work(n);
+    let mut bounds = vec![0];
+    let mut k = 0;
+    for p in 1..parts {
+        let target = total * p / parts;
+        while k < n && work(k) < target {
+            k += 1;
+        }
+        if k > *bounds.last().unwrap_or(&0) && k < n {
+            bounds.push(k);
+        }
+    }
+    bounds.push(n);
+    bounds
+}
+
+/// One KV head's query group for queries `a..b` of one sequence; returns
+/// `(b−a) × group × head_dim` outputs.
 fn attend_one(
     kv: KvLayer<'_>,
     shape: &AttnShape,
     s: &AttnSeq<'_>,
     q: &[f32],
     h: usize,
-    c0: usize,
-    c1: usize,
+    a: usize,
+    b: usize,
 ) -> Vec<f32> {
     thread_local! {
         /// Per-thread buffers (K transposed, V, queries, scores), reused across calls.
         static BUFS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
     }
-    BUFS.with_borrow_mut(|b| attend_gathered(kv, shape, s, q, h, c0, c1, b))
+    BUFS.with_borrow_mut(|bufs| attend_gathered(kv, shape, s, q, h, a, b, bufs))
 }
 
 #[derive(Default)]
@@ -282,13 +307,17 @@ struct Buffers {
     vals: Vec<f32>,
     qs: Vec<f32>,
     scores: Vec<f32>,
-    rescale: Vec<f32>,
+    rise_at: Vec<usize>,
+    rise_by: Vec<f32>,
     row: Vec<f32>,
 }
 
 /// Key columns are padded to a multiple of this, for the SIMD score loop.
 const KEY_BLOCK: usize = 16;
 
+/// [`attend_one`] with its buffers. The visible K/V are gathered into f32 once for the whole
+/// range (K transposed, so scores for many keys come out of one pass with no horizontal sums),
+/// growing chunk by chunk; then each query row's scores, softmax and weighted sum of V.
 #[allow(clippy::too_many_arguments)]
 fn attend_gathered(
     kv: KvLayer<'_>,
@@ -296,74 +325,97 @@ fn attend_gathered(
     s: &AttnSeq<'_>,
     q: &[f32],
     h: usize,
-    c0: usize,
-    c1: usize,
-    b: &mut Buffers,
+    a: usize,
+    b: usize,
+    bufs: &mut Buffers,
 ) -> Vec<f32> {
     let hd = shape.head_dim;
     let kvd = shape.kv_dim();
     let ps = shape.page_size;
     let group = shape.n_heads / shape.n_kv_heads;
     let qdim = shape.n_heads * hd;
-    // Positions this chunk can see: up to its last query's position.
-    let ctx = s.pos0 + c1;
-    let ld = ctx.div_ceil(KEY_BLOCK) * KEY_BLOCK;
-    b.kt.clear();
-    b.kt.resize(hd * ld, 0.0);
-    b.vals.resize(ctx * hd, 0.0);
-    b.row.resize(hd, 0.0);
-    for pos in 0..ctx {
-        let e = s.pages[pos / ps];
-        let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut b.row);
-        for (d, &k) in b.row.iter().enumerate() {
-            b.kt[d * ld + pos] = k;
-        }
-        half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.v[at..at + hd], &mut b.vals[pos * hd..(pos + 1) * hd]);
-    }
-    // The chunk's query rows (query i, head g of the group), pre-scaled. Queries are rounded to
-    // f16 first, as llama.cpp does before its f16 K·Q dot products: the model's logits are
-    // sensitive enough that this keeps them within 0.3 of llama.cpp's rather than 0.6.
-    let rows = (c1 - c0) * group;
     let scale = 1.0 / (hd as f32).sqrt();
-    b.qs.clear();
-    for i in c0..c1 {
-        for g in 0..group {
-            let hq = h * group + g;
-            b.qs.extend(
-                q[i * qdim + hq * hd..][..hd]
-                    .iter()
-                    .map(|v| f16::from_f32(*v).to_f32() * scale),
+    // Positions the range's last query can see.
+    let ld = (s.pos0 + b).div_ceil(KEY_BLOCK) * KEY_BLOCK;
+    bufs.kt.clear();
+    bufs.kt.resize(hd * ld, 0.0);
+    bufs.vals.resize((s.pos0 + b) * hd, 0.0);
+    bufs.row.resize(hd, 0.0);
+    let mut out = vec![0f32; (b - a) * group * hd];
+    let mut gathered = 0;
+    for c0 in (a..b).step_by(QCHUNK) {
+        let c1 = (c0 + QCHUNK).min(b);
+        let ctx = s.pos0 + c1;
+        for pos in gathered..ctx {
+            let e = s.pages[pos / ps];
+            let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut bufs.row);
+            for (d, &k) in bufs.row.iter().enumerate() {
+                bufs.kt[d * ld + pos] = k;
+            }
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                &kv.v[at..at + hd],
+                &mut bufs.vals[pos * hd..(pos + 1) * hd],
             );
         }
-    }
-    b.scores.resize(rows * ld, 0.0);
-    scores(&b.qs, hd, &b.kt, ld, &mut b.scores[..rows * ld]);
-    let mut out = vec![0f32; rows * hd];
-    for r in 0..rows {
-        let visible = s.pos0 + c0 + r / group + 1;
-        let sc = &mut b.scores[r * ld..r * ld + visible];
-        softmax_v_f16(sc, &mut b.rescale, &b.vals, &mut out[r * hd..(r + 1) * hd]);
+        gathered = ctx;
+        // The chunk's query rows (query i, head g of the group), pre-scaled. Queries are rounded
+        // to f16 first, as llama.cpp does before its f16 K·Q dot products: the model's logits are
+        // sensitive enough that this keeps them within 0.3 of llama.cpp's rather than 0.6.
+        bufs.qs.clear();
+        for i in c0..c1 {
+            for g in 0..group {
+                let hq = h * group + g;
+                round_to_f16_scaled(&q[i * qdim + hq * hd..][..hd], scale, &mut bufs.qs);
+            }
+        }
+        let rows = (c1 - c0) * group;
+        let cols = ctx.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+        bufs.scores.resize(rows * cols, 0.0);
+        scores(&bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
+        for r in 0..rows {
+            let visible = s.pos0 + c0 + r / group + 1;
+            let sc = &mut bufs.scores[r * cols..r * cols + visible];
+            let o = &mut out[((c0 - a) * group + r) * hd..][..hd];
+            softmax_v_f16(sc, &mut bufs.rise_at, &mut bufs.rise_by, &bufs.vals, o);
+        }
     }
     out
 }
 
-/// `out[r·ld + j] = q_r · k_j` for every query row `r` of `qs` (rows of `hd`) and every key column
-/// `j < ld` of `kt` (`hd × ld`, transposed keys).
-fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, out: &mut [f32]) {
+/// Appends `round_f16(x) · scale` for each `x` of `src` to `dst`.
+fn round_to_f16_scaled(src: &[f32], scale: f32, dst: &mut Vec<f32>) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY: avx2, fma and f16c were detected at run time.
+        done = unsafe { simd::round_to_f16_scaled(src, scale, dst) };
+    }
+    dst.extend(src[done..].iter().map(|v| f16::from_f32(*v).to_f32() * scale));
+}
+
+/// `out[r·cols + j] = q_r · k_j` for every query row `r` of `qs` (rows of `hd`) and every key
+/// column `j < cols` of `kt` (`hd × ld`, transposed keys).
+fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [f32]) {
     let rows = qs.len() / hd;
-    assert!(qs.len() == rows * hd && kt.len() == hd * ld && out.len() == rows * ld && ld.is_multiple_of(KEY_BLOCK));
+    assert!(
+        qs.len() == rows * hd
+            && kt.len() == hd * ld
+            && out.len() == rows * cols
+            && cols <= ld
+            && cols.is_multiple_of(KEY_BLOCK)
+    );
     #[cfg(target_arch = "x86_64")]
     if crate::ops::has_avx2() {
         // SAFETY: avx2 and fma were detected at run time; the shapes were asserted above.
-        unsafe { simd::scores(qs, hd, kt, ld, out) };
+        unsafe { simd::scores(qs, hd, kt, ld, cols, out) };
         return;
     }
     for r in 0..rows {
-        let o = &mut out[r * ld..(r + 1) * ld];
+        let o = &mut out[r * cols..(r + 1) * cols];
         o.fill(0.0);
         for d in 0..hd {
-            axpy(qs[r * hd + d], &kt[d * ld..(d + 1) * ld], o);
+            axpy(qs[r * hd + d], &kt[d * ld..d * ld + cols], o);
         }
     }
 }
@@ -372,52 +424,70 @@ fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, out: &mut [f32]) {
 /// cache: an online softmax whose running output is kept in f16 — rescaled whenever a new maximum
 /// appears, and rounded to f16 after every added value row — then divided by the f32 sum. (Our
 /// logits then stay within 0.5 of llama.cpp's, as its reference outputs demand; an f32 running
-/// output drifts further.) `sc` holds the raw scores and is overwritten; `rescale` is scratch.
-fn softmax_v_f16(sc: &mut [f32], rescale: &mut Vec<f32>, vals: &[f32], out: &mut [f32]) {
+/// output drifts further.) `sc` holds the raw scores and is overwritten; `rise_at` and `rise_by`
+/// are scratch.
+fn softmax_v_f16(sc: &mut [f32], rise_at: &mut Vec<usize>, rise_by: &mut Vec<f32>, vals: &[f32], out: &mut [f32]) {
     let hd = out.len();
     assert!(vals.len() >= sc.len() * hd);
-    // Running maxima: key j is weighed by e^(s_j − m_j), and the output so far is rescaled by
-    // e^(m_{j−1} − m_j) where the maximum rises (exactly 1 elsewhere).
-    rescale.clear();
-    let mut m = f32::NEG_INFINITY;
-    for v in sc.iter_mut() {
-        if *v > m {
-            rescale.push(m - *v);
-            m = *v;
-        } else {
-            rescale.push(0.0);
-        }
-        *v -= m;
-    }
+    // Running maxima: key j is weighed by e^(s_j − m_j), and where the maximum rises (key
+    // `rise_at[k]`) the output so far is first rescaled by `rise_by[k]` = e^(m_{j−1} − m_j).
+    subtract_running_max(sc, rise_at, rise_by);
     exp_in_place(sc);
-    exp_in_place(rescale);
+    exp_in_place(rise_by);
     let mut sum = 0f32;
-    for (&w, &r) in sc.iter().zip(rescale.iter()) {
-        sum = sum * r + w;
+    for (k, &start) in rise_at.iter().enumerate() {
+        let end = rise_at.get(k + 1).copied().unwrap_or(sc.len());
+        sum *= rise_by[k];
+        for &w in &sc[start..end] {
+            sum += w;
+        }
     }
     #[cfg(target_arch = "x86_64")]
     if crate::ops::has_avx2() {
         // SAFETY (both): avx2, fma and f16c were detected at run time; `vals` holds `sc.len()`
-        // rows of `hd`.
+        // rows of `hd`; `rise_at` is increasing, starts at 0 and ends below `sc.len()`.
         match hd {
-            64 => return unsafe { simd::accumulate_f16::<8>(sc, rescale, vals, sum, out) },
-            128 => return unsafe { simd::accumulate_f16::<16>(sc, rescale, vals, sum, out) },
+            64 => return unsafe { simd::accumulate_f16::<8>(sc, rise_at, rise_by, vals, sum, out) },
+            128 => return unsafe { simd::accumulate_f16::<16>(sc, rise_at, rise_by, vals, sum, out) },
             _ => {}
         }
     }
     let mut acc = vec![f16::ZERO; hd];
-    for (j, (&w, &r)) in sc.iter().zip(rescale.iter()).enumerate() {
-        if r != 1.0 {
-            for a in acc.iter_mut() {
-                *a = f16::from_f32(a.to_f32() * r);
-            }
+    for (k, &start) in rise_at.iter().enumerate() {
+        let end = rise_at.get(k + 1).copied().unwrap_or(sc.len());
+        for a in acc.iter_mut() {
+            *a = f16::from_f32(a.to_f32() * rise_by[k]);
         }
-        for (a, &x) in acc.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
-            *a = f16::from_f32(a.to_f32() + x * w);
+        for j in start..end {
+            for (a, &x) in acc.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
+                *a = f16::from_f32(a.to_f32() + x * sc[j]);
+            }
         }
     }
     for (o, a) in out.iter_mut().zip(&acc) {
         *o = a.to_f32() / sum;
+    }
+}
+
+/// `sc[j] −= max(sc[..=j])`; records each `j` where that maximum rises, with the rise's
+/// exponent `m_{j−1} − m_j` (−∞ for the first key).
+fn subtract_running_max(sc: &mut [f32], rise_at: &mut Vec<usize>, rise_by: &mut Vec<f32>) {
+    rise_at.clear();
+    rise_by.clear();
+    let mut m = f32::NEG_INFINITY;
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() {
+        // SAFETY: avx2 was detected at run time.
+        done = unsafe { simd::subtract_running_max(sc, &mut m, rise_at, rise_by) };
+    }
+    for (j, v) in sc.iter_mut().enumerate().skip(done) {
+        if *v > m {
+            rise_at.push(j);
+            rise_by.push(m - *v);
+            m = *v;
+        }
+        *v -= m;
     }
 }
 
@@ -430,15 +500,15 @@ mod simd {
     /// # Safety
     /// The CPU must support avx2 and fma; shapes as `super::scores` asserts.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, out: &mut [f32]) {
+    pub(super) unsafe fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [f32]) {
         let rows = qs.len() / hd;
         let (qp, kp, op) = (qs.as_ptr(), kt.as_ptr(), out.as_mut_ptr());
         let mut r = 0;
-        // SAFETY (pointer accesses): r + k < rows, d < hd, j + 16 ≤ ld: inside each buffer.
+        // SAFETY (pointer accesses): r + k < rows, d < hd, j + 16 ≤ cols ≤ ld: inside each buffer.
         unsafe {
             while r < rows {
                 let nr = (rows - r).min(4);
-                for j in (0..ld).step_by(16) {
+                for j in (0..cols).step_by(16) {
                     let mut acc = [[_mm256_setzero_ps(); 2]; 4];
                     for d in 0..hd {
                         let k0 = _mm256_loadu_ps(kp.add(d * ld + j));
@@ -450,8 +520,8 @@ mod simd {
                         }
                     }
                     for (k, a) in acc.iter().enumerate().take(nr) {
-                        _mm256_storeu_ps(op.add((r + k) * ld + j), a[0]);
-                        _mm256_storeu_ps(op.add((r + k) * ld + j + 8), a[1]);
+                        _mm256_storeu_ps(op.add((r + k) * cols + j), a[0]);
+                        _mm256_storeu_ps(op.add((r + k) * cols + j + 8), a[1]);
                     }
                 }
                 r += nr;
@@ -459,16 +529,80 @@ mod simd {
         }
     }
 
+    /// [`super::subtract_running_max`] over the multiple-of-eight prefix of `sc`, with the running
+    /// maximum in `m`; returns the prefix length. Eight scores at a time when none of them raises
+    /// the maximum (the common case once a few keys are in), one at a time otherwise.
+    ///
+    /// # Safety
+    /// The CPU must support avx2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn subtract_running_max(
+        sc: &mut [f32],
+        m: &mut f32,
+        rise_at: &mut Vec<usize>,
+        rise_by: &mut Vec<f32>,
+    ) -> usize {
+        let n = sc.len() / 8 * 8;
+        for i in (0..n).step_by(8) {
+            // SAFETY: i + 8 ≤ n ≤ sc.len().
+            let v = unsafe { _mm256_loadu_ps(sc.as_ptr().add(i)) };
+            let h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            let block_max = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps::<1>(h, h)));
+            if block_max > *m {
+                for (j, s) in sc[i..i + 8].iter_mut().enumerate() {
+                    if *s > *m {
+                        rise_at.push(i + j);
+                        rise_by.push(*m - *s);
+                        *m = *s;
+                    }
+                    *s -= *m;
+                }
+            } else {
+                // SAFETY: as above.
+                unsafe { _mm256_storeu_ps(sc.as_mut_ptr().add(i), _mm256_sub_ps(v, _mm256_set1_ps(*m))) };
+            }
+        }
+        n
+    }
+
+    /// As [`super::round_to_f16_scaled`] over the multiple-of-eight prefix of `src`; returns its
+    /// length.
+    ///
+    /// # Safety
+    /// The CPU must support avx2, fma and f16c.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn round_to_f16_scaled(src: &[f32], scale: f32, dst: &mut Vec<f32>) -> usize {
+        let n = src.len() / 8 * 8;
+        let sv = _mm256_set1_ps(scale);
+        dst.reserve(n);
+        let at = dst.len();
+        // SAFETY: i + 8 ≤ n ≤ src.len(); `dst` has room for `n` more floats, all written before
+        // its length grows.
+        unsafe {
+            let d = dst.as_mut_ptr().add(at);
+            for i in (0..n).step_by(8) {
+                let v = _mm256_loadu_ps(src.as_ptr().add(i));
+                let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v));
+                _mm256_storeu_ps(d.add(i), _mm256_mul_ps(r, sv));
+            }
+            dst.set_len(at + n);
+        }
+        n
+    }
+
     /// As the scalar loop of [`super::softmax_v_f16`] for `head_dim == 8·NV`: the running output
     /// lives in registers as f32 values rounded to f16 after every operation, which is exactly an
     /// f16 accumulator.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows of `8·NV`.
+    /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows of `8·NV`; `rise_at`
+    /// is increasing and below `w.len()`, as long as `rise_by`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn accumulate_f16<const NV: usize>(
         w: &[f32],
-        rescale: &[f32],
+        rise_at: &[usize],
+        rise_by: &[f32],
         vals: &[f32],
         sum: f32,
         out: &mut [f32],
@@ -478,23 +612,24 @@ mod simd {
         let mut acc = [_mm256_setzero_ps(); NV];
         // SAFETY (pointer accesses): j < w.len() and row j is inside `vals`; `out` is hd long.
         unsafe {
-            for (j, (&wj, &rj)) in w.iter().zip(rescale).enumerate() {
-                if rj != 1.0 {
-                    let rv = _mm256_set1_ps(rj);
-                    for a in acc.iter_mut() {
-                        *a = round(_mm256_mul_ps(*a, rv));
-                    }
+            for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
+                let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
+                let rv = _mm256_set1_ps(by);
+                for a in acc.iter_mut() {
+                    *a = round(_mm256_mul_ps(*a, rv));
                 }
-                let wv = _mm256_set1_ps(wj);
-                let row = vals.as_ptr().add(j * hd);
-                for (k, a) in acc.iter_mut().enumerate() {
-                    // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
-                    *a = round(_mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * k)))));
+                for j in start..end {
+                    let wv = _mm256_set1_ps(*w.get_unchecked(j));
+                    let row = vals.as_ptr().add(j * hd);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
+                        *a = round(_mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * i)))));
+                    }
                 }
             }
             let sv = _mm256_set1_ps(sum);
-            for (k, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * k), _mm256_div_ps(*a, sv));
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_div_ps(*a, sv));
             }
         }
     }
@@ -597,7 +732,7 @@ mod tests {
         #[test]
         fn paged_equals_dense(
             kv_heads in 1usize..4, group in 1usize..4, hd in prop::sample::select(vec![4usize, 8, 12, 16, 64, 128]), ps in 1usize..9,
-            pos0 in 0usize..40, n_new in 1usize..40, perm_seed in 0u64..1000,
+            pos0 in 0usize..40, n_new in 1usize..100, perm_seed in 0u64..1000,
         ) {
             let shape = AttnShape { n_heads: kv_heads * group, n_kv_heads: kv_heads, head_dim: hd, page_size: ps };
             let positions = pos0 + n_new;
@@ -631,6 +766,24 @@ mod tests {
         head_dim: 8,
         page_size: 4,
     };
+
+    #[test]
+    fn causal_split_balances_work_and_covers_every_query() {
+        assert_eq!(causal_split(0, 0, 4), vec![0, 0]);
+        assert_eq!(causal_split(5, 1, 4), vec![0, 1]);
+        for (pos0, n, parts) in [(0, 512, 3), (100, 64, 2), (0, 10, 10), (7, 33, 5)] {
+            let b = causal_split(pos0, n, parts);
+            assert_eq!((b[0], *b.last().unwrap()), (0, n));
+            assert!(b.windows(2).all(|w| w[0] < w[1]) && b.len() <= parts + 1, "{b:?}");
+        }
+        // A 512-token prefill in three parts: each part's work within 2% of a third.
+        let b = causal_split(0, 512, 3);
+        let work = |a: usize, z: usize| (a..z).map(|i| i + 1).sum::<usize>() as f64;
+        let third = work(0, 512) / 3.0;
+        for w in b.windows(2) {
+            assert!((work(w[0], w[1]) / third - 1.0).abs() < 0.02, "{b:?}");
+        }
+    }
 
     fn run(
         f: &Fixture,
