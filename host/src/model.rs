@@ -164,6 +164,8 @@ pub struct Model {
     layers: Vec<Layer>,
     output_norm: Vec<f32>,
     output: QMatrix,
+    /// Whether any matrix has float weights (and so multiplies unquantized activations).
+    float_matrices: bool,
     rope: Rope,
     backend: Box<dyn Backend>,
 }
@@ -283,9 +285,17 @@ impl Model {
         } else {
             "output.weight"
         };
+        let output = matrix(g, &[(out_name, cfg.vocab)], dim)?;
+        let float_matrices = output.needs_inputs()
+            || layers.iter().any(|l| {
+                [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]
+                    .iter()
+                    .any(|m| m.needs_inputs())
+            });
         Ok(Self {
             rope: Rope::new(cfg.head_dim, cfg.rope_dim, cfg.rope_base),
-            output: matrix(g, &[(out_name, cfg.vocab)], dim)?,
+            output,
+            float_matrices,
             output_norm: norm_weights(g, "output_norm.weight", dim)?,
             embd_type: embd_ty,
             embd: embd.to_vec(),
@@ -355,6 +365,8 @@ impl Model {
             let (x, embd) = (&mut s.x, self);
             embd.embed(tok.min(c.vocab as u32 - 1), &mut x[row * dim..(row + 1) * dim]);
         }
+        let rope = self.rope.table(&positions);
+        s.acts.drop_inputs(!self.float_matrices);
         let shape = c.attn_shape(pool.shape().page_size);
         s.xn.resize(total * dim, 0.0);
         s.qkv.resize(total * qkv_w, 0.0);
@@ -371,16 +383,9 @@ impl Model {
             for r in 0..total {
                 s.q[r * dim..(r + 1) * dim].copy_from_slice(&s.qkv[r * qkv_w..r * qkv_w + dim]);
             }
-            be.rope(&self.rope, &mut s.q, dim, &positions);
-            // K is rotated in place inside the stacked rows, one row at a time.
-            for (r, &p) in positions.iter().enumerate() {
-                be.rope(
-                    &self.rope,
-                    &mut s.qkv[r * qkv_w + dim..r * qkv_w + dim + kvd],
-                    kvd,
-                    &[p],
-                );
-            }
+            be.rope(&rope, &mut s.q, dim, 0, dim);
+            // K is rotated in place inside the stacked rows.
+            be.rope(&rope, &mut s.qkv, qkv_w, dim, kvd);
             // Write each sequence's new K/V into its own pages (tag-checked).
             let mut row = 0;
             for (i, sq) in seqs.iter().enumerate() {

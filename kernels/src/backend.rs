@@ -6,7 +6,7 @@
 
 use crate::attention::{AttnSeq, AttnShape, IsolationViolation, KvLayer, PageTag, TagCheck};
 use crate::matmul::{QActs, QMatrix};
-use crate::ops::Rope;
+use crate::ops::RopeTable;
 
 /// Compute operations of a llama block.
 pub trait Backend: Send + Sync {
@@ -16,8 +16,9 @@ pub trait Backend: Send + Sync {
     fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]);
     /// Row-wise RMSNorm with weight `w`.
     fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]);
-    /// Rotary embedding of every row of `x` at its position.
-    fn rope(&self, rope: &Rope, x: &mut [f32], row_width: usize, positions: &[u32]);
+    /// Rotary embedding of the heads in `offset..offset+width` of each row of `x` (rows `stride`
+    /// apart), at the positions of `table`'s rows (see [`RopeTable::apply`]).
+    fn rope(&self, table: &RopeTable, x: &mut [f32], stride: usize, offset: usize, width: usize);
     /// `silu(gate) · up` for rows of `[gate | up]`.
     fn swiglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]);
     /// Tag-checked causal paged attention (see [`crate::attention::paged_attention`]).
@@ -56,8 +57,8 @@ impl Backend for CpuBackend {
         crate::ops::rms_norm(x, w, eps, out)
     }
 
-    fn rope(&self, rope: &Rope, x: &mut [f32], row_width: usize, positions: &[u32]) {
-        rope.apply(x, row_width, positions)
+    fn rope(&self, table: &RopeTable, x: &mut [f32], stride: usize, offset: usize, width: usize) {
+        table.apply(x, stride, offset, width)
     }
 
     fn swiglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]) {

@@ -160,6 +160,12 @@ impl QMatrix {
         self.cols
     }
 
+    /// Whether this matrix multiplies the f32 inputs (float weights) rather than the quantized
+    /// ones: [`QActs`] must then keep its inputs.
+    pub fn needs_inputs(&self) -> bool {
+        matches!(self.packed, Packed::F32(_))
+    }
+
     /// Bytes of weight storage.
     pub fn storage_bytes(&self) -> usize {
         match &self.packed {
@@ -180,6 +186,10 @@ impl QMatrix {
     pub fn matmul_with(&self, x: &QActs, out: &mut [f32], kernel: Kernel) {
         assert_eq!(x.cols, self.cols, "activation width");
         assert_eq!(out.len(), x.tokens * self.rows, "output size");
+        assert!(
+            !self.needs_inputs() || x.x.len() == x.tokens * x.cols,
+            "a float matrix needs activations that kept their inputs (QActs::drop_inputs(false))"
+        );
         let tiles = self.rows.div_ceil(ROW_TILE);
         let nb = self.cols / QK;
         let out_ptr = SendPtr(out.as_mut_ptr());
@@ -373,7 +383,7 @@ fn pack_q8<'a>(rows: usize, cols: usize, row_of: impl Fn(usize) -> (GgmlType, &'
 }
 
 /// Activations quantized per 32-element block to signed 8 bits, with the f32 originals kept for
-/// float-weight matrices.
+/// float-weight matrices (unless [`drop_inputs`](Self::drop_inputs) says none will need them).
 #[derive(Debug, Clone, Default)]
 pub struct QActs {
     tokens: usize,
@@ -384,8 +394,9 @@ pub struct QActs {
     s: Vec<f32>,
     /// Quantized values, `tokens × cols`.
     q: Vec<i8>,
-    /// The inputs, `tokens × cols`.
+    /// The inputs, `tokens × cols`, unless `drop_inputs`.
     x: Vec<f32>,
+    drop_inputs: bool,
 }
 
 impl QActs {
@@ -394,13 +405,22 @@ impl QActs {
         Self::default()
     }
 
+    /// Whether to skip keeping a copy of the f32 inputs: right when every matrix these
+    /// activations meet is quantized (see [`QMatrix::needs_inputs`]); a float matrix then panics.
+    pub fn drop_inputs(&mut self, drop: bool) {
+        self.drop_inputs = drop;
+        if drop {
+            self.x = Vec::new();
+        }
+    }
+
     /// Tokens held.
     pub fn tokens(&self) -> usize {
         self.tokens
     }
 
     /// Quantizes `x` (`tokens × cols`, row-major) as llama.cpp's Q8_1: `d = max|x|/127`,
-    /// `q = round(x/d)`.
+    /// `q = round(x/d)`. Rows are split over the rayon pool when there are many.
     ///
     /// # Panics
     /// If `cols` is not a positive multiple of 32 or `x.len()` is not a multiple of `cols`.
@@ -420,70 +440,92 @@ impl QActs {
         self.s.resize(nblocks, 0.0);
         self.q.resize(x.len(), 0);
         self.x.clear();
-        self.x.extend_from_slice(x);
-        #[cfg(target_arch = "x86_64")]
-        if simd && crate::ops::has_avx2() {
-            // SAFETY: avx2 was detected at run time; the buffers were sized above.
-            unsafe { self.quantize_avx2(x) };
-            return;
+        if !self.drop_inputs {
+            self.x.extend_from_slice(x);
         }
-        for (b, xs) in x.chunks_exact(QK).enumerate() {
-            let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
-            let d = amax / 127.0;
-            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, &v) in self.q[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
-                let qi = (v * id).round() as i32;
-                *q = qi as i8;
-                sum += qi;
+        /// Fewest rows worth a parallel task.
+        const MIN_ROWS: usize = 32;
+        let per = self.tokens.div_ceil(2 * rayon::current_num_threads()).max(MIN_ROWS);
+        let bpr = cols / QK;
+        let run = |(((x, q), d), s): BlockChunk<'_>| {
+            #[cfg(target_arch = "x86_64")]
+            if simd && crate::ops::has_avx2() {
+                // SAFETY: avx2 was detected at run time; the chunks hold the same blocks.
+                unsafe { quantize_blocks_avx2(x, q, d, s) };
+                return;
             }
-            // llama.cpp stores both as f16; so do we, to compute what it computes.
-            self.d[b] = f16::from_f32(d).to_f32();
-            self.s[b] = f16::from_f32(d * sum as f32).to_f32();
+            quantize_blocks(x, q, d, s);
+        };
+        if self.tokens < 2 * MIN_ROWS {
+            run((((x, &mut self.q[..]), &mut self.d[..]), &mut self.s[..]));
+        } else {
+            x.par_chunks(per * cols)
+                .zip(self.q.par_chunks_mut(per * cols))
+                .zip(self.d.par_chunks_mut(per * bpr))
+                .zip(self.s.par_chunks_mut(per * bpr))
+                .for_each(run);
         }
     }
 }
 
-impl QActs {
-    /// [`quantize`](Self::quantize)'s block loop with AVX2. Rounds half to even where the scalar
-    /// loop rounds half away from zero, as llama.cpp's own AVX2 quantizer does.
-    ///
-    /// # Safety
-    /// The CPU must support avx2; `d`, `s` and `q` are sized for `x`.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn quantize_avx2(&mut self, x: &[f32]) {
-        use std::arch::x86_64::*;
-        let sign = _mm256_set1_ps(-0.0);
-        for (b, xs) in x.chunks_exact(QK).enumerate() {
-            // SAFETY (pointer accesses): `xs` is QK floats; `self.q` holds QK bytes per block.
-            unsafe {
-                let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
-                let m = _mm256_max_ps(
-                    _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                    _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
-                );
-                let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-                let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-                let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-                let d = amax / 127.0;
-                let id = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
-                let i: [__m256i; 4] = std::array::from_fn(|k| _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id)));
-                let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
-                let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-                let s4 = _mm_hadd_epi32(s4, s4);
-                let total = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
-                // Pack to bytes in order: packs interleave 128-bit lanes, a permute restores them.
-                let w01 = _mm256_packs_epi32(i[0], i[1]);
-                let w23 = _mm256_packs_epi32(i[2], i[3]);
-                let bytes = _mm256_permutevar8x32_epi32(
-                    _mm256_packs_epi16(w01, w23),
-                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-                );
-                _mm256_storeu_si256(self.q.as_mut_ptr().add(b * QK).cast(), bytes);
-                self.d[b] = f16::from_f32(d).to_f32();
-                self.s[b] = f16::from_f32(d * total as f32).to_f32();
-            }
+/// One chunk of rows to quantize: inputs, and their quantized values, scales and scaled sums.
+type BlockChunk<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]);
+
+/// Quantizes the blocks of `x` into `q` with scales `d` and scaled sums `s`.
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let db = amax / 127.0;
+        let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+        let mut sum = 0i32;
+        for (qi, &v) in q[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
+            let r = (v * id).round() as i32;
+            *qi = r as i8;
+            sum += r;
+        }
+        // llama.cpp stores both as f16; so do we, to compute what it computes.
+        d[b] = f16::from_f32(db).to_f32();
+        s[b] = f16::from_f32(db * sum as f32).to_f32();
+    }
+}
+
+/// [`quantize_blocks`] with AVX2. Rounds half to even where the scalar loop rounds half away
+/// from zero, as llama.cpp's own AVX2 quantizer does.
+///
+/// # Safety
+/// The CPU must support avx2; `q` holds `x.len()` bytes, `d` and `s` one float per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(q.len() == x.len() && d.len() * QK == x.len() && s.len() == d.len());
+    let sign = _mm256_set1_ps(-0.0);
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        // SAFETY (pointer accesses): `xs` is QK floats; `q` holds QK bytes per block.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            let db = amax / 127.0;
+            let id = _mm256_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
+            let i: [__m256i; 4] = std::array::from_fn(|k| _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id)));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let total = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+            // Pack to bytes in order: packs interleave 128-bit lanes, a permute restores them.
+            let w01 = _mm256_packs_epi32(i[0], i[1]);
+            let w23 = _mm256_packs_epi32(i[2], i[3]);
+            let bytes =
+                _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.as_mut_ptr().add(b * QK).cast(), bytes);
+            d[b] = f16::from_f32(db).to_f32();
+            s[b] = f16::from_f32(db * total as f32).to_f32();
         }
     }
 }
@@ -1022,11 +1064,23 @@ mod tests {
 
     #[test]
     fn simd_quantization_equals_scalar() {
-        let x: Vec<f32> = (0..96 * 7).map(|i| ((i * 7919) % 1999) as f32 / 313.0 - 3.1).collect();
+        // 150 rows: enough to be split over the pool in uneven chunks.
+        let x: Vec<f32> = (0..96 * 150)
+            .map(|i| ((i * 7919) % 1999) as f32 / 313.0 - 3.1)
+            .collect();
         let (mut a, mut b) = (QActs::new(), QActs::new());
         a.quantize_with(&x, 96, true);
         b.quantize_with(&x, 96, false);
         assert_eq!((&a.q, &a.d, &a.s), (&b.q, &b.d, &b.s));
+        // Row by row (never split) gives the same blocks.
+        for (r, row) in x.chunks_exact(96).enumerate() {
+            b.quantize_with(row, 96, true);
+            assert_eq!(
+                (&a.q[r * 96..][..96], &a.d[r * 3..][..3]),
+                (&b.q[..], &b.d[..]),
+                "row {r}"
+            );
+        }
         let zeros = vec![0f32; 64];
         a.quantize_with(&zeros, 32, true);
         assert!(a.q.iter().all(|&q| q == 0) && a.d.iter().all(|&d| d == 0.0));

@@ -6,6 +6,8 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use rayon::prelude::*;
+
 /// Whether the AVX2 paths may run (avx2, fma and f16c all present; checked once).
 #[inline]
 pub fn has_avx2() -> bool {
@@ -159,18 +161,37 @@ fn exp8(x: __m256) -> __m256 {
     _mm256_andnot_ps(under, _mm256_mul_ps(p, pow2))
 }
 
+/// Runs `f(first_row, rows)` over chunks of the `width`-float rows of `out`, spread over the
+/// rayon pool when there are enough rows to pay for it (a prefill), inline otherwise (decode).
+pub fn par_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    /// Fewest rows a parallel task gets.
+    const MIN_ROWS: usize = 32;
+    let rows = out.len() / width.max(1);
+    let threads = rayon::current_num_threads();
+    if threads == 1 || rows < 2 * MIN_ROWS {
+        f(0, out);
+        return;
+    }
+    let per = rows.div_ceil(2 * threads).max(MIN_ROWS);
+    out.par_chunks_mut(per * width)
+        .enumerate()
+        .for_each(|(i, chunk)| f(i * per, chunk));
+}
+
 /// RMSNorm of each `w.len()`-wide row of `x` into `out`: `x / sqrt(mean(x²) + eps) · w`.
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert!(x.len() == out.len() && x.len().is_multiple_of(n));
-    for (xr, or) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
-        // Sum of squares in f64, as llama.cpp does.
-        let ss = xr.iter().map(|&v| (v * v) as f64).sum::<f64>() / n as f64;
-        let scale = (1.0 / (ss + eps as f64).sqrt()) as f32;
-        for ((o, &xi), &wi) in or.iter_mut().zip(xr).zip(w) {
-            *o = xi * scale * wi;
+    par_rows(out, n, |r0, out| {
+        for (xr, or) in x[r0 * n..].chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+            // Sum of squares in f64, as llama.cpp does.
+            let ss = xr.iter().map(|&v| (v * v) as f64).sum::<f64>() / n as f64;
+            let scale = (1.0 / (ss + eps as f64).sqrt()) as f32;
+            for ((o, &xi), &wi) in or.iter_mut().zip(xr).zip(w) {
+                *o = xi * scale * wi;
+            }
         }
-    }
+    });
 }
 
 /// Rotary position embedding tables for one model: `cos`/`sin` of `pos · base^(−2i/d)`.
@@ -190,39 +211,96 @@ impl Rope {
         Self { head_dim, inv_freq }
     }
 
-    /// Rotates adjacent pairs `(x[2i], x[2i+1])` of every head of every row of `x` (llama.cpp's
-    /// "normal" RoPE, as GGUF llama models expect) by the angle for that row's position.
+    /// The cosines and sines for rows at `positions`, computed once per step and shared by every
+    /// layer's queries and keys.
+    pub fn table(&self, positions: &[u32]) -> RopeTable {
+        let cs = positions
+            .iter()
+            .flat_map(|&pos| {
+                self.inv_freq.iter().map(move |&f| {
+                    let (s, c) = (pos as f32 * f).sin_cos();
+                    [c, s]
+                })
+            })
+            .collect();
+        RopeTable {
+            head_dim: self.head_dim,
+            pairs: self.inv_freq.len(),
+            cs,
+        }
+    }
+
+    /// Rotates every head of every `row_width`-wide row of `x` by the angle for that row's
+    /// position (see [`RopeTable::apply`]).
     pub fn apply(&self, x: &mut [f32], row_width: usize, positions: &[u32]) {
-        assert!(row_width.is_multiple_of(self.head_dim) && x.len() == row_width * positions.len());
-        for (row, &pos) in x.chunks_exact_mut(row_width).zip(positions) {
-            for (i, &f) in self.inv_freq.iter().enumerate() {
-                let theta = pos as f32 * f;
-                let (s, c) = theta.sin_cos();
-                for head in row.chunks_exact_mut(self.head_dim) {
-                    let (a, b) = (head[2 * i], head[2 * i + 1]);
-                    head[2 * i] = a * c - b * s;
-                    head[2 * i + 1] = a * s + b * c;
+        self.table(positions).apply(x, row_width, 0, row_width)
+    }
+}
+
+/// Rotation angles for one step's rows (see [`Rope::table`]).
+#[derive(Debug, Clone)]
+pub struct RopeTable {
+    head_dim: usize,
+    pairs: usize,
+    /// `[cos, sin]` per row and pair.
+    cs: Vec<[f32; 2]>,
+}
+
+impl RopeTable {
+    /// Rows (positions) covered.
+    pub fn rows(&self) -> usize {
+        self.cs.len().checked_div(self.pairs).unwrap_or(0)
+    }
+
+    /// Rotates adjacent pairs `(x[2i], x[2i+1])` of every head in `offset..offset+width` of each
+    /// row of `x` (rows `stride` apart, one per table row) — llama.cpp's "normal" RoPE, as GGUF
+    /// llama models expect.
+    ///
+    /// # Panics
+    /// If `x` is not one `stride`-long row per table row, or the heads do not fit the rows.
+    pub fn apply(&self, x: &mut [f32], stride: usize, offset: usize, width: usize) {
+        assert!(
+            x.len() == stride * self.rows() && width.is_multiple_of(self.head_dim) && offset + width <= stride,
+            "rope shape"
+        );
+        if self.pairs == 0 {
+            return;
+        }
+        par_rows(x, stride, |r0, rows| {
+            for (r, row) in rows.chunks_exact_mut(stride).enumerate() {
+                let cs = &self.cs[(r0 + r) * self.pairs..][..self.pairs];
+                for head in row[offset..offset + width].chunks_exact_mut(self.head_dim) {
+                    for (i, &[c, s]) in cs.iter().enumerate() {
+                        let (a, b) = (head[2 * i], head[2 * i + 1]);
+                        head[2 * i] = a * c - b * s;
+                        head[2 * i + 1] = a * s + b * c;
+                    }
                 }
             }
-        }
+        });
     }
 }
 
 /// `out[i] = silu(gate[i]) · up[i]` where each row of `gate_up` is `[gate | up]`, `width` each.
 pub fn swiglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
     assert!(gate_up.len() == 2 * out.len() && out.len().is_multiple_of(width));
-    for (gu, o) in gate_up.chunks_exact(2 * width).zip(out.chunks_exact_mut(width)) {
-        let (g, u) = gu.split_at(width);
-        let mut done = 0;
-        #[cfg(target_arch = "x86_64")]
-        if has_avx2() {
-            // SAFETY: avx2 and fma were detected at run time; `g`, `u` and `o` are `width` long.
-            done = unsafe { swiglu_avx2(g, u, o) };
+    par_rows(out, width, |r0, out| {
+        for (gu, o) in gate_up[r0 * 2 * width..]
+            .chunks_exact(2 * width)
+            .zip(out.chunks_exact_mut(width))
+        {
+            let (g, u) = gu.split_at(width);
+            let mut done = 0;
+            #[cfg(target_arch = "x86_64")]
+            if has_avx2() {
+                // SAFETY: avx2 and fma were detected at run time; `g`, `u` and `o` are `width` long.
+                done = unsafe { swiglu_avx2(g, u, o) };
+            }
+            for ((oi, &gi), &ui) in o[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
+                *oi = gi / (1.0 + (-gi).exp()) * ui;
+            }
         }
-        for ((oi, &gi), &ui) in o[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
-            *oi = gi / (1.0 + (-gi).exp()) * ui;
-        }
-    }
+    });
 }
 
 /// SwiGLU over the multiple-of-eight prefix; returns its length.
@@ -390,6 +468,25 @@ mod tests {
         // First pair rotates by 7 radians.
         let (s, c) = 7f32.sin_cos();
         assert!((x[0] - (c - 2.0 * s)).abs() < 1e-5);
+    }
+
+    #[test]
+    fn rope_table_rotates_strided_heads_like_contiguous_rows() {
+        let r = Rope::new(8, 6, 10000.0);
+        // 100 rows (enough to split over the pool) of [4 unrotated | two heads of 8 | 4 unrotated].
+        let positions: Vec<u32> = (0..100).map(|i| (i * 37 % 91) as u32).collect();
+        let mut wide: Vec<f32> = (0..100 * 24).map(|i| ((i * 13) % 29) as f32 / 7.0 - 2.0).collect();
+        let mut heads: Vec<f32> = wide.chunks_exact(24).flat_map(|row| row[4..20].to_vec()).collect();
+        let before = wide.clone();
+        r.table(&positions).apply(&mut wide, 24, 4, 16);
+        r.apply(&mut heads, 16, &positions);
+        for (i, (w, b)) in wide.chunks_exact(24).zip(before.chunks_exact(24)).enumerate() {
+            assert_eq!(&w[4..20], &heads[i * 16..(i + 1) * 16], "row {i}");
+            assert_eq!((&w[..4], &w[20..]), (&b[..4], &b[20..]), "row {i} outside the heads");
+        }
+        // Pairs beyond the rotary dimensions stay as they were (row 1, at position 37).
+        assert_eq!(heads[16 + 6..16 + 8], before[24 + 10..24 + 12]);
+        assert_ne!(heads[16..16 + 6], before[24 + 4..24 + 10]);
     }
 
     #[test]
