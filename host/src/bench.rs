@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use warden_kernels::attention::TagCheck;
+use warden_kernels::attention::{PageEntry, PageTag, TagCheck, check_pages};
 
 use crate::engine::request::{GenerateRequest, Outcome};
 use crate::engine::text::Detokenizer;
@@ -60,6 +60,28 @@ pub struct BenchReport {
     pub decode_tokens: usize,
     /// Total decode throughput at each batch size.
     pub decode: Vec<Figure>,
+    /// The tag checks timed on their own, against the step time of the largest decode batch.
+    pub tag_checks: TagCheckCost,
+}
+
+/// What the tag checks of one decode step cost, timed in isolation: the throughput ratios above
+/// are the end-to-end price, but on a shared machine their noise (a few percent) hides a cost this
+/// small, so the checks themselves are also timed.
+#[derive(Debug, Clone, Serialize)]
+pub struct TagCheckCost {
+    /// Sequences in the step.
+    pub sequences: usize,
+    /// Tokens of context each sequence's checks cover (its longest, at the last decode step).
+    pub context: usize,
+    /// Page tags compared per step: every page of every sequence in each layer's attention,
+    /// plus the page each layer's K/V write goes to.
+    pub pages_checked: usize,
+    /// Nanoseconds those checks take per step.
+    pub ns_per_step: f64,
+    /// Nanoseconds per decode step with checks on, from the decode figure.
+    pub step_ns: f64,
+    /// `ns_per_step / step_ns`.
+    pub share: f64,
 }
 
 /// Runs the bench.
@@ -98,6 +120,20 @@ pub fn run(
         );
         decode_figs.push(figure(k, (k * (cfg.decode_tokens - 1)) as f64, a, b));
     }
+    let (k, fig) = cfg
+        .decode_batches
+        .iter()
+        .zip(&decode_figs)
+        .max_by_key(|(k, _)| **k)
+        .map(|(k, f)| (*k, f.tok_s))
+        .unwrap_or((1, f64::NAN));
+    let tag_checks = tag_check_cost(
+        model.config().n_layers,
+        EngineConfig::for_model(&model).page_size,
+        k,
+        16 + cfg.decode_tokens,
+        k as f64 / fig * 1e9,
+    );
     Ok(BenchReport {
         model: model_name.to_string(),
         backend: model.backend_name(),
@@ -106,7 +142,65 @@ pub fn run(
         prefill,
         decode_tokens: cfg.decode_tokens,
         decode: decode_figs,
+        tag_checks,
     })
+}
+
+/// Times the checks one decode step of `sequences` sequences at `context` tokens runs, on tags and
+/// page tables laid out as the pool lays them out (each sequence's pages scattered over the pool).
+fn tag_check_cost(layers: usize, page_size: usize, sequences: usize, context: usize, step_ns: f64) -> TagCheckCost {
+    let per_seq = context.div_ceil(page_size);
+    let n_pages = sequences * per_seq;
+    let tags: Vec<PageTag> = (0..n_pages)
+        .map(|p| PageTag {
+            owner: 1 + (p % sequences) as u64,
+            epoch: 3,
+            written: if p / sequences + 1 == per_seq {
+                (context - (per_seq - 1) * page_size) as u32
+            } else {
+                page_size as u32
+            },
+        })
+        .collect();
+    let tables: Vec<Vec<PageEntry>> = (0..sequences)
+        .map(|s| {
+            (0..per_seq)
+                .map(|j| PageEntry {
+                    page: (j * sequences + s) as u32,
+                    epoch: 3,
+                })
+                .collect()
+        })
+        .collect();
+    let step = || {
+        for _ in 0..layers {
+            for (s, table) in tables.iter().enumerate() {
+                let owner = 1 + s as u64;
+                let last = table[per_seq - 1];
+                let w = tags[last.page as usize].check_holder(owner, last);
+                let r = check_pages(owner, table, context, page_size, &tags, TagCheck::Enforce);
+                assert!(std::hint::black_box(w.and(r)).is_ok(), "the bench's own tags pass");
+            }
+        }
+    };
+    let reps = 2000;
+    let mut best = Duration::MAX;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            step();
+        }
+        best = best.min(t0.elapsed());
+    }
+    let ns_per_step = best.as_secs_f64() * 1e9 / reps as f64;
+    TagCheckCost {
+        sequences,
+        context,
+        pages_checked: layers * sequences * (per_seq + 1),
+        ns_per_step,
+        step_ns,
+        share: ns_per_step / step_ns,
+    }
 }
 
 fn figure(sequences: usize, tokens: f64, on: Duration, off: Duration) -> Figure {
