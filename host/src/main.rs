@@ -1,21 +1,21 @@
 //! The `warden` binary: a thin command line over the library.
 
 use std::io::Write;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
 use warden::bench::{self, BenchConfig};
-use warden::chat::{ChatMessage, ChatTemplate};
+use warden::chat::ChatMessage;
 use warden::engine::request::{GenerateRequest, Outcome};
 use warden::engine::sampling::SamplingParams;
-use warden::engine::text::Detokenizer;
 use warden::engine::{Engine, EngineConfig, Event};
-use warden::gguf::Gguf;
-use warden::model::Model;
+use warden::loaded::LoadedModel;
+use warden::serve::config::ServeConfig;
+use warden::serve::manage::{self, Op};
+use warden::serve::{ServeOptions, serve};
 use warden::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -85,41 +85,90 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
     },
+    /// Serve the OpenAI-compatible API over HTTPS until SIGTERM or SIGINT.
+    Serve {
+        /// Configuration file (TOML; see warden.example.toml). Defaults apply without one.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Serve plain HTTP instead of HTTPS (for a TLS-terminating proxy in front).
+        #[arg(long)]
+        insecure_http: bool,
+    },
+    /// Manage tenants (directly, or through a running server's admin API).
+    Tenant {
+        #[command(subcommand)]
+        op: TenantOp,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Manage API keys (directly, or through a running server's admin API).
+    Key {
+        #[command(subcommand)]
+        op: KeyOp,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
 }
 
-struct Loaded {
-    model: Arc<Model>,
-    tokenizer: Arc<Tokenizer>,
-    chat: Option<ChatTemplate>,
+#[derive(clap::Args)]
+struct StoreArgs {
+    /// The server's configuration file (its data_dir holds the store).
+    #[arg(long, global = true)]
+    config: Option<PathBuf>,
+    /// The data dir, overriding the configuration's.
+    #[arg(long, global = true)]
+    data_dir: Option<PathBuf>,
 }
 
-fn load(path: &PathBuf) -> anyhow::Result<Loaded> {
-    if !path.exists() {
-        bail!(
-            "model file {} not found (run scripts/fetch-model.sh for the default model)",
-            path.display()
-        );
+impl StoreArgs {
+    fn data_dir(&self) -> anyhow::Result<PathBuf> {
+        if let Some(d) = &self.data_dir {
+            return Ok(d.clone());
+        }
+        Ok(config(self.config.as_deref())?.data_dir)
     }
-    let g = Gguf::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let model = Model::from_gguf(&g).with_context(|| format!("loading {}", path.display()))?;
-    let tokenizer = Tokenizer::from_gguf(&g).with_context(|| format!("tokenizer of {}", path.display()))?;
-    let chat = ChatTemplate::from_gguf(&g).with_context(|| format!("chat template of {}", path.display()))?;
-    Ok(Loaded {
-        model: Arc::new(model),
-        tokenizer: Arc::new(tokenizer),
-        chat,
+}
+
+#[derive(Subcommand)]
+enum TenantOp {
+    /// Create a tenant.
+    Create {
+        /// Its name: lowercase letters, digits, '-' and '_'.
+        name: String,
+    },
+    /// List tenants.
+    List,
+    /// Delete a tenant and its keys.
+    Delete {
+        /// Its name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeyOp {
+    /// Create an API key for a tenant; prints it once.
+    Create {
+        /// The tenant.
+        tenant: String,
+    },
+    /// Revoke a key.
+    Revoke {
+        /// The key's id (or the whole key).
+        id: String,
+    },
+    /// List keys (never the keys themselves).
+    List {
+        /// Only this tenant's.
+        tenant: Option<String>,
+    },
+}
+
+fn config(path: Option<&Path>) -> anyhow::Result<ServeConfig> {
+    Ok(match path {
+        Some(p) => ServeConfig::load(p)?,
+        None => ServeConfig::default(),
     })
-}
-
-struct TokenizerDetok(Arc<Tokenizer>);
-
-impl Detokenizer for TokenizerDetok {
-    fn token_bytes(&self, id: u32) -> Vec<u8> {
-        self.0.token_bytes(id)
-    }
-    fn is_eog(&self, id: u32) -> bool {
-        self.0.is_eog(id)
-    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -147,7 +196,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             seed,
             stop,
         } => {
-            let l = load(&model)?;
+            let l = LoadedModel::open(&model)?;
             let text = if chat {
                 let t = l
                     .chat
@@ -179,6 +228,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 max_tokens,
                 stop,
                 ignore_eos: false,
+                logprobs: None,
             };
             generate(&l, req)
         }
@@ -192,20 +242,37 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if prefill_tokens == 0 || decode_tokens < 2 || batches.is_empty() || batches.contains(&0) {
                 bail!("bench needs --prefill-tokens ≥ 1, --decode-tokens ≥ 2 and positive --batches");
             }
-            let l = load(&model)?;
+            let l = LoadedModel::open(&model)?;
             let cfg = BenchConfig {
                 prefill_prompt: bench_prompt(&l.tokenizer, prefill_tokens),
                 decode_batches: batches,
                 decode_tokens,
                 repeats,
             };
-            let report = bench::run(
-                l.model,
-                Arc::new(TokenizerDetok(l.tokenizer)),
-                &model.display().to_string(),
-                &cfg,
-            )?;
+            let report = bench::run(l.model, l.tokenizer.clone(), &model.display().to_string(), &cfg)?;
             println!("{}", serde_json::to_string_pretty(&report)?);
+            Ok(())
+        }
+        Command::Serve {
+            config: path,
+            insecure_http,
+        } => serve(config(path.as_deref())?, ServeOptions { insecure_http }),
+        Command::Tenant { op, store } => {
+            let op = match op {
+                TenantOp::Create { name } => Op::TenantCreate(name),
+                TenantOp::List => Op::TenantList,
+                TenantOp::Delete { name } => Op::TenantDelete(name),
+            };
+            println!("{}", manage::run(&store.data_dir()?, op)?);
+            Ok(())
+        }
+        Command::Key { op, store } => {
+            let op = match op {
+                KeyOp::Create { tenant } => Op::KeyCreate(tenant),
+                KeyOp::Revoke { id } => Op::KeyRevoke(id),
+                KeyOp::List { tenant } => Op::KeyList(tenant),
+            };
+            println!("{}", manage::run(&store.data_dir()?, op)?);
             Ok(())
         }
     }
@@ -219,13 +286,9 @@ fn bench_prompt(tok: &Tokenizer, n: usize) -> Vec<u32> {
     one.iter().copied().cycle().take(n).collect()
 }
 
-fn generate(l: &Loaded, req: GenerateRequest) -> anyhow::Result<()> {
+fn generate(l: &LoadedModel, req: GenerateRequest) -> anyhow::Result<()> {
     let prompt_tokens = req.prompt.len();
-    let mut engine = Engine::new(
-        l.model.clone(),
-        Arc::new(TokenizerDetok(l.tokenizer.clone())),
-        EngineConfig::for_model(&l.model),
-    )?;
+    let mut engine = Engine::new(l.model.clone(), l.tokenizer.clone(), EngineConfig::for_model(&l.model))?;
     let t0 = Instant::now();
     engine
         .submit(req)

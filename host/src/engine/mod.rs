@@ -71,6 +71,8 @@ pub enum Event {
         token: u32,
         /// Text now safe to emit.
         text: String,
+        /// The token's log-probability and the top alternatives, when the request asked.
+        logprobs: Option<TokenLogprobs>,
     },
     /// The request ended; the last event for this id.
     Done {
@@ -85,8 +87,41 @@ pub enum Event {
     },
 }
 
+/// A sampled token's log-probability under the model (before sampling's penalties and
+/// temperature), with the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// Log-probability of the sampled token.
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-softmax of `logits` at `token`, and the `k` most likely entries.
+    pub fn of(logits: &[f32], token: u32, k: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>().ln() as f32;
+        let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+        if k > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                if top.len() < k || l > top[top.len() - 1].1 {
+                    let at = top.partition_point(|&(_, v)| v >= l);
+                    top.insert(at, (i as u32, l));
+                    top.truncate(k);
+                }
+            }
+        }
+        Self {
+            logprob: logits.get(token as usize).map_or(f32::NEG_INFINITY, |l| l - lse),
+            top: top.into_iter().map(|(i, l)| (i, l - lse)).collect(),
+        }
+    }
+}
+
 struct Seq {
     id: RequestId,
+    logprobs: Option<usize>,
     owner: u64,
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -188,6 +223,11 @@ impl Engine {
         self.waiting.len() + self.running.len()
     }
 
+    /// Requests waiting for a slot, and sequences running.
+    pub fn queue_lengths(&self) -> (usize, usize) {
+        (self.waiting.len(), self.running.len())
+    }
+
     /// Whether a step would do anything.
     pub fn has_work(&self) -> bool {
         !self.waiting.is_empty() || !self.running.is_empty()
@@ -222,6 +262,7 @@ impl Engine {
         self.next_id += 1;
         self.waiting.push_back(Seq {
             id,
+            logprobs: r.logprobs,
             owner: r.owner,
             prompt_len: r.prompt.len(),
             tokens: r.prompt,
@@ -374,8 +415,10 @@ impl Engine {
                     }
                     Ok(Some(mut logits)) => {
                         s.computed += n;
+                        let raw = s.logprobs.map(|k| (logits.clone(), k));
                         let tok = s.sampler.sample(&mut logits, &s.tokens);
-                        Self::accept(&*self.detok, &mut self.events, s, tok)
+                        let lp = raw.map(|(raw, k)| TokenLogprobs::of(&raw, tok, k));
+                        Self::accept(&*self.detok, &mut self.events, s, tok, lp)
                     }
                 };
             }
@@ -392,7 +435,13 @@ impl Engine {
 
     /// Appends a sampled token to a sequence and emits its text; returns how the sequence ends,
     /// if this token ends it.
-    fn accept(detok: &dyn Detokenizer, events: &mut Vec<Event>, s: &mut Seq, tok: u32) -> Option<Outcome> {
+    fn accept(
+        detok: &dyn Detokenizer,
+        events: &mut Vec<Event>,
+        s: &mut Seq,
+        tok: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Option<Outcome> {
         if detok.is_eog(tok) && !s.ignore_eos {
             return Some(Outcome::Finished(FinishReason::Stop));
         }
@@ -402,6 +451,7 @@ impl Engine {
             id: s.id,
             token: tok,
             text,
+            logprobs,
         });
         if stopped {
             Some(Outcome::Finished(FinishReason::Stop))

@@ -29,7 +29,13 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (benchmarks).
     pub ignore_eos: bool,
+    /// Report each sampled token's log-probability and this many of the most likely
+    /// alternatives (at most [`MAX_TOP_LOGPROBS`]); `None` reports nothing.
+    pub logprobs: Option<usize>,
 }
+
+/// Most alternatives a request's `logprobs` may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl GenerateRequest {
     /// A greedy request for `max_tokens` tokens.
@@ -41,6 +47,7 @@ impl GenerateRequest {
             max_tokens,
             stop: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -194,6 +201,12 @@ impl GenerateRequest {
                 .find(|f| *f == field)
                 .unwrap_or("sampling");
             return reject(RejectReason::InvalidParameter { field, message });
+        }
+        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
+            return reject(RejectReason::InvalidParameter {
+                field: "top_logprobs",
+                message: format!("at most {MAX_TOP_LOGPROBS} alternatives"),
+            });
         }
         if self.stop.len() > 16 || self.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
             return reject(RejectReason::InvalidParameter {

@@ -1,0 +1,167 @@
+//! A small HTTPS client over hyper and rustls, trusting one given certificate: the CLI reaches a
+//! running server's admin API with it, and the end-to-end tests talk to the server with it. One
+//! connection per request.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response};
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio::net::TcpStream;
+
+/// HTTP version to speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Proto {
+    /// HTTP/1.1.
+    Http1,
+    /// HTTP/2 (ALPN `h2`).
+    Http2,
+}
+
+/// A client for one server.
+#[derive(Clone)]
+pub struct Client {
+    host: String,
+    port: u16,
+    tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+/// A whole reply.
+#[derive(Debug)]
+pub struct Reply {
+    /// Status code.
+    pub status: u16,
+    /// Headers.
+    pub headers: hyper::HeaderMap,
+    /// Body.
+    pub body: Bytes,
+}
+
+impl Reply {
+    /// The body as JSON.
+    pub fn json(&self) -> anyhow::Result<serde_json::Value> {
+        serde_json::from_slice(&self.body).with_context(|| format!("reply is not JSON: {:?}", self.text()))
+    }
+
+    /// The body as text.
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl Client {
+    /// A client for `url` (`https://host:port` or `http://host:port`); for https, `ca_cert` is
+    /// the PEM certificate to trust.
+    pub fn new(url: &str, ca_cert: Option<&Path>) -> anyhow::Result<Self> {
+        let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("http://") {
+            (false, r)
+        } else {
+            bail!("unsupported URL {url:?}");
+        };
+        let hostport = rest.trim_end_matches('/');
+        let (host, port) = hostport
+            .rsplit_once(':')
+            .with_context(|| format!("URL {url:?} has no port"))?;
+        let port: u16 = port.parse().with_context(|| format!("port of {url:?}"))?;
+        let tls = if tls {
+            let path = ca_cert.context("an https URL needs the certificate to trust")?;
+            let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            let mut roots = rustls::RootCertStore::empty();
+            for c in rustls_pemfile::certs(&mut &pem[..]) {
+                roots.add(c?)?;
+            }
+            let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()?
+                .with_root_certificates(roots)
+                .with_no_client_auth();
+            Some(Arc::new(cfg))
+        } else {
+            None
+        };
+        Ok(Self {
+            host: host.to_string(),
+            port,
+            tls,
+        })
+    }
+
+    /// Sends one request and returns the response with its body unread (for streams).
+    pub async fn send(
+        &self,
+        proto: Proto,
+        method: Method,
+        path: &str,
+        bearer: Option<&str>,
+        body: Option<Vec<u8>>,
+    ) -> anyhow::Result<Response<Incoming>> {
+        let tcp = TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .with_context(|| format!("connecting to {}:{}", self.host, self.port))?;
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("https://{}:{}{path}", self.host, self.port))
+            .header("content-type", "application/json");
+        if proto == Proto::Http1 {
+            b = b.header("host", format!("{}:{}", self.host, self.port));
+        }
+        if let Some(t) = bearer {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        let req = b.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
+        match &self.tls {
+            Some(cfg) => {
+                let mut cfg = (**cfg).clone();
+                cfg.alpn_protocols = vec![match proto {
+                    Proto::Http1 => b"http/1.1".to_vec(),
+                    Proto::Http2 => b"h2".to_vec(),
+                }];
+                let name = ServerName::try_from(self.host.clone())?;
+                let stream = tokio_rustls::TlsConnector::from(Arc::new(cfg))
+                    .connect(name, tcp)
+                    .await?;
+                send_on(proto, TokioIo::new(stream), req).await
+            }
+            None => send_on(proto, TokioIo::new(tcp), req).await,
+        }
+    }
+
+    /// Sends one request and reads the whole reply.
+    pub async fn request(
+        &self,
+        method: Method,
+        path: &str,
+        bearer: Option<&str>,
+        body: Option<Vec<u8>>,
+    ) -> anyhow::Result<Reply> {
+        let r = self.send(Proto::Http1, method, path, bearer, body).await?;
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        let body = r.into_body().collect().await?.to_bytes();
+        Ok(Reply { status, headers, body })
+    }
+}
+
+async fn send_on<IO>(proto: Proto, io: IO, req: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>>
+where
+    IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    match proto {
+        Proto::Http1 => {
+            let (mut s, conn) = hyper::client::conn::http1::handshake(io).await?;
+            tokio::spawn(conn);
+            Ok(s.send_request(req).await?)
+        }
+        Proto::Http2 => {
+            let (mut s, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io).await?;
+            tokio::spawn(conn);
+            Ok(s.send_request(req).await?)
+        }
+    }
+}

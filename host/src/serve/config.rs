@@ -1,0 +1,299 @@
+//! `warden serve`'s configuration: one TOML file (documented in `warden.example.toml`), every
+//! field optional with the default it states. Unknown keys and wrong types are errors naming the
+//! key, its line and the file.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The whole configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Address to listen on. Default `127.0.0.1:8443`.
+    pub listen: SocketAddr,
+    /// Directory for the state store, the generated certificate and the admin token. Default
+    /// `data`.
+    pub data_dir: PathBuf,
+    /// GGUF model file; its file stem is the model's id in the API. Default
+    /// `models/SmolLM2-135M-Instruct.Q4_1.gguf`.
+    pub model: PathBuf,
+    /// TLS certificate and key.
+    pub tls: TlsConfig,
+    /// KV pool.
+    pub kv: KvConfig,
+    /// Engine and request limits.
+    pub limits: LimitsConfig,
+    /// Timeouts.
+    pub timeouts: TimeoutsConfig,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8443)),
+            data_dir: PathBuf::from("data"),
+            model: PathBuf::from(crate::DEFAULT_MODEL),
+            tls: TlsConfig::default(),
+            kv: KvConfig::default(),
+            limits: LimitsConfig::default(),
+            timeouts: TimeoutsConfig::default(),
+        }
+    }
+}
+
+/// Certificate and key, PEM files. With neither set, the first start generates a self-signed
+/// certificate for `localhost` in the data dir and reuses it afterwards.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// Certificate chain (PEM). Default: none (generated).
+    pub cert: Option<PathBuf>,
+    /// Private key (PEM). Default: none (generated).
+    pub key: Option<PathBuf>,
+}
+
+/// The KV pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvConfig {
+    /// Memory for K and V, in MiB. Default 512.
+    pub memory_mib: usize,
+    /// Token slots per page. Default 16.
+    pub page_size: usize,
+}
+
+impl Default for KvConfig {
+    fn default() -> Self {
+        Self {
+            memory_mib: 512,
+            page_size: 16,
+        }
+    }
+}
+
+/// Engine and request limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Most prompt plus completion tokens per request. Default: the model's context length. The
+    /// server refuses to start when the KV pool cannot hold this many (invariant 4).
+    pub max_context: Option<usize>,
+    /// Completion tokens when a request names none. Default 256.
+    pub default_max_tokens: usize,
+    /// Tokens per engine step (decode tokens plus prefill chunks). Default 512.
+    pub max_batch_tokens: usize,
+    /// Sequences decoding at once. Default 64.
+    pub max_running: usize,
+    /// Requests waiting for a slot; beyond it requests get 503. Default 256.
+    pub queue: usize,
+    /// Largest request body, in bytes; larger gets 413. Default 1 MiB.
+    pub body_bytes: usize,
+    /// Deepest JSON nesting of a request body. Default 32.
+    pub json_depth: usize,
+    /// Largest total size of a request's headers, in bytes. Default 16 KiB.
+    pub header_bytes: usize,
+    /// Most choices (`n`) per request. Default 8.
+    pub max_n: usize,
+    /// Most open connections; more wait to be accepted. Default 4096.
+    pub max_connections: usize,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        Self {
+            max_context: None,
+            default_max_tokens: 256,
+            max_batch_tokens: 512,
+            max_running: 64,
+            queue: 256,
+            body_bytes: 1 << 20,
+            json_depth: 32,
+            header_bytes: 16 << 10,
+            max_n: 8,
+            max_connections: 4096,
+        }
+    }
+}
+
+/// Timeouts, in seconds.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsConfig {
+    /// TLS handshake. Default 10.
+    pub handshake_s: u64,
+    /// Reading a request's headers, including an idle keep-alive connection waiting for its next
+    /// request. Default 30.
+    pub header_read_s: u64,
+    /// Reading a request's body. Default 30.
+    pub body_read_s: u64,
+    /// HTTP/2 keep-alive: a connection whose pings go unanswered this long is closed. Default 60.
+    pub idle_s: u64,
+    /// On SIGTERM/SIGINT, how long in-flight requests may run before they are cancelled. Default 30.
+    pub shutdown_s: u64,
+}
+
+impl Default for TimeoutsConfig {
+    fn default() -> Self {
+        Self {
+            handshake_s: 10,
+            header_read_s: 30,
+            body_read_s: 30,
+            idle_s: 60,
+            shutdown_s: 30,
+        }
+    }
+}
+
+/// Errors reading a configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("reading {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The TOML is malformed, has an unknown key or a wrong type.
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message: the key, its line and column.
+        message: String,
+    },
+    /// A value out of range.
+    #[error("{path}: {key} = {value}: {why}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// What is allowed.
+        why: &'static str,
+    },
+}
+
+impl ServeConfig {
+    /// Reads and checks `path`.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.into(),
+            source,
+        })?;
+        Self::parse(&text, path)
+    }
+
+    /// Parses and checks TOML text (`path` names it in errors).
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let cfg: ServeConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        cfg.check(path)?;
+        Ok(cfg)
+    }
+
+    /// Range checks that types cannot express.
+    pub fn check(&self, path: &Path) -> Result<(), ConfigError> {
+        let bad = |key, value: usize, why| ConfigError::Invalid {
+            path: path.into(),
+            key,
+            value: value.to_string(),
+            why,
+        };
+        let positive: [(&'static str, usize); 9] = [
+            ("kv.memory_mib", self.kv.memory_mib),
+            ("kv.page_size", self.kv.page_size),
+            ("limits.default_max_tokens", self.limits.default_max_tokens),
+            ("limits.max_batch_tokens", self.limits.max_batch_tokens),
+            ("limits.max_running", self.limits.max_running),
+            ("limits.queue", self.limits.queue),
+            ("limits.body_bytes", self.limits.body_bytes),
+            ("limits.json_depth", self.limits.json_depth),
+            ("limits.max_n", self.limits.max_n),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                return Err(bad(key, v, "must be at least 1"));
+            }
+        }
+        if self.kv.page_size > 1024 {
+            return Err(bad("kv.page_size", self.kv.page_size, "must be at most 1024"));
+        }
+        if self.limits.header_bytes < 1024 {
+            return Err(bad(
+                "limits.header_bytes",
+                self.limits.header_bytes,
+                "must be at least 1024",
+            ));
+        }
+        if self.limits.max_connections == 0 {
+            return Err(bad("limits.max_connections", 0, "must be at least 1"));
+        }
+        if self.limits.max_context == Some(0) {
+            return Err(bad("limits.max_context", 0, "must be at least 1"));
+        }
+        if self.tls.cert.is_some() != self.tls.key.is_some() {
+            return Err(ConfigError::Invalid {
+                path: path.into(),
+                key: if self.tls.cert.is_some() { "tls.key" } else { "tls.cert" },
+                value: "(missing)".into(),
+                why: "tls.cert and tls.key are set together or not at all",
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<ServeConfig, ConfigError> {
+        ServeConfig::parse(text, Path::new("w.toml"))
+    }
+
+    #[test]
+    fn empty_file_gives_the_defaults() {
+        let c = parse("").unwrap();
+        assert_eq!(c.listen.port(), 8443);
+        assert_eq!(c.kv.page_size, 16);
+        assert_eq!(c.limits.queue, 256);
+    }
+
+    #[test]
+    fn the_example_file_parses() {
+        let text = include_str!("../../../warden.example.toml");
+        let c = parse(text).unwrap();
+        assert_eq!(c.limits.body_bytes, 1 << 20);
+    }
+
+    #[test]
+    fn unknown_keys_and_wrong_types_name_the_key_and_line() {
+        let e = parse("listen = \"127.0.0.1:1\"\n[kv]\npage_sise = 16\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("page_sise") && e.contains("line 3") && e.contains("w.toml"),
+            "{e}"
+        );
+        let e = parse("[limits]\nqueue = \"many\"\n").unwrap_err().to_string();
+        assert!(e.contains("queue") && e.contains("line 2"), "{e}");
+        let e = parse("listen = \"nowhere\"\n").unwrap_err().to_string();
+        assert!(e.contains("listen"), "{e}");
+    }
+
+    #[test]
+    fn impossible_values_are_refused_by_name() {
+        let e = parse("[kv]\npage_size = 0\n").unwrap_err().to_string();
+        assert!(e.contains("kv.page_size = 0"), "{e}");
+        let e = parse("[tls]\ncert = \"c.pem\"\n").unwrap_err().to_string();
+        assert!(e.contains("tls.key"), "{e}");
+    }
+}

@@ -1,0 +1,151 @@
+//! Tenant and key management from the command line (`warden tenant ...`, `warden key ...`).
+//!
+//! sled admits one process at a time: when no server holds the store, the commands open it
+//! directly; while `warden serve` runs, they go through its admin API, found through
+//! `data_dir/server.json` and authenticated with `data_dir/admin-token`.
+
+use std::path::Path;
+
+use anyhow::{Context, bail};
+use hyper::Method;
+use serde_json::{Value, json};
+
+use super::client::Client;
+use super::store::{Store, StoreError};
+use super::{ServerInfo, admin_token_path, server_info_path};
+
+/// One management operation.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// Create a tenant.
+    TenantCreate(String),
+    /// List tenants.
+    TenantList,
+    /// Delete a tenant and its keys.
+    TenantDelete(String),
+    /// Create a key for a tenant (printed once).
+    KeyCreate(String),
+    /// Revoke a key by id.
+    KeyRevoke(String),
+    /// List keys, of one tenant or all.
+    KeyList(Option<String>),
+}
+
+/// Runs `op` against the store in `data_dir`; returns what to print.
+pub fn run(data_dir: &Path, op: Op) -> anyhow::Result<String> {
+    match Store::open(data_dir) {
+        Ok(store) => direct(&store, op),
+        Err(StoreError::Locked(_)) => via_server(data_dir, op),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn direct(s: &Store, op: Op) -> anyhow::Result<String> {
+    Ok(match op {
+        Op::TenantCreate(n) => {
+            let t = s.create_tenant(&n)?;
+            format!("created tenant {:?} (id {})", t.name, t.id)
+        }
+        Op::TenantList => tenant_lines(&serde_json::to_value(s.tenants()?)?),
+        Op::TenantDelete(n) => {
+            s.delete_tenant(&n)?;
+            format!("deleted tenant {n:?} and its keys")
+        }
+        Op::KeyCreate(t) => {
+            let (info, key) = s.create_key(&t)?;
+            key_created(&t, &info.id, &key)
+        }
+        Op::KeyRevoke(id) => {
+            let info = s.revoke_key(&id)?;
+            format!("revoked key {} of tenant {:?}", info.id, info.tenant)
+        }
+        Op::KeyList(t) => key_lines(&serde_json::to_value(s.keys(t.as_deref())?)?),
+    })
+}
+
+fn key_created(tenant: &str, id: &str, key: &str) -> String {
+    format!("created key {id} for tenant {tenant:?}; the key (shown only now):\n{key}")
+}
+
+fn tenant_lines(v: &Value) -> String {
+    let mut out = String::new();
+    for t in v.as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{}\tid {}\tcreated {}\n",
+            t["name"].as_str().unwrap_or("?"),
+            t["id"],
+            t["created"]
+        ));
+    }
+    out.trim_end().to_string()
+}
+
+fn key_lines(v: &Value) -> String {
+    let mut out = String::new();
+    for k in v.as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{}\ttenant {}\tcreated {}{}\n",
+            k["id"].as_str().unwrap_or("?"),
+            k["tenant"].as_str().unwrap_or("?"),
+            k["created"],
+            if k["revoked"].as_bool() == Some(true) {
+                "\trevoked"
+            } else {
+                ""
+            }
+        ));
+    }
+    out.trim_end().to_string()
+}
+
+fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
+    let info_path = server_info_path(data_dir);
+    let info: ServerInfo = serde_json::from_slice(
+        &std::fs::read(&info_path)
+            .with_context(|| format!("the store is in use, but {} is missing", info_path.display()))?,
+    )
+    .with_context(|| format!("reading {}", info_path.display()))?;
+    let token_path = admin_token_path(data_dir);
+    let token = std::fs::read_to_string(&token_path).with_context(|| format!("reading {}", token_path.display()))?;
+    let client = Client::new(&info.url, info.cert.as_deref())?;
+    let (method, path, body) = match &op {
+        Op::TenantCreate(n) => (Method::POST, "/admin/v1/tenants".to_string(), Some(json!({"name": n}))),
+        Op::TenantList => (Method::GET, "/admin/v1/tenants".into(), None),
+        Op::TenantDelete(n) => (Method::DELETE, format!("/admin/v1/tenants/{n}"), None),
+        Op::KeyCreate(t) => (Method::POST, format!("/admin/v1/tenants/{t}/keys"), None),
+        Op::KeyRevoke(id) => (Method::DELETE, format!("/admin/v1/keys/{id}"), None),
+        Op::KeyList(Some(t)) => (Method::GET, format!("/admin/v1/tenants/{t}/keys"), None),
+        Op::KeyList(None) => (Method::GET, "/admin/v1/keys".into(), None),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let reply = rt.block_on(client.request(
+        method,
+        &path,
+        Some(token.trim()),
+        body.map(|b| b.to_string().into_bytes()),
+    ))?;
+    let v = reply.json()?;
+    if reply.status >= 400 {
+        bail!("{}", v["error"]["message"].as_str().unwrap_or(&reply.text()));
+    }
+    Ok(match op {
+        Op::TenantCreate(_) => format!(
+            "created tenant {:?} (id {})",
+            v["name"].as_str().unwrap_or("?"),
+            v["id"]
+        ),
+        Op::TenantList => tenant_lines(&v["data"]),
+        Op::TenantDelete(n) => format!("deleted tenant {n:?} and its keys"),
+        Op::KeyCreate(t) => key_created(
+            &t,
+            v["info"]["id"].as_str().unwrap_or("?"),
+            v["key"].as_str().unwrap_or("?"),
+        ),
+        Op::KeyRevoke(_) => format!(
+            "revoked key {} of tenant {:?}",
+            v["id"].as_str().unwrap_or("?"),
+            v["tenant"].as_str().unwrap_or("?")
+        ),
+        Op::KeyList(_) => key_lines(&v["data"]),
+    })
+}

@@ -1,0 +1,282 @@
+//! `warden serve`: HTTPS (hyper 1 + rustls, HTTP/1.1 and HTTP/2 by ALPN) in front of one engine
+//! thread, with tenants and API keys in sled.
+//!
+//! Modules, one concept each: [`config`] (the TOML file), [`store`] (tenants and keys), [`tls`]
+//! (certificates), [`worker`] (the engine thread and its bounded queue), [`openai`] (request
+//! shapes and the error JSON), [`stream`] (response and SSE shapes), [`metrics`], [`http`]
+//! (routing and endpoints) and [`client`] (the small HTTPS client the CLI uses to reach a running
+//! server's admin API).
+
+pub mod client;
+pub mod config;
+pub mod http;
+pub mod manage;
+pub mod metrics;
+pub mod openai;
+pub mod store;
+pub mod stream;
+pub mod tls;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+
+use crate::chat::ChatTemplate;
+use crate::engine::request::AdmissionLimits;
+use crate::engine::{Engine, EngineConfig};
+use crate::loaded::LoadedModel;
+use crate::tokenizer::Tokenizer;
+use config::ServeConfig;
+use metrics::Metrics;
+use openai::RequestLimits;
+use store::Store;
+use worker::EngineHandle;
+
+/// Everything a request handler reads.
+pub struct State {
+    /// The configuration in force.
+    pub cfg: ServeConfig,
+    /// Tenants and keys.
+    pub store: Store,
+    /// The engine thread.
+    pub engine: EngineHandle,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Its chat template.
+    pub chat: Option<Arc<ChatTemplate>>,
+    /// The model id clients name.
+    pub model_id: String,
+    /// Admission limits (the engine's).
+    pub admission: AdmissionLimits,
+    /// Request-shape limits.
+    pub request_limits: RequestLimits,
+    /// Start time, seconds since the epoch.
+    pub started: u64,
+    /// Set once shutdown begins: new requests get 503.
+    pub shutting_down: AtomicBool,
+}
+
+/// What a running server writes to `data_dir/server.json`, so the CLI can reach its admin API
+/// while it holds the store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ServerInfo {
+    /// Base URL, e.g. `https://127.0.0.1:8443`.
+    pub url: String,
+    /// The certificate to trust (absent for plain HTTP).
+    pub cert: Option<PathBuf>,
+    /// The server's process id.
+    pub pid: u32,
+}
+
+/// Where a data dir keeps the admin token.
+pub fn admin_token_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("admin-token")
+}
+
+/// Where a data dir keeps [`ServerInfo`].
+pub fn server_info_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("server.json")
+}
+
+/// Options from the command line.
+#[derive(Debug, Clone, Default)]
+pub struct ServeOptions {
+    /// Serve plain HTTP instead of HTTPS.
+    pub insecure_http: bool,
+}
+
+/// Runs the server until SIGTERM or SIGINT, then shuts down gracefully.
+pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
+    let store = Store::open(&cfg.data_dir)?;
+    first_start(&store, &cfg.data_dir)?;
+    let loaded = LoadedModel::open(&cfg.model)?;
+    let model_id = cfg
+        .model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into());
+    let mut ec = EngineConfig::for_model(&loaded.model);
+    if let Some(m) = cfg.limits.max_context {
+        ec.max_context = m;
+    }
+    ec.max_batch_tokens = cfg.limits.max_batch_tokens;
+    ec.max_running = cfg.limits.max_running;
+    ec.max_waiting = cfg.limits.queue;
+    ec.page_size = cfg.kv.page_size;
+    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
+    let engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
+        .context("starting the engine (see [kv] and [limits] in the config)")?;
+    let admission = engine.limits();
+    let metrics = Arc::new(Metrics::default());
+    let handle = EngineHandle::start(engine, cfg.limits.queue, metrics.clone())?;
+    let tls = if opts.insecure_http {
+        None
+    } else {
+        let t = tls::setup(&cfg.tls, &cfg.data_dir)?;
+        println!(
+            "TLS certificate {}{} (SHA-256 {})",
+            t.cert_path.display(),
+            if t.generated { ", generated now" } else { "" },
+            t.fingerprint
+        );
+        Some(t)
+    };
+    let state = Arc::new(State {
+        request_limits: RequestLimits {
+            default_max_tokens: cfg.limits.default_max_tokens,
+            max_n: cfg.limits.max_n,
+        },
+        cfg,
+        store,
+        engine: handle,
+        metrics,
+        tokenizer: loaded.tokenizer,
+        chat: loaded.chat,
+        model_id,
+        admission,
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        shutting_down: AtomicBool::new(false),
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("warden-http")
+        .build()?;
+    rt.block_on(run(state, tls))
+}
+
+/// With an empty store: tenant `default` and its key (printed once). Always: an admin token in
+/// `data_dir/admin-token` (mode 0600), made anew if the file is missing or stale.
+fn first_start(store: &Store, data_dir: &Path) -> anyhow::Result<()> {
+    if store.is_new()? {
+        store.create_tenant("default")?;
+        let (_, key) = store.create_key("default")?;
+        println!("created tenant \"default\"; its API key (shown only now): {key}");
+    }
+    let path = admin_token_path(data_dir);
+    let current = std::fs::read_to_string(&path).ok().map(|s| s.trim().to_string());
+    let valid = match &current {
+        Some(t) => store.is_admin(t)?,
+        None => false,
+    };
+    if !valid {
+        let token = store.new_admin_token()?;
+        tls::write_private(&path, format!("{token}\n").as_bytes())
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!("admin token in {}", path.display());
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        // Without signal handlers, run until killed.
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}
+
+async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()> {
+    let cfg = state.cfg.clone();
+    let listener = TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("listening on {}", cfg.listen))?;
+    let addr: SocketAddr = listener.local_addr()?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let info = ServerInfo {
+        url: format!("{scheme}://{addr}"),
+        cert: tls.as_ref().map(|t| t.cert_path.clone()),
+        pid: std::process::id(),
+    };
+    std::fs::write(server_info_path(&cfg.data_dir), serde_json::to_vec_pretty(&info)?)?;
+    println!("serving {} on {}", state.model_id, info.url);
+    let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(Duration::from_secs(cfg.timeouts.header_read_s))
+        .max_buf_size(cfg.limits.header_bytes.max(8192) + 1024);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(Duration::from_secs((cfg.timeouts.idle_s / 2).max(1))))
+        .keep_alive_timeout(Duration::from_secs(cfg.timeouts.idle_s))
+        .max_header_list_size(cfg.limits.header_bytes as u32);
+    let builder = Arc::new(builder);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let permits = Arc::new(tokio::sync::Semaphore::new(cfg.limits.max_connections));
+    let signal = shutdown_signal();
+    tokio::pin!(signal);
+    loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => p?,
+            _ = &mut signal => break,
+        };
+        let (tcp, _) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("accept: {e}");
+                    continue;
+                }
+            },
+            _ = &mut signal => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let (state, builder, acceptor) = (state.clone(), builder.clone(), acceptor.clone());
+        let watcher = graceful.watcher();
+        let handshake = Duration::from_secs(cfg.timeouts.handshake_s);
+        tokio::spawn(async move {
+            let _permit = permit;
+            let svc = service_fn(move |req| http::handle(state.clone(), req));
+            match acceptor {
+                Some(acceptor) => {
+                    let Ok(Ok(tls)) = tokio::time::timeout(handshake, acceptor.accept(tcp)).await else {
+                        return;
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(tls), svc).into_owned();
+                    let _ = watcher.watch(conn).await;
+                }
+                None => {
+                    let conn = builder.serve_connection(TokioIo::new(tcp), svc).into_owned();
+                    let _ = watcher.watch(conn).await;
+                }
+            }
+        });
+    }
+    println!(
+        "shutting down: finishing in-flight requests (up to {} s)",
+        cfg.timeouts.shutdown_s
+    );
+    state.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
+    drop(listener);
+    let deadline = Instant::now() + Duration::from_secs(cfg.timeouts.shutdown_s);
+    state.engine.shutdown(deadline).await;
+    // Streams have ended; give connections a moment to send their last bytes.
+    let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
+    state.store.flush()?;
+    let _ = std::fs::remove_file(server_info_path(&cfg.data_dir));
+    println!("stopped");
+    Ok(())
+}

@@ -1,0 +1,640 @@
+//! OpenAI's wire shapes: request bodies (parsed strictly, errors naming the field), the
+//! conversion into engine requests, and the error JSON every failure reaches the client as.
+
+use hyper::StatusCode;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::chat::ChatMessage;
+use crate::engine::request::{GenerateRequest, MAX_TOP_LOGPROBS, RejectReason};
+use crate::engine::sampling::SamplingParams;
+
+/// An error as the client sees it: `{"error": {"message", "type", "code", "param"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Stable machine-readable code.
+    pub code: &'static str,
+    /// Human message: names the field, the limit and the value.
+    pub message: String,
+    /// The request field at fault, if one is.
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    /// An error with no particular field.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    /// 400 for a field.
+    pub fn field(field: &str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            code: "invalid_parameter",
+            message: message.into(),
+            param: Some(field.into()),
+        }
+    }
+
+    /// OpenAI's `type` for this status.
+    pub fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::FORBIDDEN => "permission_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+            s if s.is_server_error() => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind(), "code": self.code, "param": self.param}})
+    }
+}
+
+impl From<RejectReason> for ApiError {
+    fn from(r: RejectReason) -> Self {
+        let status = match r {
+            RejectReason::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            _ => StatusCode::BAD_REQUEST,
+        };
+        let param = match &r {
+            RejectReason::InvalidParameter { field, .. } => Some(field.to_string()),
+            RejectReason::ContextLengthExceeded { .. } => Some("messages".into()),
+            RejectReason::EmptyPrompt | RejectReason::InvalidToken { .. } => Some("prompt".into()),
+            _ => None,
+        };
+        Self {
+            status,
+            code: r.code(),
+            message: r.to_string(),
+            param,
+        }
+    }
+}
+
+/// Deepest nesting of arrays and objects in a JSON text (strings skipped), without parsing it.
+pub fn json_depth(bytes: &[u8]) -> usize {
+    let (mut depth, mut max, mut in_str, mut esc) = (0usize, 0usize, false, false);
+    for &b in bytes {
+        if in_str {
+            match (esc, b) {
+                (true, _) => esc = false,
+                (false, b'\\') => esc = true,
+                (false, b'"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_str = true,
+            b'[' | b'{' => {
+                depth += 1;
+                max = max.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    max
+}
+
+/// Fields `POST /v1/chat/completions` accepts.
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+];
+
+/// Fields `POST /v1/completions` accepts.
+pub const COMPLETION_FIELDS: &[&str] = &[
+    "prompt",
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "user",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+];
+
+/// Parses a request body as `T`, whose top-level fields are `allowed`, with errors that name
+/// the field at fault.
+pub fn parse_body<T: for<'de> Deserialize<'de>>(
+    bytes: &[u8],
+    max_depth: usize,
+    allowed: &[&str],
+) -> Result<T, ApiError> {
+    typed(parse_object(bytes, max_depth, allowed)?)
+}
+
+/// Checks depth and syntax, and that the body is an object with only `allowed` fields.
+pub fn parse_object(bytes: &[u8], max_depth: usize, allowed: &[&str]) -> Result<Value, ApiError> {
+    if json_depth(bytes) > max_depth {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the request body nests deeper than {max_depth} levels"),
+        ));
+    }
+    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_json",
+            format!("the request body is not valid JSON: {e}"),
+        )
+    })?;
+    let Value::Object(map) = &value else {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "the request body must be a JSON object",
+        ));
+    };
+    if let Some(k) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
+        return Err(ApiError::field(k, format!("unknown field {k:?}")));
+    }
+    Ok(value)
+}
+
+/// Deserializes `value` as `T`; errors name the path of the field at fault.
+fn typed<T: for<'de> Deserialize<'de>>(value: Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("invalid request body: {inner}"),
+            )
+        } else {
+            ApiError::field(&path, format!("invalid {path}: {inner}"))
+        }
+    })
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+impl Stop {
+    fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// A chat message's content: a string or a list of text parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Parts; only `{"type": "text", "text": ...}` is supported.
+    Parts(Vec<Part>),
+}
+
+/// A content part.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Part {
+    /// Must be `text`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// A chat message.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Message {
+    /// `system`, `user`, `assistant` (or `developer`, read as `system`).
+    pub role: String,
+    /// What it says (`null` for an empty assistant turn).
+    #[serde(default)]
+    pub content: Option<Content>,
+    /// Speaker name (accepted, not rendered).
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+/// Sampling and length fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Common {
+    /// Model id.
+    pub model: String,
+    /// Stream SSE chunks.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    /// Stream options.
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    /// Completion tokens.
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    /// Completion tokens (newer name; wins over `max_tokens`).
+    #[serde(default)]
+    pub max_completion_tokens: Option<i64>,
+    /// 0 to 2; default 1.
+    #[serde(default)]
+    pub temperature: Option<f32>,
+    /// (0, 1]; default 1.
+    #[serde(default)]
+    pub top_p: Option<f32>,
+    /// Choices; default 1.
+    #[serde(default)]
+    pub n: Option<i64>,
+    /// Stop strings.
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    /// RNG seed.
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Accepted only as 0.
+    #[serde(default)]
+    pub presence_penalty: Option<f32>,
+    /// Accepted only as 0.
+    #[serde(default)]
+    pub frequency_penalty: Option<f32>,
+    /// End-user id (accepted, unused).
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Extension: keep the k most likely tokens.
+    #[serde(default)]
+    pub top_k: Option<i64>,
+    /// Extension: min-p sampling.
+    #[serde(default)]
+    pub min_p: Option<f32>,
+    /// Extension: repetition penalty (1 is none).
+    #[serde(default)]
+    pub repetition_penalty: Option<f32>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Return log-probabilities.
+    pub logprobs: Option<bool>,
+    /// Alternatives per token (needs `logprobs`).
+    pub top_logprobs: Option<i64>,
+    /// The shared fields.
+    pub common: Common,
+}
+
+#[derive(Deserialize)]
+struct ChatOwn {
+    messages: Vec<Message>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<i64>,
+}
+
+impl ChatRequest {
+    /// Parses a body; unknown fields are refused by name.
+    pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
+        let v = parse_object(bytes, max_depth, CHAT_FIELDS)?;
+        let own: ChatOwn = typed(v.clone())?;
+        Ok(Self {
+            messages: own.messages,
+            logprobs: own.logprobs,
+            top_logprobs: own.top_logprobs,
+            common: typed(v)?,
+        })
+    }
+}
+
+/// A completion prompt: text or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// A one-element list of text.
+    TextList(Vec<String>),
+    /// A one-element list of token ids.
+    TokensList(Vec<Vec<u32>>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// The shared fields.
+    pub common: Common,
+}
+
+#[derive(Deserialize)]
+struct CompletionOwn {
+    prompt: Prompt,
+}
+
+impl CompletionRequest {
+    /// Parses a body; unknown fields are refused by name.
+    pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
+        let v = parse_object(bytes, max_depth, COMPLETION_FIELDS)?;
+        let own: CompletionOwn = typed(v.clone())?;
+        Ok(Self {
+            prompt: own.prompt,
+            common: typed(v)?,
+        })
+    }
+}
+
+/// What both endpoints turn into before tokenizing.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Choices.
+    pub n: usize,
+    /// Stream?
+    pub stream: bool,
+    /// Usage chunk at the end of a stream?
+    pub include_usage: bool,
+    /// The engine request for choice 0 (the others differ in seed).
+    pub req: GenerateRequest,
+}
+
+/// Limits the conversion checks.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    /// `max_tokens` when none is given.
+    pub default_max_tokens: usize,
+    /// Most `n`.
+    pub max_n: usize,
+}
+
+impl Common {
+    /// Checks the shared fields and builds the engine request for `owner` and `prompt`.
+    pub fn plan(&self, owner: u64, prompt: Vec<u32>, lim: &RequestLimits) -> Result<Plan, ApiError> {
+        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
+            None => lim.default_max_tokens,
+            Some(m) if m >= 1 => usize::try_from(m).unwrap_or(usize::MAX),
+            Some(m) => {
+                let f = if self.max_completion_tokens.is_some() {
+                    "max_completion_tokens"
+                } else {
+                    "max_tokens"
+                };
+                return Err(ApiError::field(f, format!("{f} must be at least 1, got {m}")));
+            }
+        };
+        let n = match self.n {
+            None => 1,
+            Some(n) if n >= 1 && n as usize <= lim.max_n => n as usize,
+            Some(n) => return Err(ApiError::field("n", format!("n must be 1 to {}, got {n}", lim.max_n))),
+        };
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::field(
+                "temperature",
+                format!("temperature must be 0 to 2, got {temperature}"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::field(
+                "top_p",
+                format!("top_p must be in (0, 1], got {top_p}"),
+            ));
+        }
+        for (f, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if let Some(v) = v
+                && v != 0.0
+            {
+                return Err(ApiError::field(f, format!("{f} is not supported (only 0), got {v}")));
+            }
+        }
+        let top_k = match self.top_k {
+            None => 0,
+            Some(k) if k >= 0 => k as usize,
+            Some(k) => return Err(ApiError::field("top_k", format!("top_k must be 0 or more, got {k}"))),
+        };
+        let seed = self.seed.map(|s| s as u64);
+        let sampling = SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p: self.min_p.unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            seed,
+            ..SamplingParams::default()
+        };
+        let stop = self.stop.clone().map(Stop::into_vec).unwrap_or_default();
+        Ok(Plan {
+            n,
+            stream: self.stream.unwrap_or(false),
+            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            req: GenerateRequest {
+                owner,
+                prompt,
+                sampling,
+                max_tokens,
+                stop,
+                ignore_eos: false,
+                logprobs: None,
+            },
+        })
+    }
+}
+
+impl ChatRequest {
+    /// The messages as the chat template takes them.
+    pub fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::field("messages", "messages must not be empty"));
+        }
+        self.messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                let role = match m.role.as_str() {
+                    "system" | "developer" => "system",
+                    "user" => "user",
+                    "assistant" => "assistant",
+                    other => {
+                        return Err(ApiError::field(
+                            &format!("messages[{i}].role"),
+                            format!("messages[{i}].role must be system, developer, user or assistant, got {other:?}"),
+                        ));
+                    }
+                };
+                let content = match &m.content {
+                    None => String::new(),
+                    Some(Content::Text(t)) => t.clone(),
+                    Some(Content::Parts(parts)) => {
+                        let mut s = String::new();
+                        for (j, p) in parts.iter().enumerate() {
+                            match (&p.kind[..], &p.text) {
+                                ("text", Some(t)) => s.push_str(t),
+                                _ => {
+                                    return Err(ApiError::field(
+                                        &format!("messages[{i}].content[{j}]"),
+                                        format!("messages[{i}].content[{j}]: only text parts are supported"),
+                                    ));
+                                }
+                            }
+                        }
+                        s
+                    }
+                };
+                Ok(ChatMessage {
+                    role: role.into(),
+                    content,
+                })
+            })
+            .collect()
+    }
+
+    /// `top_logprobs` as the engine takes it (`None`: no log-probabilities).
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, None) => Ok(None),
+            (false, Some(_)) => Err(ApiError::field("top_logprobs", "top_logprobs needs logprobs: true")),
+            (true, None) => Ok(Some(0)),
+            (true, Some(k)) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Ok(Some(k as usize)),
+            (true, Some(k)) => Err(ApiError::field(
+                "top_logprobs",
+                format!("top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, got {k}"),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lim() -> RequestLimits {
+        RequestLimits {
+            default_max_tokens: 16,
+            max_n: 4,
+        }
+    }
+
+    #[test]
+    fn parse_errors_name_the_field() {
+        let e = ChatRequest::parse(br#"{"model":"m","messages":[],"temperature":"hot"}"#, 8).unwrap_err();
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_parameter", Some("temperature")));
+        let e = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user","content":"x","colour":1}]}"#,
+            8,
+        )
+        .unwrap_err();
+        assert!(e.message.contains("colour"), "{e:?}");
+        let e = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"user"}],"bogus":1}"#, 8).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("bogus"));
+        let e = ChatRequest::parse(b"{\"model\":", 8).unwrap_err();
+        assert_eq!(e.code, "invalid_json");
+        let e = ChatRequest::parse(br#"{"model":"m"}"#, 8).unwrap_err();
+        assert!(e.message.contains("messages"), "{e:?}");
+        let deep = format!("{}{}", "[".repeat(40), "]".repeat(40));
+        assert_eq!(
+            parse_body::<Value>(deep.as_bytes(), 32, &[]).unwrap_err().code,
+            "invalid_json"
+        );
+    }
+
+    #[test]
+    fn depth_skips_brackets_in_strings() {
+        assert_eq!(json_depth(br#"{"a":"[[[[\"{{{"}"#), 1);
+        assert_eq!(json_depth(br#"[[{"a":[1]}]]"#), 4);
+    }
+
+    #[test]
+    fn plan_checks_ranges_by_name() {
+        let c = |j: &str| CompletionRequest::parse(j.as_bytes(), 8).unwrap().common;
+        let p = c(r#"{"model":"m","prompt":"x","max_completion_tokens":5,"max_tokens":9,"stop":"\n","seed":3}"#)
+            .plan(1, vec![1], &lim())
+            .unwrap();
+        assert_eq!(
+            (p.req.max_tokens, p.req.stop.clone(), p.req.sampling.seed),
+            (5, vec!["\n".to_string()], Some(3))
+        );
+        for (body, field) in [
+            (r#"{"model":"m","prompt":"x","max_tokens":0}"#, "max_tokens"),
+            (r#"{"model":"m","prompt":"x","n":5}"#, "n"),
+            (r#"{"model":"m","prompt":"x","temperature":3}"#, "temperature"),
+            (r#"{"model":"m","prompt":"x","top_p":0}"#, "top_p"),
+            (r#"{"model":"m","prompt":"x","presence_penalty":1}"#, "presence_penalty"),
+        ] {
+            let e = c(body).plan(1, vec![1], &lim()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}");
+        }
+    }
+
+    #[test]
+    fn chat_messages_and_logprobs() {
+        let r = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"be brief"}]},{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":2}"#, 8)
+        .unwrap();
+        let m = r.chat_messages().unwrap();
+        assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "be brief"));
+        assert_eq!(r.logprobs().unwrap(), Some(2));
+        let r = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#, 8).unwrap();
+        assert_eq!(
+            r.chat_messages().unwrap_err().param.as_deref(),
+            Some("messages[0].role")
+        );
+    }
+}

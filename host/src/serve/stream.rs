@@ -1,0 +1,323 @@
+//! Turning engine updates into OpenAI responses: SSE chunks for streams, one JSON body otherwise.
+//!
+//! [`Responder`] is pure: it takes each choice's updates in order and produces the bytes to send,
+//! so the chunk shapes are tested without a server. [`SseBody`] drives it from the request's
+//! channel as hyper polls for data; dropping it (the client went away) drops the receiver, which is
+//! how the engine learns to cancel.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use super::openai::ApiError;
+use super::worker::Update;
+use crate::engine::TokenLogprobs;
+use crate::engine::request::{AbortReason, Outcome};
+use crate::tokenizer::Tokenizer;
+
+/// Which endpoint's shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `chat.completion` / `chat.completion.chunk`.
+    Chat,
+    /// `text_completion`.
+    Completion,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Choice {
+    text: String,
+    logprobs: Vec<Value>,
+    finish: Option<&'static str>,
+    started: bool,
+    completion_tokens: usize,
+}
+
+/// Builds a response from the updates of `n` choices.
+pub struct Responder {
+    api: Api,
+    id: String,
+    created: u64,
+    model: String,
+    stream: bool,
+    include_usage: bool,
+    tokenizer: Arc<Tokenizer>,
+    choices: Vec<Choice>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    done: usize,
+    error: Option<ApiError>,
+}
+
+/// The error an aborted request ends with.
+pub fn abort_error(r: &AbortReason) -> ApiError {
+    use hyper::StatusCode;
+    match r {
+        AbortReason::Cancelled => ApiError::new(StatusCode::BAD_REQUEST, "cancelled", "the request was cancelled"),
+        AbortReason::Shutdown => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "the server is shutting down",
+        ),
+        AbortReason::Isolation(_) => ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "isolation_violation",
+            "the request was stopped by a KV isolation check; no data from it was returned",
+        ),
+        AbortReason::Kv(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "kv_unavailable", e.to_string()),
+    }
+}
+
+fn token_value(tok: &Tokenizer, id: u32, logprob: f32) -> Value {
+    let bytes = tok.token_bytes(id);
+    json!({"token": String::from_utf8_lossy(&bytes), "logprob": logprob, "bytes": bytes})
+}
+
+impl Responder {
+    /// A responder for `n` choices.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        api: Api,
+        model: &str,
+        n: usize,
+        stream: bool,
+        include_usage: bool,
+        tokenizer: Arc<Tokenizer>,
+        id: String,
+        created: u64,
+    ) -> Self {
+        Self {
+            api,
+            id,
+            created,
+            model: model.into(),
+            stream,
+            include_usage,
+            tokenizer,
+            choices: vec![Choice::default(); n],
+            prompt_tokens: 0,
+            cached_tokens: 0,
+            done: 0,
+            error: None,
+        }
+    }
+
+    /// Whether every choice has ended (or the request failed).
+    pub fn finished(&self) -> bool {
+        self.done == self.choices.len() || self.error.is_some()
+    }
+
+    /// The error the request failed with, if it did.
+    pub fn error(&self) -> Option<&ApiError> {
+        self.error.as_ref()
+    }
+
+    fn object(&self) -> &'static str {
+        match (self.api, self.stream) {
+            (Api::Chat, true) => "chat.completion.chunk",
+            (Api::Chat, false) => "chat.completion",
+            (Api::Completion, _) => "text_completion",
+        }
+    }
+
+    fn chunk(&self, choices: Value, usage: Value) -> Bytes {
+        let mut v = json!({
+            "id": self.id, "object": self.object(), "created": self.created, "model": self.model,
+            "system_fingerprint": null, "choices": choices,
+        });
+        if self.include_usage {
+            v["usage"] = usage;
+        }
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+
+    fn stream_choice(
+        &self,
+        index: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        finish: Option<&str>,
+        first: bool,
+    ) -> Value {
+        match self.api {
+            Api::Chat => {
+                let mut delta = json!({});
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                if !text.is_empty() || (first && finish.is_none()) {
+                    delta["content"] = json!(text);
+                }
+                json!({"index": index, "delta": delta, "logprobs": logprobs.map(|c| json!({"content": c})), "finish_reason": finish})
+            }
+            Api::Completion => json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish}),
+        }
+    }
+
+    fn usage(&self) -> Value {
+        let completion: usize = self.choices.iter().map(|c| c.completion_tokens).sum();
+        json!({
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+
+    /// Takes choice `index`'s next update; appends any SSE bytes it produces to `out`.
+    pub fn push(&mut self, index: usize, u: Update, out: &mut VecDeque<Bytes>) {
+        if self.finished() || index >= self.choices.len() {
+            return;
+        }
+        match u {
+            Update::Token { text, token, logprobs } => {
+                let lp = logprobs.map(|l| self.logprob_value(token, &l));
+                let c = &mut self.choices[index];
+                c.completion_tokens += 1;
+                if self.stream {
+                    let first = !c.started;
+                    c.started = true;
+                    if !text.is_empty() || first || lp.is_some() {
+                        let ch = self.stream_choice(index, &text, lp.map(|v| json!([v])), None, first);
+                        out.push_back(self.chunk(json!([ch]), Value::Null));
+                    }
+                } else {
+                    c.text.push_str(&text);
+                    c.logprobs.extend(lp);
+                }
+            }
+            Update::Done { outcome, text, usage } => {
+                self.prompt_tokens = usage.prompt_tokens;
+                self.cached_tokens = self.cached_tokens.max(usage.cached_tokens);
+                let finish = match outcome {
+                    Outcome::Finished(f) => f.as_str(),
+                    Outcome::Aborted(r) => {
+                        self.fail(abort_error(&r), out);
+                        return;
+                    }
+                };
+                let c = &mut self.choices[index];
+                c.completion_tokens = usage.completion_tokens;
+                c.finish = Some(finish);
+                self.done += 1;
+                if self.stream {
+                    let first = !c.started;
+                    c.started = true;
+                    let ch = self.stream_choice(index, &text, None, Some(finish), first);
+                    out.push_back(self.chunk(json!([ch]), Value::Null));
+                    if self.finished() {
+                        if self.include_usage {
+                            out.push_back(self.chunk(json!([]), self.usage()));
+                        }
+                        out.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    }
+                } else {
+                    c.text.push_str(&text);
+                }
+            }
+            Update::Rejected(r) => self.fail(r.reason.into(), out),
+            Update::ShuttingDown => self.fail(abort_error(&AbortReason::Shutdown), out),
+        }
+    }
+
+    fn fail(&mut self, e: ApiError, out: &mut VecDeque<Bytes>) {
+        if self.stream {
+            out.push_back(Bytes::from(format!("data: {}\n\n", e.body())));
+        }
+        self.error = Some(e);
+    }
+
+    fn logprob_value(&self, token: u32, l: &TokenLogprobs) -> Value {
+        let mut v = token_value(&self.tokenizer, token, l.logprob);
+        v["top_logprobs"] = Value::Array(l.top.iter().map(|&(t, p)| token_value(&self.tokenizer, t, p)).collect());
+        v
+    }
+
+    /// The whole (non-streamed) response body.
+    pub fn body(&self) -> Value {
+        let choices: Vec<Value> = self
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| match self.api {
+                Api::Chat => json!({
+                    "index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": if c.logprobs.is_empty() { Value::Null } else { json!({"content": c.logprobs}) },
+                    "finish_reason": c.finish,
+                }),
+                Api::Completion => json!({"index": i, "text": c.text, "logprobs": null, "finish_reason": c.finish}),
+            })
+            .collect();
+        json!({
+            "id": self.id, "object": self.object(), "created": self.created, "model": self.model,
+            "system_fingerprint": null, "choices": choices, "usage": self.usage(),
+        })
+    }
+}
+
+/// A streamed response body: SSE bytes as the engine produces them.
+pub struct SseBody {
+    rx: mpsc::UnboundedReceiver<(usize, Update)>,
+    responder: Responder,
+    pending: VecDeque<Bytes>,
+    ended: bool,
+}
+
+impl SseBody {
+    /// A body over `rx`, starting with what `responder` already produced (`pending`).
+    pub fn new(rx: mpsc::UnboundedReceiver<(usize, Update)>, responder: Responder, pending: VecDeque<Bytes>) -> Self {
+        let ended = responder.finished();
+        Self {
+            rx,
+            responder,
+            pending,
+            ended,
+        }
+    }
+}
+
+impl Body for SseBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
+        loop {
+            if !this.pending.is_empty() {
+                // Coalesce what is ready into one frame.
+                let mut buf = Vec::new();
+                while let Some(b) = this.pending.pop_front() {
+                    buf.extend_from_slice(&b);
+                }
+                return Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))));
+            }
+            if this.ended {
+                return Poll::Ready(None);
+            }
+            match this.rx.poll_recv(cx) {
+                Poll::Ready(Some((i, u))) => {
+                    this.responder.push(i, u, &mut this.pending);
+                    while let Ok((i, u)) = this.rx.try_recv() {
+                        this.responder.push(i, u, &mut this.pending);
+                    }
+                    this.ended = this.responder.finished();
+                }
+                Poll::Ready(None) => {
+                    // The engine dropped the request without a last update: say so, once.
+                    if !this.responder.finished() {
+                        let e = abort_error(&AbortReason::Shutdown);
+                        this.pending.push_back(Bytes::from(format!("data: {}\n\n", e.body())));
+                    }
+                    this.ended = true;
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}

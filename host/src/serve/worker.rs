@@ -1,0 +1,260 @@
+//! The engine thread: owns the [`Engine`], takes jobs from a bounded queue, steps, and sends each
+//! request's tokens to its own channel.
+//!
+//! A job's channel is its lifeline: when the client goes away its receiver is dropped, and the
+//! next loop cancels the request through the engine's retirement path, so its pages return to the
+//! pool once unreferenced. Nothing here blocks on a client: sends never wait, and a request never
+//! receives more messages than its `max_tokens` plus one.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::metrics::Metrics;
+use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
+use crate::engine::{Engine, Event, TokenLogprobs};
+
+/// What a request's channel receives.
+#[derive(Debug)]
+pub enum Update {
+    /// A generated token and the text it completes (may be empty while text is held back).
+    Token {
+        /// The token's text now safe to send.
+        text: String,
+        /// Its id.
+        token: u32,
+        /// When asked for.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The last message: how it ended, remaining text, token counts.
+    Done {
+        /// Finished or aborted.
+        outcome: Outcome,
+        /// Held-back text released at the end.
+        text: String,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// Admission refused it; nothing ran.
+    Rejected(Rejected),
+    /// The server is shutting down and took no new work.
+    ShuttingDown,
+}
+
+/// One request for the engine.
+pub struct Job {
+    /// The request (its owner is the tenant's id).
+    pub req: GenerateRequest,
+    /// The tenant's name, for metrics.
+    pub tenant: String,
+    /// Where its updates go.
+    pub tx: mpsc::UnboundedSender<Update>,
+}
+
+enum Cmd {
+    Job(Job, Instant),
+    Shutdown(Instant, oneshot::Sender<()>),
+}
+
+/// The queue is full: the caller answers 503.
+#[derive(Debug)]
+pub struct Busy;
+
+/// The handle the HTTP side holds.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Cmd>,
+    alive: Arc<AtomicBool>,
+}
+
+struct Live {
+    tx: mpsc::UnboundedSender<Update>,
+    tenant: String,
+    submitted: Instant,
+    last: Option<Instant>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread with a queue of `queue` jobs.
+    pub fn start(engine: Engine, queue: usize, metrics: Arc<Metrics>) -> std::io::Result<Self> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(queue);
+        let alive = Arc::new(AtomicBool::new(true));
+        let flag = alive.clone();
+        std::thread::Builder::new()
+            .name("warden-engine".into())
+            .spawn(move || {
+                run(engine, rx, &metrics);
+                flag.store(false, Ordering::SeqCst);
+            })?;
+        Ok(Self { tx, alive })
+    }
+
+    /// Queues a job without waiting; [`Busy`] when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), Busy> {
+        match self.tx.try_send(Cmd::Job(job, Instant::now())) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(Busy),
+            Err(TrySendError::Disconnected(Cmd::Job(job, _))) => {
+                let _ = job.tx.send(Update::ShuttingDown);
+                Ok(())
+            }
+            Err(TrySendError::Disconnected(_)) => Ok(()),
+        }
+    }
+
+    /// Whether the engine thread is running.
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    /// Lets in-flight requests finish until `deadline`, cancels what remains, and stops the
+    /// thread; resolves when it has.
+    pub async fn shutdown(&self, deadline: Instant) {
+        let (done_tx, done_rx) = oneshot::channel();
+        // The queue may be full: keep offering the command until it fits or the thread is gone.
+        let mut cmd = Cmd::Shutdown(deadline, done_tx);
+        loop {
+            match self.tx.try_send(cmd) {
+                Ok(()) => break,
+                Err(TrySendError::Full(c)) => {
+                    cmd = c;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(TrySendError::Disconnected(_)) => return,
+            }
+        }
+        let _ = done_rx.await;
+    }
+}
+
+fn outcome_label(o: &Outcome) -> &'static str {
+    match o {
+        Outcome::Finished(FinishReason::Stop) => "stop",
+        Outcome::Finished(FinishReason::Length) => "length",
+        Outcome::Aborted(AbortReason::Cancelled) => "cancelled",
+        Outcome::Aborted(AbortReason::Shutdown) => "shutdown",
+        Outcome::Aborted(_) => "failed",
+    }
+}
+
+fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
+    let mut live: HashMap<RequestId, Live> = HashMap::new();
+    let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
+    let publish = |engine: &Engine| {
+        let (waiting, running) = engine.queue_lengths();
+        metrics.engine_state(engine.kv_counters(), waiting, running);
+    };
+    publish(&engine);
+    loop {
+        // Block for work only when there is nothing to step.
+        let mut cmds = Vec::new();
+        if !engine.has_work() {
+            let wait = if shutdown.is_some() {
+                Duration::ZERO
+            } else {
+                Duration::from_millis(500)
+            };
+            match rx.recv_timeout(wait) {
+                Ok(c) => cmds.push(c),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        cmds.extend(rx.try_iter());
+        for cmd in cmds {
+            match cmd {
+                Cmd::Job(job, submitted) => {
+                    if shutdown.is_some() {
+                        let _ = job.tx.send(Update::ShuttingDown);
+                        continue;
+                    }
+                    match engine.submit(job.req) {
+                        Ok(id) => {
+                            live.insert(
+                                id,
+                                Live {
+                                    tx: job.tx,
+                                    tenant: job.tenant,
+                                    submitted,
+                                    last: None,
+                                },
+                            );
+                        }
+                        Err(rej) => {
+                            metrics.rejected(&job.tenant, rej.reason.code());
+                            let _ = job.tx.send(Update::Rejected(rej));
+                        }
+                    }
+                }
+                Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
+            }
+        }
+        // Clients that went away: cancel through the retirement path.
+        let gone: Vec<RequestId> = live
+            .iter()
+            .filter(|(_, l)| l.tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            engine.cancel(id);
+        }
+        let events = match &shutdown {
+            Some((deadline, _)) if Instant::now() >= *deadline => engine.abort_all(),
+            _ => engine.step(),
+        };
+        for ev in events {
+            match ev {
+                Event::Token {
+                    id,
+                    token,
+                    text,
+                    logprobs,
+                } => {
+                    if let Some(l) = live.get_mut(&id) {
+                        let now = Instant::now();
+                        match l.last {
+                            None => metrics.first_token(now - l.submitted),
+                            Some(t) => metrics.inter_token(now - t),
+                        }
+                        l.last = Some(now);
+                        let _ = l.tx.send(Update::Token { text, token, logprobs });
+                    }
+                }
+                Event::Done {
+                    id,
+                    outcome,
+                    text,
+                    usage,
+                } => {
+                    if let Some(l) = live.remove(&id) {
+                        metrics.request_done(
+                            &l.tenant,
+                            outcome_label(&outcome),
+                            usage.prompt_tokens,
+                            usage.completion_tokens,
+                        );
+                        let _ = l.tx.send(Update::Done { outcome, text, usage });
+                    }
+                }
+            }
+        }
+        publish(&engine);
+        if shutdown.is_some() && !engine.has_work() {
+            break;
+        }
+    }
+    // Anything still queued gets its answer.
+    for cmd in rx.try_iter() {
+        if let Cmd::Job(job, _) = cmd {
+            let _ = job.tx.send(Update::ShuttingDown);
+        }
+    }
+    publish(&engine);
+    if let Some((_, done)) = shutdown {
+        let _ = done.send(());
+    }
+}
