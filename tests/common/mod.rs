@@ -1,0 +1,254 @@
+//! The harness: starts the real `warden serve` binary on a fresh data dir and a free port, and
+//! talks to it over TLS with the generated certificate.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use hyper::Method;
+use warden::serve::client::{Client, Reply};
+
+/// The checkout's root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("host/ is in the checkout")
+        .to_path_buf()
+}
+
+/// The `warden` binary of this build.
+pub fn warden_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_warden"))
+}
+
+/// The default model, which the tests need.
+pub fn model() -> PathBuf {
+    let m = root().join("models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(m.exists(), "model missing: run scripts/fetch-model.sh");
+    m
+}
+
+/// A fresh directory under the target dir.
+pub fn temp_dir(tag: &str) -> PathBuf {
+    let d = root()
+        .join("target/e2e")
+        .join(format!("{tag}-{}-{}", std::process::id(), rand::random::<u32>()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("create temp dir");
+    d
+}
+
+/// A running server.
+pub struct Server {
+    child: Option<Child>,
+    /// Its data dir.
+    pub data_dir: PathBuf,
+    /// Its config file.
+    pub config: PathBuf,
+    /// Base URL.
+    pub url: String,
+    /// The generated certificate.
+    pub cert: PathBuf,
+    /// The `default` tenant's key, when this start created it.
+    pub default_key: Option<String>,
+    /// The admin token.
+    pub admin: String,
+    /// Everything it printed so far is collected here.
+    pub output: mpsc::Receiver<String>,
+}
+
+impl Server {
+    /// Starts a server on a new data dir with `extra` TOML appended to its config.
+    pub fn start(tag: &str, extra: &str) -> Server {
+        let data_dir = temp_dir(tag);
+        let config = data_dir.join("warden.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\n{extra}\n",
+                data_dir.join("data"),
+                model()
+            ),
+        )
+        .expect("write config");
+        Self::start_with(data_dir, config)
+    }
+
+    /// Starts a server on an existing data dir and config (a restart).
+    pub fn start_with(data_dir: PathBuf, config: PathBuf) -> Server {
+        let data = data_dir.join("data");
+        let _ = std::fs::remove_file(data.join("server.json"));
+        let mut child = Command::new(warden_bin())
+            .args(["serve", "--config"])
+            .arg(&config)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start warden serve");
+        let (tx, rx) = mpsc::channel();
+        for pipe in [
+            Box::new(child.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().expect("stderr")),
+        ] {
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    let _ = tx.send(line);
+                }
+            });
+        }
+        // Wait for "serving ... on URL", collecting the lines before it.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut lines = Vec::new();
+        let url = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(l) => {
+                    if let Some(u) = l.strip_prefix("serving ").and_then(|r| r.split(" on ").nth(1)) {
+                        break u.to_string();
+                    }
+                    lines.push(l);
+                }
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("the server did not start; it printed:\n{}", lines.join("\n"));
+                }
+            }
+        };
+        let default_key = lines
+            .iter()
+            .find_map(|l| l.split("API key (shown only now): ").nth(1).map(str::to_string));
+        let admin = std::fs::read_to_string(data.join("admin-token"))
+            .expect("admin token file")
+            .trim()
+            .to_string();
+        Server {
+            child: Some(child),
+            cert: data.join("tls/cert.pem"),
+            data_dir,
+            config,
+            url,
+            default_key,
+            admin,
+            output: rx,
+        }
+    }
+
+    /// A client trusting the server's certificate.
+    pub fn client(&self) -> Client {
+        Client::new(&self.url, Some(&self.cert)).expect("client")
+    }
+
+    /// The default tenant's key.
+    pub fn key(&self) -> &str {
+        self.default_key
+            .as_deref()
+            .expect("this start created the default tenant")
+    }
+
+    /// Creates a tenant and a key through the admin API; returns the key.
+    pub async fn tenant_with_key(&self, name: &str) -> String {
+        let c = self.client();
+        let body = serde_json::json!({"name": name}).to_string().into_bytes();
+        let r = c
+            .request(Method::POST, "/admin/v1/tenants", Some(&self.admin), Some(body))
+            .await
+            .expect("create tenant");
+        assert_eq!(r.status, 201, "{}", r.text());
+        let r = c
+            .request(
+                Method::POST,
+                &format!("/admin/v1/tenants/{name}/keys"),
+                Some(&self.admin),
+                None,
+            )
+            .await
+            .expect("create key");
+        assert_eq!(r.status, 201, "{}", r.text());
+        r.json().expect("json")["key"].as_str().expect("key").to_string()
+    }
+
+    /// `GET /metrics`.
+    pub async fn metrics(&self) -> String {
+        let r = self
+            .client()
+            .request(Method::GET, "/metrics", Some(&self.admin), None)
+            .await
+            .expect("metrics");
+        assert_eq!(r.status, 200);
+        r.text()
+    }
+
+    /// One metric's value (the first line starting with `series`).
+    pub async fn metric(&self, series: &str) -> f64 {
+        let m = self.metrics().await;
+        m.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
+    /// Sends SIGTERM and waits for the process to exit; returns its exit status success.
+    pub fn stop(&mut self) -> bool {
+        let Some(mut child) = self.child.take() else {
+            return true;
+        };
+        let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return status.success();
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// A chat request body.
+pub fn chat_body(model: &str, content: &str, max_tokens: usize, stream: bool) -> Vec<u8> {
+    serde_json::json!({
+        "model": model, "messages": [{"role": "user", "content": content}],
+        "temperature": 0, "max_tokens": max_tokens, "stream": stream,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+/// The model id the server serves.
+pub const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+/// The text of a non-streamed chat reply.
+pub fn content(r: &Reply) -> String {
+    let v = r.json().expect("json");
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The text a chat SSE stream carries: every chunk's `delta.content`, in order.
+pub fn sse_content(sse: &str) -> String {
+    sse.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["delta"]["content"].as_str().map(str::to_string))
+        .collect()
+}

@@ -1,0 +1,504 @@
+//! The server as clients see it: errors, isolation between tenants, restarts, disconnects, the
+//! CLI beside a running server. Each test starts its own `warden serve` process.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt;
+use hyper::Method;
+use serde_json::json;
+use warden::serve::client::Proto;
+
+use common::{MODEL, Server, chat_body, content, sse_content};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+/// (name, method, path, bearer, body, status, error code).
+type Case<'a> = (&'a str, Method, &'a str, Option<&'a str>, Vec<u8>, u16, &'a str);
+
+#[test]
+fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
+    let s = Server::start("bad", "[limits]\nbody_bytes = 65536\nmax_context = 2048\n");
+    rt().block_on(async {
+        let c = s.client();
+        let key = s.key().to_string();
+        let chat = "/v1/chat/completions";
+        let long_ids: Vec<u32> = (0..3000).map(|i| 100 + i % 1000).collect();
+        let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "no key",
+                Method::POST,
+                chat,
+                None,
+                chat_body(MODEL, "hi", 4, false),
+                401,
+                "missing_api_key",
+            ),
+            (
+                "wrong key",
+                Method::POST,
+                chat,
+                Some("wdn-0123456789abcdef-nope"),
+                chat_body(MODEL, "hi", 4, false),
+                401,
+                "invalid_api_key",
+            ),
+            (
+                "admin token is not an API key",
+                Method::POST,
+                chat,
+                Some(&s.admin),
+                chat_body(MODEL, "hi", 4, false),
+                401,
+                "invalid_api_key",
+            ),
+            (
+                "invalid JSON",
+                Method::POST,
+                chat,
+                Some(&key),
+                b"{\"model\": ".to_vec(),
+                400,
+                "invalid_json",
+            ),
+            (
+                "not an object",
+                Method::POST,
+                chat,
+                Some(&key),
+                b"[1,2]".to_vec(),
+                400,
+                "invalid_request",
+            ),
+            (
+                "too deep",
+                Method::POST,
+                chat,
+                Some(&key),
+                deep.into_bytes(),
+                400,
+                "invalid_json",
+            ),
+            (
+                "unknown field",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [], "colour": "red"})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "wrong type",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "missing messages",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL}).to_string().into_bytes(),
+                400,
+                "invalid_request",
+            ),
+            (
+                "bad role",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "n too large",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 100})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "temperature out of range",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "max_tokens 0",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "unknown model",
+                Method::POST,
+                chat,
+                Some(&key),
+                chat_body("gpt-9", "hi", 4, false),
+                404,
+                "model_not_found",
+            ),
+            (
+                "over-length prompt",
+                Method::POST,
+                "/v1/completions",
+                Some(&key),
+                json!({"model": MODEL, "prompt": long_ids, "max_tokens": 8})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "context_length_exceeded",
+            ),
+            (
+                "over-length stream",
+                Method::POST,
+                "/v1/completions",
+                Some(&key),
+                json!({"model": MODEL, "prompt": long_ids, "max_tokens": 8, "stream": true})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "context_length_exceeded",
+            ),
+            (
+                "token id outside the vocabulary",
+                Method::POST,
+                "/v1/completions",
+                Some(&key),
+                json!({"model": MODEL, "prompt": [1, 999999], "max_tokens": 2})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_token",
+            ),
+            (
+                "body too large",
+                Method::POST,
+                chat,
+                Some(&key),
+                vec![b' '; 70_000],
+                413,
+                "body_too_large",
+            ),
+            (
+                "no route",
+                Method::GET,
+                "/v2/anything",
+                Some(&key),
+                vec![],
+                404,
+                "not_found",
+            ),
+            (
+                "wrong method",
+                Method::GET,
+                chat,
+                Some(&key),
+                vec![],
+                405,
+                "method_not_allowed",
+            ),
+            (
+                "metrics need the admin token",
+                Method::GET,
+                "/metrics",
+                Some(&key),
+                vec![],
+                401,
+                "invalid_admin_token",
+            ),
+            (
+                "admin needs the admin token",
+                Method::GET,
+                "/admin/v1/tenants",
+                Some(&key),
+                vec![],
+                401,
+                "invalid_admin_token",
+            ),
+        ];
+        let good = || {
+            c.request(
+                Method::POST,
+                chat,
+                Some(&key),
+                Some(chat_body(MODEL, "Say hi", 4, false)),
+            )
+        };
+        let baseline = good().await.expect("good request");
+        assert_eq!(baseline.status, 200, "{}", baseline.text());
+        for (name, method, path, auth, body, status, code) in cases {
+            let body = if body.is_empty() { None } else { Some(body) };
+            let r = c.request(method, path, auth, body).await.expect(name);
+            assert_eq!(r.status, status, "{name}: {}", r.text());
+            let v = r.json().expect(name);
+            assert_eq!(v["error"]["code"], code, "{name}: {v}");
+            assert!(
+                v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+                "{name}: {v}"
+            );
+            let again = good().await.expect("good request");
+            assert_eq!(
+                (again.status, content(&again)),
+                (200, content(&baseline)),
+                "after {name}"
+            );
+        }
+        // Field errors name the field.
+        let r = c
+            .request(
+                Method::POST,
+                chat,
+                Some(&key),
+                Some(
+                    json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"})
+                        .to_string()
+                        .into_bytes(),
+                ),
+            )
+            .await
+            .unwrap();
+        let v = r.json().unwrap();
+        assert_eq!(v["error"]["param"], "temperature");
+        assert!(v["error"]["message"].as_str().unwrap().contains("temperature"), "{v}");
+        // Rejections are counted by reason, and nothing was allocated for them.
+        let m = s.metrics().await;
+        assert!(
+            m.contains("warden_rejections_total{tenant=\"default\",reason=\"context_length_exceeded\"} 2"),
+            "{m}"
+        );
+        assert_eq!(s.metric("warden_kv_pages{state=\"used\"}").await, 0.0);
+    });
+}
+
+#[test]
+fn two_tenants_streaming_concurrently_never_see_each_others_canaries() {
+    let s = Server::start("canary", "");
+    rt().block_on(async {
+        let a = s.key().to_string();
+        let b = s.tenant_with_key("beta").await;
+        let c = s.client();
+        let mut tasks = Vec::new();
+        for round in 0..3 {
+            for (who, key) in [("a", a.clone()), ("b", b.clone())] {
+                let c = c.clone();
+                // The model mangles prefixes but repeats hex digits: the hex is the canary.
+                let canary = format!("{:08x}", rand::random::<u32>() | 0x1000_0000);
+                tasks.push(tokio::spawn(async move {
+                    let body = json!({
+                        "model": MODEL, "temperature": 0, "max_tokens": 24, "stream": true,
+                        "messages": [{"role": "user", "content": format!("Repeat this code exactly: {who}{canary} {who}{canary}")}],
+                    });
+                    let r = c
+                        .send(if round % 2 == 0 { Proto::Http1 } else { Proto::Http2 }, Method::POST, "/v1/chat/completions", Some(&key), Some(body.to_string().into_bytes()))
+                        .await
+                        .expect("stream");
+                    assert_eq!(r.status().as_u16(), 200);
+                    let text = String::from_utf8_lossy(&r.into_body().collect().await.expect("body").to_bytes()).into_owned();
+                    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+                    (canary, text)
+                }));
+            }
+        }
+        let mut results = Vec::new();
+        for t in tasks {
+            results.push(t.await.expect("task"));
+        }
+        for (i, (_, sse)) in results.iter().enumerate() {
+            let text = sse_content(sse);
+            for (j, (other, _)) in results.iter().enumerate() {
+                if i != j {
+                    assert!(
+                        !sse.contains(other.as_str()) && !text.contains(other.as_str()),
+                        "response {i} holds canary {other} of {j}: {text:?}"
+                    );
+                }
+            }
+        }
+        // The model does repeat its own prompt's code, so the check is not vacuous.
+        let own = results.iter().filter(|(c, sse)| sse_content(sse).contains(c.as_str())).count();
+        assert!(own > 0, "no response repeated its own canary; the test would prove nothing");
+        assert_eq!(s.metric("warden_isolation_violations_total").await, 0.0);
+    });
+}
+
+#[test]
+fn tenants_and_keys_survive_a_restart_and_revoked_keys_stay_revoked() {
+    let mut s = Server::start("restart", "");
+    let (key, revoked, beta) = rt().block_on(async {
+        let c = s.client();
+        let beta = s.tenant_with_key("beta").await;
+        let r = c
+            .request(Method::POST, "/admin/v1/tenants/beta/keys", Some(&s.admin), None)
+            .await
+            .unwrap();
+        let revoked = r.json().unwrap()["key"].as_str().unwrap().to_string();
+        let id = &revoked[4..20];
+        let r = c
+            .request(Method::DELETE, &format!("/admin/v1/keys/{id}"), Some(&s.admin), None)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        (s.key().to_string(), revoked, beta)
+    });
+    assert!(s.stop(), "graceful shutdown exits 0");
+    let s2 = Server::start_with(s.data_dir.clone(), s.config.clone());
+    assert!(s2.default_key.is_none(), "a restart creates no new default tenant");
+    rt().block_on(async {
+        let c = s2.client();
+        for (k, status) in [(&key, 200), (&beta, 200), (&revoked, 401)] {
+            let r = c.request(Method::GET, "/v1/models", Some(k), None).await.unwrap();
+            assert_eq!(r.status, status, "{k}: {}", r.text());
+        }
+        let mut wrong = key.clone();
+        wrong.replace_range(key.len() - 3.., "AAA");
+        let r = c.request(Method::GET, "/v1/models", Some(&wrong), None).await.unwrap();
+        assert_eq!(r.status, 401);
+        let r = c
+            .request(Method::GET, "/admin/v1/tenants", Some(&s2.admin), None)
+            .await
+            .unwrap();
+        let names: Vec<String> = r.json().unwrap()["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(names, ["beta", "default"]);
+    });
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_is_cancelled_and_its_pages_return() {
+    let s = Server::start("disconnect", "");
+    rt().block_on(async {
+        let c = s.client();
+        let total = s.metric("warden_kv_pages_total").await;
+        assert!(total > 0.0);
+        let body = chat_body(MODEL, "Write a long story about a dragon.", 400, true);
+        let r = c
+            .send(
+                Proto::Http1,
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(body),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let mut b = r.into_body();
+        let first = b.frame().await.expect("a first chunk").expect("no error");
+        assert!(first.data_ref().is_some_and(|d| d.starts_with(b"data: ")));
+        assert!(
+            s.metric("warden_kv_pages{state=\"used\"}").await > 0.0,
+            "the stream holds pages"
+        );
+        drop(b);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let m = s.metrics().await;
+            let val = |series: &str| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse::<f64>().ok()))
+                    .unwrap_or(-1.0)
+            };
+            if val("warden_kv_pages{state=\"free\"}") == total
+                && val("warden_requests_total{tenant=\"default\",outcome=\"cancelled\"}") == 1.0
+            {
+                assert_eq!(val("warden_kv_pages{state=\"used\"}"), 0.0);
+                assert_eq!(val("warden_kv_pages{state=\"awaiting_release\"}"), 0.0);
+                break;
+            }
+            assert!(Instant::now() < deadline, "pages did not return:\n{m}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+}
+
+#[test]
+fn the_cli_manages_tenants_through_a_running_server_and_health_endpoints_answer() {
+    let s = Server::start("cli", "");
+    let data = s.data_dir.join("data");
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(common::warden_bin())
+            .args(args)
+            .arg("--data-dir")
+            .arg(&data)
+            .output()
+            .expect("run warden");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, out) = cli(&["tenant", "create", "gamma"]);
+    assert!(ok, "{out}");
+    let (ok, out) = cli(&["key", "create", "gamma"]);
+    assert!(ok, "{out}");
+    let key = out
+        .lines()
+        .find(|l| l.starts_with("wdn-"))
+        .expect("the key is printed")
+        .to_string();
+    let (ok, out) = cli(&["tenant", "create", "Bad Name"]);
+    assert!(!ok && out.contains("invalid tenant name"), "{out}");
+    rt().block_on(async {
+        let c = s.client();
+        let r = c.request(Method::GET, "/v1/models", Some(&key), None).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json().unwrap()["data"][0]["id"], MODEL);
+        for path in ["/healthz", "/readyz"] {
+            assert_eq!(c.request(Method::GET, path, None, None).await.unwrap().status, 200);
+        }
+        // HTTP/2 by ALPN.
+        let r = c
+            .send(Proto::Http2, Method::GET, "/v1/models", Some(&key), None)
+            .await
+            .unwrap();
+        assert_eq!((r.status().as_u16(), r.version()), (200, hyper::Version::HTTP_2));
+    });
+    let (ok, out) = cli(&["key", "revoke", &key[4..20]]);
+    assert!(ok, "{out}");
+    rt().block_on(async {
+        let r = s
+            .client()
+            .request(Method::GET, "/v1/models", Some(&key), None)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 401);
+    });
+}
