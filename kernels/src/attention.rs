@@ -312,6 +312,9 @@ struct Buffers {
     row: Vec<f32>,
 }
 
+/// Query rows per task up to which keys are kept in rows rather than transposed.
+const ROW_MAJOR_ROWS: usize = 4;
+
 /// Key columns are padded to a multiple of this, for the SIMD score loop.
 const KEY_BLOCK: usize = 16;
 
@@ -337,8 +340,15 @@ fn attend_gathered(
     let scale = 1.0 / (hd as f32).sqrt();
     // Positions the range's last query can see.
     let ld = (s.pos0 + b).div_ceil(KEY_BLOCK) * KEY_BLOCK;
-    bufs.kt.clear();
-    bufs.kt.resize(hd * ld, 0.0);
+    // Decode (a query or two per head group): transposing K costs more than the scores it
+    // speeds up, so keys stay in rows and each score is one dot product.
+    let by_rows = (b - a) * group <= ROW_MAJOR_ROWS;
+    if by_rows {
+        bufs.kt.resize((s.pos0 + b) * hd, 0.0);
+    } else {
+        bufs.kt.clear();
+        bufs.kt.resize(hd * ld, 0.0);
+    }
     bufs.vals.resize((s.pos0 + b) * hd, 0.0);
     bufs.row.resize(hd, 0.0);
     let mut out = vec![0f32; (b - a) * group * hd];
@@ -349,9 +359,16 @@ fn attend_gathered(
         for pos in gathered..ctx {
             let e = s.pages[pos / ps];
             let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut bufs.row);
-            for (d, &k) in bufs.row.iter().enumerate() {
-                bufs.kt[d * ld + pos] = k;
+            if by_rows {
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                    &kv.k[at..at + hd],
+                    &mut bufs.kt[pos * hd..(pos + 1) * hd],
+                );
+            } else {
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut bufs.row);
+                for (d, &k) in bufs.row.iter().enumerate() {
+                    bufs.kt[d * ld + pos] = k;
+                }
             }
             half::slice::HalfFloatSliceExt::convert_to_f32_slice(
                 &kv.v[at..at + hd],
@@ -372,7 +389,15 @@ fn attend_gathered(
         let rows = (c1 - c0) * group;
         let cols = ctx.div_ceil(KEY_BLOCK) * KEY_BLOCK;
         bufs.scores.resize(rows * cols, 0.0);
-        scores(&bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
+        if by_rows {
+            for (qr, out) in bufs.qs.chunks_exact(hd).zip(bufs.scores.chunks_exact_mut(cols)) {
+                for (o, k) in out.iter_mut().zip(bufs.kt[..ctx * hd].chunks_exact(hd)) {
+                    *o = score_dot(qr, k);
+                }
+            }
+        } else {
+            scores(&bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
+        }
         for r in 0..rows {
             let visible = s.pos0 + c0 + r / group + 1;
             let sc = &mut bufs.scores[r * cols..r * cols + visible];
@@ -392,6 +417,18 @@ fn round_to_f16_scaled(src: &[f32], scale: f32, dst: &mut Vec<f32>) {
         done = unsafe { simd::round_to_f16_scaled(src, scale, dst) };
     }
     dst.extend(src[done..].iter().map(|v| f16::from_f32(*v).to_f32() * scale));
+}
+
+/// One query-key score as llama.cpp's decode computes it (`ggml_vec_dot_f16`): four 8-lane
+/// accumulators over 32-element steps, reduced pairwise in its order. Greedy decoding is
+/// sensitive to the summation order of near-tied scores.
+fn score_dot(q: &[f32], k: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::ops::has_avx2() && q.len().is_multiple_of(32) {
+        // SAFETY: avx2 and fma were detected at run time; the lengths are checked inside.
+        return unsafe { simd::score_dot(q, k) };
+    }
+    crate::ops::dot(q, k)
 }
 
 /// `out[r·cols + j] = q_r · k_j` for every query row `r` of `qs` (rows of `hd`) and every key
@@ -527,6 +564,34 @@ mod simd {
                 r += nr;
             }
         }
+    }
+
+    /// As [`super::score_dot`] for lengths that are multiples of 32.
+    ///
+    /// # Safety
+    /// The CPU must support avx2 and fma.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn score_dot(q: &[f32], k: &[f32]) -> f32 {
+        assert!(q.len() == k.len() && q.len().is_multiple_of(32));
+        let mut acc = [_mm256_setzero_ps(); 4];
+        for i in (0..q.len()).step_by(32) {
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 8j + 8 ≤ len of both slices.
+                unsafe {
+                    *a = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(k.as_ptr().add(i + 8 * j)),
+                        _mm256_loadu_ps(q.as_ptr().add(i + 8 * j)),
+                        *a,
+                    );
+                }
+            }
+        }
+        let s02 = _mm256_add_ps(acc[0], acc[2]);
+        let s13 = _mm256_add_ps(acc[1], acc[3]);
+        let s = _mm256_add_ps(s02, s13);
+        let t0 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        let t1 = _mm_hadd_ps(t0, t0);
+        _mm_cvtss_f32(_mm_hadd_ps(t1, t1))
     }
 
     /// [`super::subtract_running_max`] over the multiple-of-eight prefix of `sc`, with the running

@@ -68,6 +68,7 @@ pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha8Rng,
     probs: Vec<(u32, f32)>,
+    weights: Vec<f32>,
 }
 
 impl Sampler {
@@ -78,6 +79,7 @@ impl Sampler {
             rng: ChaCha8Rng::seed_from_u64(seed),
             params,
             probs: Vec::new(),
+            weights: Vec::new(),
         }
     }
 
@@ -105,10 +107,13 @@ impl Sampler {
         let inv_t = 1.0 / p.temperature;
         let max = logits.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
         // Unnormalised probabilities; min-p filters against the maximum (probability 1 here).
+        self.weights.clear();
+        self.weights.extend(logits.iter().map(|&l| (l - max) * inv_t));
+        warden_kernels::ops::exp_in_place(&mut self.weights);
         self.probs.clear();
-        for (i, &l) in logits.iter().enumerate() {
-            let w = ((l - max) * inv_t).exp();
-            if w >= p.min_p {
+        for (i, &w) in self.weights.iter().enumerate() {
+            // Weights that underflowed to 0 could never be drawn.
+            if w >= p.min_p && w > 0.0 {
                 self.probs.push((i as u32, w));
             }
         }

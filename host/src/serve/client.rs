@@ -132,6 +132,19 @@ impl Client {
         }
     }
 
+    /// Opens a connection (TLS handshake included) and sends nothing: a slow or idle client.
+    pub async fn connect_idle(&self) -> anyhow::Result<IdleConnection> {
+        let tcp = TcpStream::connect((self.host.as_str(), self.port)).await?;
+        let stream: Box<dyn IdleStream> = match &self.tls {
+            Some(cfg) => {
+                let name = ServerName::try_from(self.host.clone())?;
+                Box::new(tokio_rustls::TlsConnector::from(cfg.clone()).connect(name, tcp).await?)
+            }
+            None => Box::new(tcp),
+        };
+        Ok(IdleConnection { stream })
+    }
+
     /// Sends one request and reads the whole reply.
     pub async fn request(
         &self,
@@ -162,6 +175,31 @@ where
             let (mut s, conn) = hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io).await?;
             tokio::spawn(conn);
             Ok(s.send_request(req).await?)
+        }
+    }
+}
+
+trait IdleStream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> IdleStream for T {}
+
+/// A connection that sends nothing (see [`Client::connect_idle`]).
+pub struct IdleConnection {
+    stream: Box<dyn IdleStream>,
+}
+
+impl IdleConnection {
+    /// Whether the server still holds it open (a read would block rather than see the end).
+    pub fn is_open(&mut self) -> bool {
+        use std::task::{Context, Poll};
+        use tokio::io::{AsyncRead, ReadBuf};
+        let mut byte = [0u8; 1];
+        let mut buf = ReadBuf::new(&mut byte);
+        let waker = std::task::Waker::noop();
+        let mut cx = Context::from_waker(waker);
+        match std::pin::Pin::new(&mut self.stream).poll_read(&mut cx, &mut buf) {
+            Poll::Pending => true,
+            Poll::Ready(Ok(())) => !buf.filled().is_empty(),
+            Poll::Ready(Err(_)) => false,
         }
     }
 }

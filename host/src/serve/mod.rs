@@ -237,7 +237,9 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
             a = listener.accept() => match a {
                 Ok(a) => a,
                 Err(e) => {
+                    // Out of descriptors or similar: back off instead of spinning.
                     eprintln!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
             },
