@@ -502,3 +502,84 @@ fn the_cli_manages_tenants_through_a_running_server_and_health_endpoints_answer(
         assert_eq!(r.status, 401);
     });
 }
+
+#[test]
+fn a_full_queue_answers_503_with_retry_after_and_no_unbounded_buffering() {
+    let s = Server::start("queue", "[limits]\nqueue = 1\nmax_running = 1\n");
+    rt().block_on(async {
+        let c = s.client();
+        let mut tasks = Vec::new();
+        for i in 0..8 {
+            let (c, key) = (c.clone(), s.key().to_string());
+            tasks.push(tokio::spawn(async move {
+                let body = chat_body(MODEL, &format!("Count to {}", 10 + i), 24, false);
+                c.request(Method::POST, "/v1/chat/completions", Some(&key), Some(body))
+                    .await
+                    .expect("request")
+            }));
+        }
+        let (mut ok, mut busy) = (0, 0);
+        for t in tasks {
+            let r = t.await.unwrap();
+            match r.status {
+                200 => ok += 1,
+                503 => {
+                    busy += 1;
+                    assert_eq!(r.json().unwrap()["error"]["code"], "queue_full", "{}", r.text());
+                    assert!(r.headers.contains_key("retry-after"));
+                }
+                other => panic!("unexpected {other}: {}", r.text()),
+            }
+        }
+        assert!(ok >= 1 && busy >= 1, "{ok} served, {busy} refused");
+        // Once the queue drains, requests are served again.
+        let r = c
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(chat_body(MODEL, "hi", 4, false)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200);
+    });
+}
+
+#[test]
+fn sigterm_lets_an_inflight_stream_finish_then_exits_cleanly() {
+    let mut s = Server::start("shutdown", "[timeouts]\nshutdown_s = 60\nheader_read_s = 1\n");
+    let (body, idle_closed) = rt().block_on(async {
+        let c = s.client();
+        // An idle connection is closed once the header-read timeout passes.
+        let mut idle = c.connect_idle().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let idle_closed = !idle.is_open();
+        let r = c
+            .send(
+                Proto::Http1,
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(chat_body(MODEL, "Tell me a story.", 48, true)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let mut b = r.into_body();
+        let first = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        let pid = s.pid();
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        let rest = b.collect().await.expect("the stream completes").to_bytes();
+        (
+            String::from_utf8_lossy(&[first.to_vec(), rest.to_vec()].concat()).into_owned(),
+            idle_closed,
+        )
+    });
+    assert!(idle_closed, "the idle connection outlived header_read_s");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    assert!(sse_content(&body).len() > 10);
+    assert!(s.stop(), "exit status 0 after a graceful shutdown");
+}

@@ -191,6 +191,11 @@ impl Server {
             .unwrap_or(0.0)
     }
 
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
     /// Sends SIGTERM and waits for the process to exit; returns its exit status success.
     pub fn stop(&mut self) -> bool {
         let Some(mut child) = self.child.take() else {

@@ -27,7 +27,6 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
@@ -211,19 +210,18 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
     std::fs::write(server_info_path(&cfg.data_dir), serde_json::to_vec_pretty(&info)?)?;
     println!("serving {} on {}", state.model_id, info.url);
     let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
-        .timer(TokioTimer::new())
+    // The protocol comes from ALPN (plain HTTP is HTTP/1.1 only), so no connection sits in
+    // protocol detection, where no timeout would apply.
+    let mut h1 = hyper::server::conn::http1::Builder::new();
+    h1.timer(TokioTimer::new())
         .header_read_timeout(Duration::from_secs(cfg.timeouts.header_read_s))
         .max_buf_size(cfg.limits.header_bytes.max(8192) + 1024);
-    builder
-        .http2()
-        .timer(TokioTimer::new())
+    let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    h2.timer(TokioTimer::new())
         .keep_alive_interval(Some(Duration::from_secs((cfg.timeouts.idle_s / 2).max(1))))
         .keep_alive_timeout(Duration::from_secs(cfg.timeouts.idle_s))
         .max_header_list_size(cfg.limits.header_bytes as u32);
-    let builder = Arc::new(builder);
+    let (h1, h2) = (Arc::new(h1), Arc::new(h2));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let permits = Arc::new(tokio::sync::Semaphore::new(cfg.limits.max_connections));
     let signal = shutdown_signal();
@@ -246,7 +244,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
             _ = &mut signal => break,
         };
         let _ = tcp.set_nodelay(true);
-        let (state, builder, acceptor) = (state.clone(), builder.clone(), acceptor.clone());
+        let (state, h1, h2, acceptor) = (state.clone(), h1.clone(), h2.clone(), acceptor.clone());
         let watcher = graceful.watcher();
         let handshake = Duration::from_secs(cfg.timeouts.handshake_s);
         tokio::spawn(async move {
@@ -257,12 +255,14 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
                     let Ok(Ok(tls)) = tokio::time::timeout(handshake, acceptor.accept(tcp)).await else {
                         return;
                     };
-                    let conn = builder.serve_connection(TokioIo::new(tls), svc).into_owned();
-                    let _ = watcher.watch(conn).await;
+                    if tls.get_ref().1.alpn_protocol() == Some(b"h2") {
+                        let _ = watcher.watch(h2.serve_connection(TokioIo::new(tls), svc)).await;
+                    } else {
+                        let _ = watcher.watch(h1.serve_connection(TokioIo::new(tls), svc)).await;
+                    }
                 }
                 None => {
-                    let conn = builder.serve_connection(TokioIo::new(tcp), svc).into_owned();
-                    let _ = watcher.watch(conn).await;
+                    let _ = watcher.watch(h1.serve_connection(TokioIo::new(tcp), svc)).await;
                 }
             }
         });
