@@ -30,6 +30,17 @@ pub fn model() -> Arc<Model> {
         .clone()
 }
 
+/// The default model's tokenizer, loaded once per test binary.
+pub fn tokenizer() -> Arc<crate::tokenizer::Tokenizer> {
+    static TOK: OnceLock<Arc<crate::tokenizer::Tokenizer>> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let p = model_path();
+        let g = crate::gguf::Gguf::open(&p).unwrap_or_else(|e| panic!("model missing at {}: {e}", p.display()));
+        Arc::new(crate::tokenizer::Tokenizer::from_gguf(&g).expect("tokenizer"))
+    })
+    .clone()
+}
+
 /// A detokenizer that needs no vocabulary: token `id` reads as `<id>`, and SmolLM2's
 /// end-of-generation ids end generation.
 pub struct IdDetok;

@@ -429,3 +429,15 @@ fn a_pool_smaller_than_the_max_context_refuses_to_start() {
         "names the capacity: {msg}"
     );
 }
+
+#[test]
+fn token_logprobs_are_log_softmax_with_the_top_alternatives_in_order() {
+    let logits = [1.0f32, 3.0, 2.0, -1.0];
+    let lse = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
+    let lp = super::TokenLogprobs::of(&logits, 2, 3);
+    assert!((lp.logprob - (2.0 - lse)).abs() < 1e-5);
+    let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+    assert_eq!(ids, [1, 2, 0]);
+    assert!((lp.top[0].1 - (3.0 - lse)).abs() < 1e-5);
+    assert!(super::TokenLogprobs::of(&logits, 1, 0).top.is_empty());
+}

@@ -321,3 +321,146 @@ impl Body for SseBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::request::{FinishReason, RejectReason, Rejected, Usage};
+
+    fn events(out: &VecDeque<Bytes>) -> Vec<Value> {
+        out.iter()
+            .map(|b| {
+                let s = std::str::from_utf8(b).unwrap();
+                let d = s.strip_prefix("data: ").unwrap().trim_end();
+                if d == "[DONE]" {
+                    json!("[DONE]")
+                } else {
+                    serde_json::from_str(d).unwrap()
+                }
+            })
+            .collect()
+    }
+
+    fn tok(text: &str) -> Update {
+        Update::Token {
+            text: text.into(),
+            token: 7,
+            logprobs: None,
+        }
+    }
+
+    fn done(f: FinishReason, completion: usize) -> Update {
+        Update::Done {
+            outcome: Outcome::Finished(f),
+            text: String::new(),
+            usage: Usage {
+                prompt_tokens: 5,
+                completion_tokens: completion,
+                cached_tokens: 0,
+            },
+        }
+    }
+
+    #[test]
+    fn chat_stream_chunks_roles_finishes_usage_and_done() {
+        let tk = crate::testutil::tokenizer();
+        let mut r = Responder::new(Api::Chat, "m", 2, true, true, tk, "id".into(), 1);
+        let mut out = VecDeque::new();
+        r.push(0, tok("Hel"), &mut out);
+        r.push(1, tok("Yo"), &mut out);
+        r.push(0, tok("lo"), &mut out);
+        r.push(0, done(FinishReason::Stop, 2), &mut out);
+        assert!(!r.finished());
+        r.push(1, done(FinishReason::Length, 1), &mut out);
+        assert!(r.finished() && r.error().is_none());
+        let ev = events(&out);
+        assert_eq!(
+            ev[0]["choices"][0]["delta"],
+            json!({"role": "assistant", "content": "Hel"})
+        );
+        assert_eq!(ev[0]["object"], "chat.completion.chunk");
+        assert_eq!(ev[1]["choices"][0]["index"], 1);
+        assert_eq!(ev[2]["choices"][0]["delta"], json!({"content": "lo"}));
+        assert_eq!(ev[3]["choices"][0]["finish_reason"], "stop");
+        assert_eq!(ev[4]["choices"][0]["finish_reason"], "length");
+        assert_eq!(ev[5]["choices"], json!([]));
+        assert_eq!(ev[5]["usage"]["completion_tokens"], 3);
+        assert_eq!(ev[5]["usage"]["prompt_tokens"], 5);
+        assert_eq!(ev[6], "[DONE]");
+        assert!(ev[..5].iter().all(|e| e["usage"].is_null()));
+    }
+
+    #[test]
+    fn whole_bodies_carry_text_logprobs_and_usage() {
+        let tk = crate::testutil::tokenizer();
+        let mut r = Responder::new(Api::Chat, "m", 1, false, false, tk.clone(), "id".into(), 1);
+        let mut out = VecDeque::new();
+        let lp = TokenLogprobs {
+            logprob: -0.5,
+            top: vec![(7, -0.5), (8, -1.5)],
+        };
+        r.push(
+            0,
+            Update::Token {
+                text: "a".into(),
+                token: 7,
+                logprobs: Some(lp),
+            },
+            &mut out,
+        );
+        r.push(0, done(FinishReason::Stop, 1), &mut out);
+        assert!(out.is_empty());
+        let b = r.body();
+        assert_eq!(b["object"], "chat.completion");
+        assert_eq!(b["choices"][0]["message"]["content"], "a");
+        assert_eq!(b["choices"][0]["finish_reason"], "stop");
+        let c = &b["choices"][0]["logprobs"]["content"][0];
+        assert_eq!(c["logprob"], -0.5);
+        assert_eq!(
+            c["top_logprobs"][1]["token"],
+            String::from_utf8_lossy(&tk.token_bytes(8)).as_ref()
+        );
+        assert_eq!(b["usage"]["total_tokens"], 6);
+        let mut r = Responder::new(Api::Completion, "m", 1, false, false, tk, "id".into(), 1);
+        r.push(0, tok("x"), &mut out);
+        r.push(0, done(FinishReason::Length, 1), &mut out);
+        assert_eq!(r.body()["choices"][0]["text"], "x");
+        assert_eq!(r.body()["object"], "text_completion");
+    }
+
+    #[test]
+    fn rejections_and_aborts_become_errors() {
+        let tk = crate::testutil::tokenizer();
+        let mut r = Responder::new(Api::Chat, "m", 1, true, false, tk.clone(), "id".into(), 1);
+        let mut out = VecDeque::new();
+        r.push(
+            0,
+            Update::Rejected(Rejected {
+                reason: RejectReason::QueueFull { limit: 3 },
+            }),
+            &mut out,
+        );
+        assert!(r.finished());
+        assert_eq!(r.error().unwrap().status, hyper::StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(events(&out)[0]["error"]["code"], "queue_full");
+        let mut r = Responder::new(Api::Chat, "m", 1, false, false, tk, "id".into(), 1);
+        r.push(
+            0,
+            Update::Done {
+                outcome: Outcome::Aborted(AbortReason::Isolation(
+                    warden_kernels::attention::IsolationViolation::ForeignOwner {
+                        page: 1,
+                        expected: 3,
+                        found: 2,
+                    },
+                )),
+                text: String::new(),
+                usage: Usage::default(),
+            },
+            &mut out,
+        );
+        let e = r.error().unwrap();
+        assert_eq!(e.code, "isolation_violation");
+        assert!(!e.message.contains("owner 2"), "the error names no other tenant");
+    }
+}
