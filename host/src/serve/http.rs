@@ -255,6 +255,20 @@ async fn read_body(state: &State, req: Request<Incoming>) -> Result<Bytes, ApiEr
     }
 }
 
+/// Runs CPU-heavy request preparation (template rendering, tokenizing up to a whole body) on
+/// the blocking pool, so it never stalls the connections the runtime serves.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            format!("preparing the request failed: {e}"),
+        ))
+    })
+}
+
 fn request_id(prefix: &str) -> String {
     use rand::RngCore;
     let mut b = [0u8; 12];
@@ -276,10 +290,14 @@ async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Bod
             "this model has no chat template; use /v1/completions",
         )
     })?;
-    let text = template
-        .render(&messages, true)
-        .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
-    let prompt = state.tokenizer.encode(&text, true);
+    let (template, tk) = (template.clone(), state.tokenizer.clone());
+    let prompt = off_runtime(move || {
+        let text = template
+            .render(&messages, true)
+            .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+        Ok(tk.encode(&text, true))
+    })
+    .await?;
     let mut plan = r.common.plan(t.id, prompt, &state.request_limits)?;
     plan.req.logprobs = logprobs;
     generate(state, &t, plan, Api::Chat, request_id("chatcmpl")).await
@@ -296,10 +314,12 @@ async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Respo
             format!("prompt lists must hold exactly one prompt (got {what}); send one request per prompt"),
         )
     };
+    let tk = state.tokenizer.clone();
+    let encode = |s: String| off_runtime(move || Ok(tk.encode(&s, true)));
     let prompt = match r.prompt {
-        Prompt::Text(s) => state.tokenizer.encode(&s, true),
+        Prompt::Text(s) => encode(s).await?,
         Prompt::Tokens(ids) => ids,
-        Prompt::TextList(v) if v.len() == 1 => state.tokenizer.encode(&v[0], true),
+        Prompt::TextList(v) if v.len() == 1 => encode(v.into_iter().next().unwrap_or_default()).await?,
         Prompt::TokensList(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
         Prompt::TextList(v) => return Err(one(v.len())),
         Prompt::TokensList(v) => return Err(one(v.len())),
@@ -334,21 +354,11 @@ async fn generate(
     for i in 0..plan.n {
         let mut req = plan.req.clone();
         req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
-        let (one_tx, mut one_rx) = mpsc::unbounded_channel::<Update>();
-        let merged = tx.clone();
-        // Tag each choice's updates with its index on the way into one channel; the forwarder
-        // ends (dropping `one_rx`, so the engine cancels) once the merged receiver is gone.
-        tokio::spawn(async move {
-            while let Some(u) = one_rx.recv().await {
-                if merged.send((i, u)).is_err() {
-                    break;
-                }
-            }
-        });
         let job = Job {
             req,
             tenant: t.name.clone(),
-            tx: one_tx,
+            index: i,
+            tx: tx.clone(),
         };
         if let Err(Busy) = state.engine.submit(job) {
             state.metrics.rejected(&t.name, "queue_full");

@@ -51,8 +51,10 @@ pub struct Job {
     pub req: GenerateRequest,
     /// The tenant's name, for metrics.
     pub tenant: String,
-    /// Where its updates go.
-    pub tx: mpsc::UnboundedSender<Update>,
+    /// Which choice of its request it is (`n` > 1 submits one job per choice).
+    pub index: usize,
+    /// Where its updates go, tagged with `index`; the request's choices share the channel.
+    pub tx: mpsc::UnboundedSender<(usize, Update)>,
 }
 
 enum Cmd {
@@ -72,7 +74,8 @@ pub struct EngineHandle {
 }
 
 struct Live {
-    tx: mpsc::UnboundedSender<Update>,
+    index: usize,
+    tx: mpsc::UnboundedSender<(usize, Update)>,
     tenant: String,
     submitted: Instant,
     last: Option<Instant>,
@@ -99,7 +102,7 @@ impl EngineHandle {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err(Busy),
             Err(TrySendError::Disconnected(Cmd::Job(job, _))) => {
-                let _ = job.tx.send(Update::ShuttingDown);
+                let _ = job.tx.send((job.index, Update::ShuttingDown));
                 Ok(())
             }
             Err(TrySendError::Disconnected(_)) => Ok(()),
@@ -169,7 +172,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
             match cmd {
                 Cmd::Job(job, submitted) => {
                     if shutdown.is_some() {
-                        let _ = job.tx.send(Update::ShuttingDown);
+                        let _ = job.tx.send((job.index, Update::ShuttingDown));
                         continue;
                     }
                     match engine.submit(job.req) {
@@ -177,6 +180,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                             live.insert(
                                 id,
                                 Live {
+                                    index: job.index,
                                     tx: job.tx,
                                     tenant: job.tenant,
                                     submitted,
@@ -186,7 +190,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                         }
                         Err(rej) => {
                             metrics.rejected(&job.tenant, rej.reason.code());
-                            let _ = job.tx.send(Update::Rejected(rej));
+                            let _ = job.tx.send((job.index, Update::Rejected(rej)));
                         }
                     }
                 }
@@ -221,7 +225,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                             Some(t) => metrics.inter_token(now - t),
                         }
                         l.last = Some(now);
-                        let _ = l.tx.send(Update::Token { text, token, logprobs });
+                        let _ = l.tx.send((l.index, Update::Token { text, token, logprobs }));
                     }
                 }
                 Event::Done {
@@ -237,7 +241,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                             usage.prompt_tokens,
                             usage.completion_tokens,
                         );
-                        let _ = l.tx.send(Update::Done { outcome, text, usage });
+                        let _ = l.tx.send((l.index, Update::Done { outcome, text, usage }));
                     }
                 }
             }
@@ -250,7 +254,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
     // Anything still queued gets its answer.
     for cmd in rx.try_iter() {
         if let Cmd::Job(job, _) = cmd {
-            let _ = job.tx.send(Update::ShuttingDown);
+            let _ = job.tx.send((job.index, Update::ShuttingDown));
         }
     }
     publish(&engine);
