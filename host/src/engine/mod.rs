@@ -15,6 +15,8 @@ pub mod text;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
+use rayon::prelude::*;
+
 use warden_kernels::attention::TagCheck;
 
 use crate::kv::{KvCounters, KvError, KvPool};
@@ -404,23 +406,35 @@ impl Engine {
             let results = self
                 .model
                 .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch);
+            let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
                 let s = &mut self.running[i];
-                ends[i] = match r {
-                    Err(StepError::Isolation(v)) => Some(Outcome::Aborted(AbortReason::Isolation(v))),
-                    Err(StepError::Kv(e)) => Some(Outcome::Aborted(AbortReason::Kv(e))),
-                    Ok(None) => {
+                match r {
+                    Err(StepError::Isolation(v)) => ends[i] = Some(Outcome::Aborted(AbortReason::Isolation(v))),
+                    Err(StepError::Kv(e)) => ends[i] = Some(Outcome::Aborted(AbortReason::Kv(e))),
+                    Ok(logits) => {
                         s.computed += n;
-                        None
+                        to_sample[i] = logits;
                     }
-                    Ok(Some(mut logits)) => {
-                        s.computed += n;
-                        let raw = s.logprobs.map(|k| (logits.clone(), k));
-                        let tok = s.sampler.sample(&mut logits, &s.tokens);
-                        let lp = raw.map(|(raw, k)| TokenLogprobs::of(&raw, tok, k));
-                        Self::accept(&*self.detok, &mut self.events, s, tok, lp)
-                    }
-                };
+                }
+            }
+            // Sampling is independent per sequence: spread it over the pool, then accept the
+            // tokens in order.
+            let picks: Vec<Option<(u32, Option<TokenLogprobs>)>> = self
+                .running
+                .par_iter_mut()
+                .zip(to_sample.into_par_iter())
+                .map(|(s, logits)| {
+                    let mut logits = logits?;
+                    let raw = s.logprobs.map(|k| (logits.clone(), k));
+                    let tok = s.sampler.sample(&mut logits, &s.tokens);
+                    Some((tok, raw.map(|(raw, k)| TokenLogprobs::of(&raw, tok, k))))
+                })
+                .collect();
+            for (i, pick) in picks.into_iter().enumerate() {
+                if let Some((tok, lp)) = pick {
+                    ends[i] = Self::accept(&*self.detok, &mut self.events, &mut self.running[i], tok, lp);
+                }
             }
         }
         // Retire in reverse index order, so swap_remove keeps the lower indices valid.
