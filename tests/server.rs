@@ -583,3 +583,33 @@ fn sigterm_lets_an_inflight_stream_finish_then_exits_cleanly() {
     assert!(sse_content(&body).len() > 10);
     assert!(s.stop(), "exit status 0 after a graceful shutdown");
 }
+
+#[test]
+fn bad_configurations_refuse_to_start_and_say_why() {
+    let dir = common::temp_dir("badcfg");
+    let run = |toml: &str| {
+        let cfg = dir.join("w.toml");
+        let model = if toml.contains("model =") {
+            String::new()
+        } else {
+            format!("model = {:?}\n", common::model())
+        };
+        std::fs::write(&cfg, format!("data_dir = {:?}\n{model}{toml}", dir.join("data"))).unwrap();
+        let out = std::process::Command::new(common::warden_bin())
+            .args(["serve", "--config"])
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    // Invariant 4: a max context the pool cannot hold is refused, naming both numbers.
+    let (ok, err) = run("listen = \"127.0.0.1:0\"\n[kv]\nmemory_mib = 8\n[limits]\nmax_context = 8192\n");
+    assert!(!ok && err.contains("8192"), "{err}");
+    let (ok, err) = run("listen = \"127.0.0.1:0\"\n[limits]\nqueue_size = 3\n");
+    assert!(!ok && err.contains("queue_size") && err.contains("line 5"), "{err}");
+    let (ok, err) = run("listen = \"127.0.0.1:0\"\nmodel = \"nowhere.gguf\"\n");
+    assert!(
+        !ok && err.contains("nowhere.gguf") && err.contains("not found"),
+        "{err}"
+    );
+}

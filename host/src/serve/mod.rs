@@ -99,8 +99,7 @@ pub struct ServeOptions {
 /// Runs the server until SIGTERM or SIGINT, then shuts down gracefully.
 pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
-    let store = Store::open(&cfg.data_dir)?;
-    first_start(&store, &cfg.data_dir)?;
+    // The model and the engine first: a bad model or pool setting fails before any state changes.
     let loaded = LoadedModel::open(&cfg.model)?;
     let model_id = cfg
         .model
@@ -119,6 +118,8 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     let engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
         .context("starting the engine (see [kv] and [limits] in the config)")?;
     let admission = engine.limits();
+    let store = Store::open(&cfg.data_dir)?;
+    first_start(&store, &cfg.data_dir)?;
     let metrics = Arc::new(Metrics::default());
     let handle = EngineHandle::start(engine, cfg.limits.queue, metrics.clone())?;
     let tls = if opts.insecure_http {

@@ -90,8 +90,15 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("warden-engine".into())
             .spawn(move || {
+                // Cleared however the thread ends, a panic included: /readyz then says so.
+                struct Alive(Arc<AtomicBool>);
+                impl Drop for Alive {
+                    fn drop(&mut self) {
+                        self.0.store(false, Ordering::SeqCst);
+                    }
+                }
+                let _alive = Alive(flag);
                 run(engine, rx, &metrics);
-                flag.store(false, Ordering::SeqCst);
             })?;
         Ok(Self { tx, alive })
     }
