@@ -1,0 +1,98 @@
+//! The SDK for Warden tenant plugins.
+//!
+//! A plugin is a WebAssembly component implementing the `tenant-plugin` world of
+//! `wit/plugin.wit`. With this crate, implement [`Plugin`] (every method has a pass-through
+//! default) and export it with [`plugin!`]; build with
+//! `cargo build --target wasm32-wasip2 --release` and upload the `.wasm` file.
+//!
+//! ```ignore
+//! struct Shout;
+//! impl warden_guest::Plugin for Shout {
+//!     fn postprocess(chunk: warden_guest::Chunk, _is_final: bool) -> Result<warden_guest::Chunk, warden_guest::PluginError> {
+//!         Ok(warden_guest::Chunk { text: chunk.text.to_uppercase() })
+//!     }
+//! }
+//! warden_guest::plugin!(Shout);
+//! ```
+//!
+//! Warden instantiates a plugin afresh for every request, so statics live for one request:
+//! a streaming `postprocess` may keep held-back text in one. There is no clock, network,
+//! filesystem or threads; [`kv`], [`tokenizer`] and [`log`] are the host's services.
+
+/// The bindings wit-bindgen generates for `wit/plugin.wit` (plugins use the re-exports below).
+#[doc(hidden)]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "tenant-plugin",
+        pub_export_macro: true,
+        export_macro_name: "export_world",
+        default_bindings_module: "warden_guest::bindings",
+    });
+}
+
+pub use bindings::warden::plugin::types::{
+    Capabilities, Chunk, Input, Message, PluginError, Request, Sampling, Token, TokenAction,
+};
+pub use bindings::warden::plugin::{kv, log, tokenizer};
+
+/// A plugin. Every method has a default that passes its input through unchanged.
+pub trait Plugin {
+    /// What the plugin implements beyond `preprocess` and `postprocess`. Default: nothing, so
+    /// `on_token` is never called.
+    fn capabilities() -> Capabilities {
+        Capabilities { on_token: false }
+    }
+
+    /// Before tokenizing: rewrite the request, or refuse it with an error the client sees.
+    fn preprocess(req: Request) -> Result<Request, PluginError> {
+        Ok(req)
+    }
+
+    /// Each piece of output text, `is_final` on the last. Text may be held back (kept in a
+    /// static) and released on a later call; the final call must release everything.
+    fn postprocess(chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
+        let _ = is_final;
+        Ok(chunk)
+    }
+
+    /// Each generated token, when [`capabilities`](Plugin::capabilities) sets `on_token`.
+    fn on_token(token: Token) -> TokenAction {
+        let _ = token;
+        TokenAction::Continue
+    }
+}
+
+/// Logs `message` at `level` into the tenant's log (rate-limited by the host).
+pub fn log(level: log::Level, message: &str) {
+    log::log(level, message)
+}
+
+/// Exports a [`Plugin`] implementation as the component's `tenant-plugin` world.
+#[macro_export]
+macro_rules! plugin {
+    ($ty:ty) => {
+        #[doc(hidden)]
+        pub struct __WardenPlugin;
+
+        impl $crate::bindings::Guest for __WardenPlugin {
+            fn capabilities() -> $crate::Capabilities {
+                <$ty as $crate::Plugin>::capabilities()
+            }
+            fn preprocess(req: $crate::Request) -> ::core::result::Result<$crate::Request, $crate::PluginError> {
+                <$ty as $crate::Plugin>::preprocess(req)
+            }
+            fn postprocess(
+                chunk: $crate::Chunk,
+                is_final: bool,
+            ) -> ::core::result::Result<$crate::Chunk, $crate::PluginError> {
+                <$ty as $crate::Plugin>::postprocess(chunk, is_final)
+            }
+            fn on_token(token: $crate::Token) -> $crate::TokenAction {
+                <$ty as $crate::Plugin>::on_token(token)
+            }
+        }
+
+        $crate::bindings::export_world!(__WardenPlugin with_types_in $crate::bindings);
+    };
+}
