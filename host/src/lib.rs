@@ -13,6 +13,7 @@ pub mod gguf;
 pub mod kv;
 pub mod loaded;
 pub mod model;
+pub mod plugin;
 pub mod serve;
 pub mod tokenizer;
 

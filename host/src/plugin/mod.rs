@@ -1,0 +1,290 @@
+//! Tenant plugins: WebAssembly components (the `tenant-plugin` world of `wit/plugin.wit`) run
+//! by wasmtime, compiled once per version, instantiated afresh for every request.
+//!
+//! [`Runtime`] owns the wasmtime engine (Cranelift, the pooling allocator, fuel and epoch
+//! interruption) and the linker. [`Runtime::compile`] turns component bytes into a [`Plugin`]:
+//! it compiles them and checks that every import is one the host provides (the world's `kv`,
+//! `tokenizer` and `log`, and WASI p2 with nothing behind it), so a component that imports
+//! anything else is refused at upload. [`Plugin::instantiate`] makes an [`Instance`] in a fresh
+//! `Store` with the tenant's limits: no state survives from one request to the next or crosses
+//! tenants. Every call runs under fuel and an epoch deadline, and memory growth is capped; a
+//! trap, exhausted fuel, a timeout or the memory cap fails only that call, each with its own
+//! [`PluginFailure`] code.
+//!
+//! The sandbox: no preopened directories, no network, clocks that never move, randomness from
+//! a generator seeded by the host, stdio that goes nowhere.
+
+mod host;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap};
+
+use crate::tokenizer::Tokenizer;
+pub use bindings::warden::plugin::types::{
+    Capabilities, Chunk, Input, Message, PluginError as GuestError, Request, Sampling, Token, TokenAction,
+};
+use host::PluginHost;
+
+/// The generated bindings of the world (documented in `wit/plugin.wit`).
+#[allow(missing_docs)]
+mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "tenant-plugin",
+        with: {
+            "warden:plugin/kv.kv-page": super::host::KvPage,
+            "warden:plugin/kv.sequence": super::host::Sequence,
+        },
+    });
+}
+
+/// What one plugin instance may use.
+#[derive(Debug, Clone, Copy)]
+pub struct PluginLimits {
+    /// Fuel (roughly, wasm instructions) per call.
+    pub fuel_per_call: u64,
+    /// Linear memory, bytes.
+    pub memory_bytes: usize,
+    /// Wall time per call.
+    pub call_timeout: Duration,
+}
+
+impl Default for PluginLimits {
+    fn default() -> Self {
+        Self {
+            fuel_per_call: 50_000_000,
+            memory_bytes: 64 << 20,
+            call_timeout: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Why a plugin call, or getting a plugin at all, failed. Each has a stable code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PluginFailure {
+    /// The plugin refused the request with its own code and message.
+    #[error("the plugin refused the request ({code}): {message}")]
+    Refused {
+        /// The plugin's code.
+        code: String,
+        /// The plugin's message.
+        message: String,
+    },
+    /// The guest trapped.
+    #[error("the plugin trapped: {0}")]
+    Trap(String),
+    /// The call used up its fuel.
+    #[error("the plugin used up its fuel ({0} units per call)")]
+    FuelExhausted(u64),
+    /// The call ran past its wall-time limit.
+    #[error("the plugin ran past its time limit of {0:?}")]
+    Timeout(Duration),
+    /// The guest tried to grow its memory beyond the limit.
+    #[error("the plugin tried to use more than {0} bytes of memory")]
+    OutOfMemory(usize),
+    /// The bytes are not a valid component, or it imports what the host does not provide.
+    #[error("invalid plugin: {0}")]
+    Invalid(String),
+}
+
+impl PluginFailure {
+    /// The stable error code clients and metrics see.
+    pub fn code(&self) -> &'static str {
+        match self {
+            PluginFailure::Refused { .. } => "plugin_refused",
+            PluginFailure::Trap(_) => "plugin_trap",
+            PluginFailure::FuelExhausted(_) => "plugin_fuel_exhausted",
+            PluginFailure::Timeout(_) => "plugin_timeout",
+            PluginFailure::OutOfMemory(_) => "plugin_out_of_memory",
+            PluginFailure::Invalid(_) => "plugin_invalid",
+        }
+    }
+}
+
+/// How often the epoch advances: the granularity of call timeouts.
+const EPOCH_TICK: Duration = Duration::from_millis(1);
+
+/// The wasmtime engine and linker every plugin shares.
+pub struct Runtime {
+    engine: Engine,
+    linker: Linker<PluginHost>,
+    ticking: Arc<AtomicBool>,
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.ticking.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Runtime {
+    /// An engine for up to `instances` concurrent plugin instances of at most `max_memory`
+    /// bytes of linear memory each.
+    pub fn new(instances: u32, max_memory: usize) -> Result<Self, PluginFailure> {
+        let invalid = |e: wasmtime::Error| PluginFailure::Invalid(format!("{e:#}"));
+        let mut pool = PoolingAllocationConfig::default();
+        pool.total_component_instances(instances)
+            .total_core_instances(instances * 4)
+            .total_memories(instances * 2)
+            .total_tables(instances * 4)
+            .max_memory_size(max_memory)
+            .max_component_instance_size(1 << 20);
+        let mut cfg = Config::new();
+        cfg.wasm_component_model(true)
+            .consume_fuel(true)
+            .epoch_interruption(true)
+            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
+            .max_wasm_stack(512 << 10);
+        let engine = Engine::new(&cfg).map_err(invalid)?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(invalid)?;
+        bindings::TenantPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(invalid)?;
+        let ticking = Arc::new(AtomicBool::new(true));
+        let (e, t) = (engine.weak(), ticking.clone());
+        std::thread::Builder::new()
+            .name("warden-plugin-epoch".into())
+            .spawn(move || {
+                while t.load(Ordering::SeqCst) {
+                    std::thread::sleep(EPOCH_TICK);
+                    match e.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })
+            .map_err(|e| PluginFailure::Invalid(format!("starting the epoch thread: {e}")))?;
+        Ok(Self {
+            engine,
+            linker,
+            ticking,
+        })
+    }
+
+    /// Compiles `bytes` and checks that the component implements the world with nothing but
+    /// the host's imports.
+    pub fn compile(&self, bytes: &[u8]) -> Result<Plugin, PluginFailure> {
+        let component = Component::new(&self.engine, bytes).map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        let pre = bindings::TenantPluginPre::new(pre).map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        Ok(Plugin {
+            pre,
+            engine: self.engine.clone(),
+        })
+    }
+}
+
+/// A compiled plugin version, ready to instantiate.
+#[derive(Clone)]
+pub struct Plugin {
+    pre: bindings::TenantPluginPre<PluginHost>,
+    engine: Engine,
+}
+
+/// One request's instance of a plugin.
+pub struct Instance {
+    store: Store<PluginHost>,
+    bindings: bindings::TenantPlugin,
+    limits: PluginLimits,
+}
+
+impl Plugin {
+    /// A fresh instance in its own store, with `limits`, the served model's tokenizer and
+    /// randomness seeded from `seed`.
+    pub fn instantiate(
+        &self,
+        limits: PluginLimits,
+        tokenizer: Arc<Tokenizer>,
+        seed: u64,
+    ) -> Result<Instance, PluginFailure> {
+        let mut store = Store::new(&self.engine, PluginHost::new(limits, tokenizer, seed));
+        store.limiter(|h| h.limiter());
+        arm(&mut store, &limits)?;
+        match self.pre.instantiate(&mut store) {
+            Ok(bindings) => Ok(Instance {
+                store,
+                bindings,
+                limits,
+            }),
+            Err(e) => Err(classify(&store, &limits, e)),
+        }
+    }
+}
+
+/// Refuels the store and sets its deadline for one call.
+fn arm(store: &mut Store<PluginHost>, limits: &PluginLimits) -> Result<(), PluginFailure> {
+    store
+        .set_fuel(limits.fuel_per_call)
+        .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+    let ticks = limits.call_timeout.as_micros().div_ceil(EPOCH_TICK.as_micros()).max(1) as u64;
+    store.set_epoch_deadline(ticks);
+    Ok(())
+}
+
+/// Which failure an error from a call is.
+fn classify(store: &Store<PluginHost>, limits: &PluginLimits, e: wasmtime::Error) -> PluginFailure {
+    if store.data().hit_memory_limit() {
+        return PluginFailure::OutOfMemory(limits.memory_bytes);
+    }
+    match e.downcast_ref::<Trap>() {
+        Some(Trap::OutOfFuel) => PluginFailure::FuelExhausted(limits.fuel_per_call),
+        Some(Trap::Interrupt) => PluginFailure::Timeout(limits.call_timeout),
+        _ => PluginFailure::Trap(format!("{e:#}")),
+    }
+}
+
+impl Instance {
+    fn call<T>(
+        &mut self,
+        f: impl FnOnce(&bindings::TenantPlugin, &mut Store<PluginHost>) -> wasmtime::Result<T>,
+    ) -> Result<T, PluginFailure> {
+        arm(&mut self.store, &self.limits)?;
+        let r = f(&self.bindings, &mut self.store);
+        r.map_err(|e| classify(&self.store, &self.limits, e))
+    }
+
+    /// What the plugin implements beyond preprocess and postprocess.
+    pub fn capabilities(&mut self) -> Result<Capabilities, PluginFailure> {
+        self.call(|b, s| b.call_capabilities(s))
+    }
+
+    /// Runs `preprocess`.
+    pub fn preprocess(&mut self, req: &Request) -> Result<Request, PluginFailure> {
+        self.call(|b, s| b.call_preprocess(s, req))?.map_err(refused)
+    }
+
+    /// Runs `postprocess` on a chunk of output (`is_final` on the last).
+    pub fn postprocess(&mut self, text: &str, is_final: bool) -> Result<String, PluginFailure> {
+        let chunk = Chunk { text: text.to_string() };
+        Ok(self
+            .call(|b, s| b.call_postprocess(s, &chunk, is_final))?
+            .map_err(refused)?
+            .text)
+    }
+
+    /// Runs `on-token`.
+    pub fn on_token(&mut self, token: &Token) -> Result<TokenAction, PluginFailure> {
+        self.call(|b, s| b.call_on_token(s, token))
+    }
+
+    /// What the plugin logged, oldest first.
+    pub fn logs(&self) -> &[String] {
+        self.store.data().logs()
+    }
+}
+
+fn refused(e: GuestError) -> PluginFailure {
+    PluginFailure::Refused {
+        code: e.code,
+        message: e.message,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,183 @@
+//! The runtime against real components built from `guest-sdk/examples` (the test command builds
+//! them for wasm32-wasip2).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use super::*;
+
+fn runtime() -> &'static Runtime {
+    static RT: OnceLock<Runtime> = OnceLock::new();
+    RT.get_or_init(|| Runtime::new(32, 64 << 20).expect("runtime"))
+}
+
+fn example(name: &str) -> Plugin {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../guest-sdk/target/wasm32-wasip2/release/examples")
+        .join(format!("{name}.wasm"));
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; build the examples with `cargo build --manifest-path guest-sdk/Cargo.toml --target wasm32-wasip2 --release --examples`",
+            path.display()
+        )
+    });
+    runtime().compile(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+fn instance(p: &Plugin, limits: PluginLimits) -> Instance {
+    p.instantiate(limits, crate::testutil::tokenizer(), 7)
+        .expect("instantiate")
+}
+
+fn chat(config: &str, messages: &[(&str, &str)]) -> Request {
+    Request {
+        input: Input::Chat(
+            messages
+                .iter()
+                .map(|(r, c)| Message {
+                    role: r.to_string(),
+                    content: c.to_string(),
+                })
+                .collect(),
+        ),
+        sampling: Sampling {
+            temperature: 0.0,
+            top_p: 1.0,
+            max_tokens: 16,
+            seed: None,
+            stop: vec![],
+        },
+        config: config.into(),
+        metadata: vec![],
+    }
+}
+
+#[test]
+fn system_prompt_injects_once_and_refuses_without_config() {
+    let p = example("system_prompt");
+    let mut i = instance(&p, PluginLimits::default());
+    assert!(!i.capabilities().unwrap().on_token);
+    let out = i.preprocess(&chat("Be brief.", &[("user", "hi")])).unwrap();
+    let Input::Chat(m) = out.input else {
+        panic!("chat stays chat")
+    };
+    assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "Be brief."));
+    assert_eq!(m[1].content, "hi");
+    let out = i
+        .preprocess(&chat("Be brief.", &[("system", "mine"), ("user", "hi")]))
+        .unwrap();
+    let Input::Chat(m) = out.input else { panic!() };
+    assert_eq!(m.len(), 2);
+    match i.preprocess(&chat("", &[("user", "hi")])) {
+        Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "plugin_config"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_redactor_catches_pii_split_across_chunks() {
+    let p = example("pii_redactor");
+    let text = "Mail me at jane.doe@example.com or call +1 555 123 4567; card 4111 1111 1111 1111 ok.";
+    for cut in [5usize, 13, 17, 31, 40] {
+        let mut i = instance(&p, PluginLimits::default());
+        let mut out = String::new();
+        let bytes: Vec<char> = text.chars().collect();
+        for piece in bytes.chunks(cut) {
+            out.push_str(&i.postprocess(&piece.iter().collect::<String>(), false).unwrap());
+            // Nothing emitted so far holds a fragment of the PII.
+            for frag in ["jane.doe@", "@example", "555 123", "4111 1111"] {
+                assert!(!out.contains(frag), "cut {cut}: {out:?}");
+            }
+        }
+        out.push_str(&i.postprocess("", true).unwrap());
+        assert_eq!(out, "Mail me at [EMAIL] or call [PHONE]; card [CARD] ok.", "cut {cut}");
+    }
+}
+
+#[test]
+fn the_json_guard_stops_once_the_output_cannot_be_json() {
+    let p = example("json_guard");
+    let mut i = instance(&p, PluginLimits::default());
+    assert!(i.capabilities().unwrap().on_token);
+    let mut actions = Vec::new();
+    for (n, t) in ["{\"a\"", ": [1, ", "true]", "}", " trailing"].iter().enumerate() {
+        let tok = Token {
+            id: 0,
+            text: t.to_string(),
+            index: n as u32 + 1,
+        };
+        actions.push(i.on_token(&tok).unwrap());
+    }
+    assert_eq!(
+        actions,
+        [
+            TokenAction::Continue,
+            TokenAction::Continue,
+            TokenAction::Continue,
+            TokenAction::Stop,
+            TokenAction::Stop
+        ]
+    );
+    let mut i = instance(&p, PluginLimits::default());
+    let tok = Token {
+        id: 0,
+        text: "Sure! {".into(),
+        index: 1,
+    };
+    assert_eq!(i.on_token(&tok).unwrap(), TokenAction::Stop);
+}
+
+#[test]
+fn each_request_gets_a_fresh_instance() {
+    let p = example("pii_redactor");
+    let mut a = instance(&p, PluginLimits::default());
+    assert_eq!(a.postprocess("held back: jane@exa", false).unwrap(), "");
+    // A new instance has no held text from the old one.
+    let mut b = instance(&p, PluginLimits::default());
+    assert_eq!(b.postprocess("", true).unwrap(), "");
+    assert_eq!(a.postprocess("mple.com", true).unwrap(), "held back: [EMAIL]");
+}
+
+#[test]
+fn adversarial_guests_are_contained_with_their_own_errors() {
+    let p = example("adversary");
+    let limits = PluginLimits {
+        fuel_per_call: 200_000_000,
+        memory_bytes: 32 << 20,
+        call_timeout: std::time::Duration::from_millis(100),
+    };
+    let run = |attack: &str, limits: PluginLimits| instance(&p, limits).preprocess(&chat(attack, &[("user", "x")]));
+    let t0 = Instant::now();
+    assert!(matches!(
+        run("loop", limits),
+        Err(PluginFailure::FuelExhausted(_) | PluginFailure::Timeout(_))
+    ));
+    assert!(t0.elapsed().as_secs() < 5, "the loop was stopped promptly");
+    // With ample fuel, the wall-clock deadline stops it.
+    let no_fuel_cap = PluginLimits {
+        fuel_per_call: u64::MAX / 2,
+        ..limits
+    };
+    assert!(matches!(run("loop", no_fuel_cap), Err(PluginFailure::Timeout(_))));
+    assert_eq!(run("bomb", limits).unwrap_err().code(), "plugin_out_of_memory");
+    assert_eq!(run("trap", limits).unwrap_err().code(), "plugin_trap");
+    assert_eq!(run("recurse", limits).unwrap_err().code(), "plugin_trap");
+    assert_eq!(run("huge", limits).unwrap_err().code(), "plugin_out_of_memory");
+    // Meanwhile another plugin works, with unchanged output.
+    let ok = example("system_prompt");
+    let out = instance(&ok, PluginLimits::default())
+        .preprocess(&chat("S", &[("user", "x")]))
+        .unwrap();
+    let Input::Chat(m) = out.input else { panic!() };
+    assert_eq!(m[0].content, "S");
+    assert!(run("pass", limits).is_ok());
+}
+
+#[test]
+fn bytes_that_are_not_a_component_are_invalid() {
+    for bytes in [&b""[..], b"\0asm\x01\0\0\0", b"not wasm at all"] {
+        let e = runtime().compile(bytes).err().expect("refused");
+        assert_eq!(e.code(), "plugin_invalid");
+    }
+}
