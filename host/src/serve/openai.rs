@@ -108,11 +108,8 @@ pub fn json_depth(bytes: &[u8]) -> usize {
     max
 }
 
-/// Fields `POST /v1/chat/completions` accepts.
-pub const CHAT_FIELDS: &[&str] = &[
-    "messages",
-    "logprobs",
-    "top_logprobs",
+/// Fields both endpoints accept ([`Common`]).
+pub const COMMON_FIELDS: &[&str] = &[
     "model",
     "stream",
     "stream_options",
@@ -131,26 +128,11 @@ pub const CHAT_FIELDS: &[&str] = &[
     "repetition_penalty",
 ];
 
-/// Fields `POST /v1/completions` accepts.
-pub const COMPLETION_FIELDS: &[&str] = &[
-    "prompt",
-    "model",
-    "stream",
-    "stream_options",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "n",
-    "stop",
-    "seed",
-    "presence_penalty",
-    "frequency_penalty",
-    "user",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-];
+/// Fields only `POST /v1/chat/completions` accepts.
+pub const CHAT_FIELDS: &[&str] = &["messages", "logprobs", "top_logprobs"];
+
+/// Fields only `POST /v1/completions` accepts.
+pub const COMPLETION_FIELDS: &[&str] = &["prompt"];
 
 /// Parses a request body as `T`, whose top-level fields are `allowed`, with errors that name
 /// the field at fault.
@@ -159,11 +141,12 @@ pub fn parse_body<T: for<'de> Deserialize<'de>>(
     max_depth: usize,
     allowed: &[&str],
 ) -> Result<T, ApiError> {
-    typed(parse_object(bytes, max_depth, allowed)?)
+    typed(parse_object(bytes, max_depth, &[allowed])?)
 }
 
-/// Checks depth and syntax, and that the body is an object with only `allowed` fields.
-pub fn parse_object(bytes: &[u8], max_depth: usize, allowed: &[&str]) -> Result<Value, ApiError> {
+/// Checks depth and syntax, and that the body is an object whose fields are all in one of the
+/// `allowed` lists.
+pub fn parse_object(bytes: &[u8], max_depth: usize, allowed: &[&[&str]]) -> Result<Value, ApiError> {
     if json_depth(bytes) > max_depth {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -185,7 +168,7 @@ pub fn parse_object(bytes: &[u8], max_depth: usize, allowed: &[&str]) -> Result<
             "the request body must be a JSON object",
         ));
     };
-    if let Some(k) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
+    if let Some(k) = map.keys().find(|k| !allowed.iter().any(|a| a.contains(&k.as_str()))) {
         return Err(ApiError::field(k, format!("unknown field {k:?}")));
     }
     Ok(value)
@@ -349,7 +332,7 @@ struct ChatOwn {
 impl ChatRequest {
     /// Parses a body; unknown fields are refused by name.
     pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
-        let v = parse_object(bytes, max_depth, CHAT_FIELDS)?;
+        let v = parse_object(bytes, max_depth, &[CHAT_FIELDS, COMMON_FIELDS])?;
         let own: ChatOwn = typed(v.clone())?;
         Ok(Self {
             messages: own.messages,
@@ -391,7 +374,7 @@ struct CompletionOwn {
 impl CompletionRequest {
     /// Parses a body; unknown fields are refused by name.
     pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
-        let v = parse_object(bytes, max_depth, COMPLETION_FIELDS)?;
+        let v = parse_object(bytes, max_depth, &[COMPLETION_FIELDS, COMMON_FIELDS])?;
         let own: CompletionOwn = typed(v.clone())?;
         Ok(Self {
             prompt: own.prompt,
