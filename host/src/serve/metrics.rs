@@ -118,11 +118,6 @@ impl Metrics {
         })
     }
 
-    /// The latest pool counters.
-    pub fn kv(&self) -> KvCounters {
-        self.with(|m| m.kv)
-    }
-
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         self.with(|m| {
