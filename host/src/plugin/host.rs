@@ -2,7 +2,7 @@
 //! limiter, and the world's imports (`kv`, `tokenizer`, `log`).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rand010::SeedableRng;
 use wasmtime::component::{Resource, ResourceTable};
@@ -71,6 +71,8 @@ pub struct PluginHost {
     limiter: Limiter,
     tokenizer: Arc<Tokenizer>,
     logs: Vec<String>,
+    /// When the call in progress must end.
+    deadline: Instant,
 }
 
 impl PluginHost {
@@ -91,7 +93,16 @@ impl PluginHost {
             },
             tokenizer,
             logs: Vec::new(),
+            deadline: Instant::now(),
         }
+    }
+
+    pub(super) fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    pub(super) fn set_deadline(&mut self, at: Instant) {
+        self.deadline = at;
     }
 
     pub(super) fn limiter(&mut self) -> &mut dyn wasmtime::ResourceLimiter {

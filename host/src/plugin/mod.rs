@@ -18,10 +18,10 @@ mod host;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
 
 use crate::tokenizer::Tokenizer;
 pub use bindings::warden::plugin::types::{
@@ -35,6 +35,9 @@ mod bindings {
     wasmtime::component::bindgen!({
         path: "../wit",
         world: "tenant-plugin",
+        // Guest code runs as futures that yield at every epoch tick, so a busy plugin never
+        // holds a runtime thread for longer than one tick. Host imports stay synchronous.
+        exports: { default: async },
         with: {
             "warden:plugin/kv.kv-page": super::host::KvPage,
             "warden:plugin/kv.sequence": super::host::Sequence,
@@ -105,7 +108,8 @@ impl PluginFailure {
     }
 }
 
-/// How often the epoch advances: the granularity of call timeouts.
+/// How often the epoch advances: the granularity of call timeouts, and how long guest code runs
+/// before it yields to the executor.
 const EPOCH_TICK: Duration = Duration::from_millis(1);
 
 /// The wasmtime engine and linker every plugin shares.
@@ -131,6 +135,7 @@ impl Runtime {
             .total_core_instances(instances * 4)
             .total_memories(instances * 2)
             .total_tables(instances * 4)
+            .total_stacks(instances)
             .max_memory_size(max_memory)
             .max_component_instance_size(1 << 20);
         let mut cfg = Config::new();
@@ -141,7 +146,7 @@ impl Runtime {
             .max_wasm_stack(512 << 10);
         let engine = Engine::new(&cfg).map_err(invalid)?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(invalid)?;
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(invalid)?;
         bindings::TenantPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(invalid)?;
         let ticking = Arc::new(AtomicBool::new(true));
         let (e, t) = (engine.weak(), ticking.clone());
@@ -197,7 +202,7 @@ pub struct Instance {
 impl Plugin {
     /// A fresh instance in its own store, with `limits`, the served model's tokenizer and
     /// randomness seeded from `seed`.
-    pub fn instantiate(
+    pub async fn instantiate(
         &self,
         limits: PluginLimits,
         tokenizer: Arc<Tokenizer>,
@@ -205,8 +210,15 @@ impl Plugin {
     ) -> Result<Instance, PluginFailure> {
         let mut store = Store::new(&self.engine, PluginHost::new(limits, tokenizer, seed));
         store.limiter(|h| h.limiter());
+        // At each tick: yield to the executor, or end the call once its wall time is up.
+        store.epoch_deadline_callback(|s| {
+            if Instant::now() >= s.data().deadline() {
+                return Err(wasmtime::Error::new(Trap::Interrupt));
+            }
+            Ok(UpdateDeadline::Yield(1))
+        });
         arm(&mut store, &limits)?;
-        match self.pre.instantiate(&mut store) {
+        match self.pre.instantiate_async(&mut store).await {
             Ok(bindings) => Ok(Instance {
                 store,
                 bindings,
@@ -222,8 +234,8 @@ fn arm(store: &mut Store<PluginHost>, limits: &PluginLimits) -> Result<(), Plugi
     store
         .set_fuel(limits.fuel_per_call)
         .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
-    let ticks = limits.call_timeout.as_micros().div_ceil(EPOCH_TICK.as_micros()).max(1) as u64;
-    store.set_epoch_deadline(ticks);
+    store.data_mut().set_deadline(Instant::now() + limits.call_timeout);
+    store.set_epoch_deadline(1);
     Ok(())
 }
 
@@ -240,37 +252,35 @@ fn classify(store: &Store<PluginHost>, limits: &PluginLimits, e: wasmtime::Error
 }
 
 impl Instance {
-    fn call<T>(
-        &mut self,
-        f: impl FnOnce(&bindings::TenantPlugin, &mut Store<PluginHost>) -> wasmtime::Result<T>,
-    ) -> Result<T, PluginFailure> {
+    /// What the plugin implements beyond preprocess and postprocess.
+    pub async fn capabilities(&mut self) -> Result<Capabilities, PluginFailure> {
         arm(&mut self.store, &self.limits)?;
-        let r = f(&self.bindings, &mut self.store);
+        let r = self.bindings.call_capabilities(&mut self.store).await;
         r.map_err(|e| classify(&self.store, &self.limits, e))
     }
 
-    /// What the plugin implements beyond preprocess and postprocess.
-    pub fn capabilities(&mut self) -> Result<Capabilities, PluginFailure> {
-        self.call(|b, s| b.call_capabilities(s))
-    }
-
     /// Runs `preprocess`.
-    pub fn preprocess(&mut self, req: &Request) -> Result<Request, PluginFailure> {
-        self.call(|b, s| b.call_preprocess(s, req))?.map_err(refused)
+    pub async fn preprocess(&mut self, req: &Request) -> Result<Request, PluginFailure> {
+        arm(&mut self.store, &self.limits)?;
+        let r = self.bindings.call_preprocess(&mut self.store, req).await;
+        r.map_err(|e| classify(&self.store, &self.limits, e))?.map_err(refused)
     }
 
     /// Runs `postprocess` on a chunk of output (`is_final` on the last).
-    pub fn postprocess(&mut self, text: &str, is_final: bool) -> Result<String, PluginFailure> {
+    pub async fn postprocess(&mut self, text: &str, is_final: bool) -> Result<String, PluginFailure> {
         let chunk = Chunk { text: text.to_string() };
-        Ok(self
-            .call(|b, s| b.call_postprocess(s, &chunk, is_final))?
+        arm(&mut self.store, &self.limits)?;
+        let r = self.bindings.call_postprocess(&mut self.store, &chunk, is_final).await;
+        Ok(r.map_err(|e| classify(&self.store, &self.limits, e))?
             .map_err(refused)?
             .text)
     }
 
     /// Runs `on-token`.
-    pub fn on_token(&mut self, token: &Token) -> Result<TokenAction, PluginFailure> {
-        self.call(|b, s| b.call_on_token(s, token))
+    pub async fn on_token(&mut self, token: &Token) -> Result<TokenAction, PluginFailure> {
+        arm(&mut self.store, &self.limits)?;
+        let r = self.bindings.call_on_token(&mut self.store, token).await;
+        r.map_err(|e| classify(&self.store, &self.limits, e))
     }
 
     /// What the plugin logged, oldest first.

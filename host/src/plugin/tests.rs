@@ -25,8 +25,9 @@ fn example(name: &str) -> Plugin {
     runtime().compile(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"))
 }
 
-fn instance(p: &Plugin, limits: PluginLimits) -> Instance {
+async fn instance(p: &Plugin, limits: PluginLimits) -> Instance {
     p.instantiate(limits, crate::testutil::tokenizer(), 7)
+        .await
         .expect("instantiate")
 }
 
@@ -53,12 +54,12 @@ fn chat(config: &str, messages: &[(&str, &str)]) -> Request {
     }
 }
 
-#[test]
-fn system_prompt_injects_once_and_refuses_without_config() {
+#[tokio::test]
+async fn system_prompt_injects_once_and_refuses_without_config() {
     let p = example("system_prompt");
-    let mut i = instance(&p, PluginLimits::default());
-    assert!(!i.capabilities().unwrap().on_token);
-    let out = i.preprocess(&chat("Be brief.", &[("user", "hi")])).unwrap();
+    let mut i = instance(&p, PluginLimits::default()).await;
+    assert!(!i.capabilities().await.unwrap().on_token);
+    let out = i.preprocess(&chat("Be brief.", &[("user", "hi")])).await.unwrap();
     let Input::Chat(m) = out.input else {
         panic!("chat stays chat")
     };
@@ -66,40 +67,41 @@ fn system_prompt_injects_once_and_refuses_without_config() {
     assert_eq!(m[1].content, "hi");
     let out = i
         .preprocess(&chat("Be brief.", &[("system", "mine"), ("user", "hi")]))
+        .await
         .unwrap();
     let Input::Chat(m) = out.input else { panic!() };
     assert_eq!(m.len(), 2);
-    match i.preprocess(&chat("", &[("user", "hi")])) {
+    match i.preprocess(&chat("", &[("user", "hi")])).await {
         Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "plugin_config"),
         other => panic!("{other:?}"),
     }
 }
 
-#[test]
-fn the_redactor_catches_pii_split_across_chunks() {
+#[tokio::test]
+async fn the_redactor_catches_pii_split_across_chunks() {
     let p = example("pii_redactor");
     let text = "Mail me at jane.doe@example.com or call +1 555 123 4567; card 4111 1111 1111 1111 ok.";
     for cut in [5usize, 13, 17, 31, 40] {
-        let mut i = instance(&p, PluginLimits::default());
+        let mut i = instance(&p, PluginLimits::default()).await;
         let mut out = String::new();
         let bytes: Vec<char> = text.chars().collect();
         for piece in bytes.chunks(cut) {
-            out.push_str(&i.postprocess(&piece.iter().collect::<String>(), false).unwrap());
+            out.push_str(&i.postprocess(&piece.iter().collect::<String>(), false).await.unwrap());
             // Nothing emitted so far holds a fragment of the PII.
             for frag in ["jane.doe@", "@example", "555 123", "4111 1111"] {
                 assert!(!out.contains(frag), "cut {cut}: {out:?}");
             }
         }
-        out.push_str(&i.postprocess("", true).unwrap());
+        out.push_str(&i.postprocess("", true).await.unwrap());
         assert_eq!(out, "Mail me at [EMAIL] or call [PHONE]; card [CARD] ok.", "cut {cut}");
     }
 }
 
-#[test]
-fn the_json_guard_stops_once_the_output_cannot_be_json() {
+#[tokio::test]
+async fn the_json_guard_stops_once_the_output_cannot_be_json() {
     let p = example("json_guard");
-    let mut i = instance(&p, PluginLimits::default());
-    assert!(i.capabilities().unwrap().on_token);
+    let mut i = instance(&p, PluginLimits::default()).await;
+    assert!(i.capabilities().await.unwrap().on_token);
     let mut actions = Vec::new();
     for (n, t) in ["{\"a\"", ": [1, ", "true]", "}", " trailing"].iter().enumerate() {
         let tok = Token {
@@ -107,7 +109,7 @@ fn the_json_guard_stops_once_the_output_cannot_be_json() {
             text: t.to_string(),
             index: n as u32 + 1,
         };
-        actions.push(i.on_token(&tok).unwrap());
+        actions.push(i.on_token(&tok).await.unwrap());
     }
     assert_eq!(
         actions,
@@ -119,38 +121,43 @@ fn the_json_guard_stops_once_the_output_cannot_be_json() {
             TokenAction::Stop
         ]
     );
-    let mut i = instance(&p, PluginLimits::default());
+    let mut i = instance(&p, PluginLimits::default()).await;
     let tok = Token {
         id: 0,
         text: "Sure! {".into(),
         index: 1,
     };
-    assert_eq!(i.on_token(&tok).unwrap(), TokenAction::Stop);
+    assert_eq!(i.on_token(&tok).await.unwrap(), TokenAction::Stop);
 }
 
-#[test]
-fn each_request_gets_a_fresh_instance() {
+#[tokio::test]
+async fn each_request_gets_a_fresh_instance() {
     let p = example("pii_redactor");
-    let mut a = instance(&p, PluginLimits::default());
-    assert_eq!(a.postprocess("held back: jane@exa", false).unwrap(), "");
+    let mut a = instance(&p, PluginLimits::default()).await;
+    assert_eq!(a.postprocess("held back: jane@exa", false).await.unwrap(), "");
     // A new instance has no held text from the old one.
-    let mut b = instance(&p, PluginLimits::default());
-    assert_eq!(b.postprocess("", true).unwrap(), "");
-    assert_eq!(a.postprocess("mple.com", true).unwrap(), "held back: [EMAIL]");
+    let mut b = instance(&p, PluginLimits::default()).await;
+    assert_eq!(b.postprocess("", true).await.unwrap(), "");
+    assert_eq!(a.postprocess("mple.com", true).await.unwrap(), "held back: [EMAIL]");
 }
 
-#[test]
-fn adversarial_guests_are_contained_with_their_own_errors() {
+#[tokio::test]
+async fn adversarial_guests_are_contained_with_their_own_errors() {
     let p = example("adversary");
     let limits = PluginLimits {
         fuel_per_call: 200_000_000,
         memory_bytes: 32 << 20,
         call_timeout: std::time::Duration::from_millis(100),
     };
-    let run = |attack: &str, limits: PluginLimits| instance(&p, limits).preprocess(&chat(attack, &[("user", "x")]));
+    let run = async |attack: &str, limits: PluginLimits| {
+        instance(&p, limits)
+            .await
+            .preprocess(&chat(attack, &[("user", "x")]))
+            .await
+    };
     let t0 = Instant::now();
     assert!(matches!(
-        run("loop", limits),
+        run("loop", limits).await,
         Err(PluginFailure::FuelExhausted(_) | PluginFailure::Timeout(_))
     ));
     assert!(t0.elapsed().as_secs() < 5, "the loop was stopped promptly");
@@ -159,19 +166,21 @@ fn adversarial_guests_are_contained_with_their_own_errors() {
         fuel_per_call: u64::MAX / 2,
         ..limits
     };
-    assert!(matches!(run("loop", no_fuel_cap), Err(PluginFailure::Timeout(_))));
-    assert_eq!(run("bomb", limits).unwrap_err().code(), "plugin_out_of_memory");
-    assert_eq!(run("trap", limits).unwrap_err().code(), "plugin_trap");
-    assert_eq!(run("recurse", limits).unwrap_err().code(), "plugin_trap");
-    assert_eq!(run("huge", limits).unwrap_err().code(), "plugin_out_of_memory");
+    assert!(matches!(run("loop", no_fuel_cap).await, Err(PluginFailure::Timeout(_))));
+    assert_eq!(run("bomb", limits).await.unwrap_err().code(), "plugin_out_of_memory");
+    assert_eq!(run("trap", limits).await.unwrap_err().code(), "plugin_trap");
+    assert_eq!(run("recurse", limits).await.unwrap_err().code(), "plugin_trap");
+    assert_eq!(run("huge", limits).await.unwrap_err().code(), "plugin_out_of_memory");
     // Meanwhile another plugin works, with unchanged output.
     let ok = example("system_prompt");
     let out = instance(&ok, PluginLimits::default())
+        .await
         .preprocess(&chat("S", &[("user", "x")]))
+        .await
         .unwrap();
     let Input::Chat(m) = out.input else { panic!() };
     assert_eq!(m[0].content, "S");
-    assert!(run("pass", limits).is_ok());
+    assert!(run("pass", limits).await.is_ok());
 }
 
 #[test]
@@ -180,4 +189,35 @@ fn bytes_that_are_not_a_component_are_invalid() {
         let e = runtime().compile(bytes).err().expect("refused");
         assert_eq!(e.code(), "plugin_invalid");
     }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_busy_guest_yields_to_other_tasks_on_the_same_thread() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let p = example("adversary");
+    let ticks = Arc::new(AtomicU32::new(0));
+    let counter = ticks.clone();
+    let ticker = tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            counter.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    let limits = PluginLimits {
+        fuel_per_call: u64::MAX / 2,
+        call_timeout: std::time::Duration::from_millis(100),
+        ..PluginLimits::default()
+    };
+    let r = instance(&p, limits)
+        .await
+        .preprocess(&chat("loop", &[("user", "x")]))
+        .await;
+    assert!(matches!(r, Err(PluginFailure::Timeout(_))), "{r:?}");
+    ticker.abort();
+    // One thread, a guest spinning for 100 ms: the ticker still ran, because the guest yielded.
+    assert!(
+        ticks.load(Ordering::SeqCst) >= 10,
+        "ticker ran {} times",
+        ticks.load(Ordering::SeqCst)
+    );
 }
