@@ -14,7 +14,7 @@ use warden::engine::sampling::SamplingParams;
 use warden::engine::{Engine, EngineConfig, Event};
 use warden::loaded::LoadedModel;
 use warden::serve::config::ServeConfig;
-use warden::serve::manage::{self, Op};
+use warden::serve::manage::{self, Op, PluginOp};
 use warden::serve::{ServeOptions, serve};
 use warden::tokenizer::Tokenizer;
 
@@ -107,6 +107,72 @@ enum Command {
         op: KeyOp,
         #[command(flatten)]
         store: StoreArgs,
+    },
+    /// Manage a tenant's plugins (directly, or through a running server's admin API).
+    Plugin {
+        #[command(subcommand)]
+        op: PluginCmd,
+        /// The tenant whose plugins these are.
+        #[arg(long, global = true, default_value = "default")]
+        tenant: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum PluginCmd {
+    /// Validate a component and store it as a new version (active unless --no-activate).
+    Upload {
+        /// Plugin name: lowercase letters, digits, '-' and '_'.
+        name: String,
+        /// The component (.wasm, built for wasm32-wasip2 against wit/plugin.wit).
+        file: PathBuf,
+        /// Keep the active version as it is.
+        #[arg(long)]
+        no_activate: bool,
+    },
+    /// List the tenant's plugins and versions.
+    List,
+    /// Show one plugin.
+    Show {
+        /// Plugin name.
+        name: String,
+    },
+    /// Make a version active (hot: the next request runs it).
+    Activate {
+        /// Plugin name.
+        name: String,
+        /// Its SHA-256, or at least 8 leading hex digits.
+        version: String,
+    },
+    /// Return to the version active before the current one.
+    Rollback {
+        /// Plugin name.
+        name: String,
+    },
+    /// Delete a plugin with all its versions, or with --version one inactive version.
+    Delete {
+        /// Plugin name.
+        name: String,
+        /// Only this version.
+        #[arg(long)]
+        version: Option<String>,
+    },
+    /// Set the configuration every version of the plugin is given, from a file.
+    Config {
+        /// Plugin name.
+        name: String,
+        /// A text file (often JSON).
+        file: PathBuf,
+    },
+    /// Make the plugin the tenant's default (run when a request names none); --clear undoes it.
+    Default {
+        /// Plugin name.
+        name: String,
+        /// Stop it being the default.
+        #[arg(long)]
+        clear: bool,
     },
 }
 
@@ -273,6 +339,35 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 KeyOp::List { tenant } => Op::KeyList(tenant),
             };
             println!("{}", manage::run(&store.data_dir()?, op)?);
+            Ok(())
+        }
+        Command::Plugin { op, tenant, store } => {
+            let op = match op {
+                PluginCmd::Upload {
+                    name,
+                    file,
+                    no_activate,
+                } => PluginOp::Upload {
+                    name,
+                    file,
+                    activate: !no_activate,
+                },
+                PluginCmd::List => PluginOp::List,
+                PluginCmd::Show { name } => PluginOp::Show(name),
+                PluginCmd::Activate { name, version } => PluginOp::Activate { name, version },
+                PluginCmd::Rollback { name } => PluginOp::Rollback(name),
+                PluginCmd::Delete {
+                    name,
+                    version: Some(version),
+                } => PluginOp::DeleteVersion { name, version },
+                PluginCmd::Delete { name, version: None } => PluginOp::Delete(name),
+                PluginCmd::Config { name, file } => PluginOp::Config { name, file },
+                PluginCmd::Default { name, clear: false } => PluginOp::Default(name),
+                PluginCmd::Default { name, clear: true } => PluginOp::ClearDefault(name),
+            };
+            let cfg = config(store.config.as_deref())?;
+            let data_dir = store.data_dir.clone().unwrap_or_else(|| cfg.data_dir.clone());
+            println!("{}", manage::plugin(&cfg, &data_dir, &tenant, op)?);
             Ok(())
         }
     }

@@ -280,14 +280,24 @@ impl Engine {
 
     /// Cancels a request through the retirement path. Returns whether it was still pending.
     pub fn cancel(&mut self, id: RequestId) -> bool {
+        self.end(id, Outcome::Aborted(AbortReason::Cancelled))
+    }
+
+    /// Ends a request early as finished (`stop`), e.g. when its plugin says so; through the
+    /// retirement path. Returns whether it was still pending.
+    pub fn stop(&mut self, id: RequestId) -> bool {
+        self.end(id, Outcome::Finished(FinishReason::Stop))
+    }
+
+    fn end(&mut self, id: RequestId, outcome: Outcome) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let seq = self.waiting.remove(i).expect("index from position");
-            self.retire(seq, Outcome::Aborted(AbortReason::Cancelled));
+            self.retire(seq, outcome);
             return true;
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let seq = self.running.swap_remove(i);
-            self.retire(seq, Outcome::Aborted(AbortReason::Cancelled));
+            self.retire(seq, outcome);
             return true;
         }
         false

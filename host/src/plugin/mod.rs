@@ -92,6 +92,9 @@ pub enum PluginFailure {
     /// The bytes are not a valid component, or it imports what the host does not provide.
     #[error("invalid plugin: {0}")]
     Invalid(String),
+    /// Every instance slot is in use; retry later.
+    #[error("every plugin instance slot is in use")]
+    Busy,
 }
 
 impl PluginFailure {
@@ -104,6 +107,7 @@ impl PluginFailure {
             PluginFailure::Timeout(_) => "plugin_timeout",
             PluginFailure::OutOfMemory(_) => "plugin_out_of_memory",
             PluginFailure::Invalid(_) => "plugin_invalid",
+            PluginFailure::Busy => "plugin_busy",
         }
     }
 }
@@ -173,6 +177,35 @@ impl Runtime {
     /// the host's imports.
     pub fn compile(&self, bytes: &[u8]) -> Result<Plugin, PluginFailure> {
         let component = Component::new(&self.engine, bytes).map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        self.link(component)
+    }
+
+    /// What compiled artefacts must match to load into this runtime (wasmtime's version and
+    /// the engine's settings), as hex: part of an artefact's cache key.
+    pub fn compatibility(&self) -> String {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        self.engine.precompile_compatibility_hash().hash(&mut h);
+        format!("{:016x}", h.finish())
+    }
+
+    /// Loads a compiled artefact that [`Plugin::artefact`] produced.
+    ///
+    /// # Safety
+    ///
+    /// `artefact` must be exactly the bytes [`Plugin::artefact`] returned in a runtime of the same
+    /// [`Runtime::compatibility`]: wasmtime runs the machine code in it without verifying it. The
+    /// caller proves where the bytes came from (the server's cache authenticates every file it
+    /// wrote with a key only it knows).
+    pub unsafe fn load_artefact(&self, artefact: &[u8]) -> Result<Plugin, PluginFailure> {
+        // SAFETY: the caller guarantees the bytes are an unmodified artefact of this engine's
+        // configuration; wasmtime itself still checks the version and settings it records.
+        let component = unsafe { Component::deserialize(&self.engine, artefact) }
+            .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        self.link(component)
+    }
+
+    fn link(&self, component: Component) -> Result<Plugin, PluginFailure> {
         let pre = self
             .linker
             .instantiate_pre(&component)
@@ -180,6 +213,7 @@ impl Runtime {
         let pre = bindings::TenantPluginPre::new(pre).map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
         Ok(Plugin {
             pre,
+            component,
             engine: self.engine.clone(),
         })
     }
@@ -189,6 +223,7 @@ impl Runtime {
 #[derive(Clone)]
 pub struct Plugin {
     pre: bindings::TenantPluginPre<PluginHost>,
+    component: Component,
     engine: Engine,
 }
 
@@ -200,6 +235,13 @@ pub struct Instance {
 }
 
 impl Plugin {
+    /// The compiled machine code, for [`Runtime::load_artefact`].
+    pub fn artefact(&self) -> Result<Vec<u8>, PluginFailure> {
+        self.component
+            .serialize()
+            .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))
+    }
+
     /// A fresh instance in its own store, with `limits`, the served model's tokenizer and
     /// randomness seeded from `seed`.
     pub async fn instantiate(
@@ -243,6 +285,9 @@ fn arm(store: &mut Store<PluginHost>, limits: &PluginLimits) -> Result<(), Plugi
 fn classify(store: &Store<PluginHost>, limits: &PluginLimits, e: wasmtime::Error) -> PluginFailure {
     if store.data().hit_memory_limit() {
         return PluginFailure::OutOfMemory(limits.memory_bytes);
+    }
+    if e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some() {
+        return PluginFailure::Busy;
     }
     match e.downcast_ref::<Trap>() {
         Some(Trap::OutOfFuel) => PluginFailure::FuelExhausted(limits.fuel_per_call),

@@ -153,7 +153,19 @@ impl Client {
         bearer: Option<&str>,
         body: Option<Vec<u8>>,
     ) -> anyhow::Result<Reply> {
-        let r = self.send(Proto::Http1, method, path, bearer, body).await?;
+        self.request_proto(Proto::Http1, method, path, bearer, body).await
+    }
+
+    /// Sends one request over `proto` and reads the whole reply.
+    pub async fn request_proto(
+        &self,
+        proto: Proto,
+        method: Method,
+        path: &str,
+        bearer: Option<&str>,
+        body: Option<Vec<u8>>,
+    ) -> anyhow::Result<Reply> {
+        let r = self.send(proto, method, path, bearer, body).await?;
         let status = r.status().as_u16();
         let headers = r.headers().clone();
         let body = r.into_body().collect().await?.to_bytes();

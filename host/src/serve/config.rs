@@ -27,6 +27,8 @@ pub struct ServeConfig {
     pub limits: LimitsConfig,
     /// Timeouts.
     pub timeouts: TimeoutsConfig,
+    /// Tenant plugins.
+    pub plugins: PluginsConfig,
 }
 
 impl Default for ServeConfig {
@@ -39,6 +41,7 @@ impl Default for ServeConfig {
             kv: KvConfig::default(),
             limits: LimitsConfig::default(),
             timeouts: TimeoutsConfig::default(),
+            plugins: PluginsConfig::default(),
         }
     }
 }
@@ -146,6 +149,44 @@ impl Default for TimeoutsConfig {
     }
 }
 
+/// Tenant plugins: upload limits and what each instance may use.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PluginsConfig {
+    /// Largest component an upload may carry, in bytes. Default 8 MiB.
+    pub max_component_bytes: usize,
+    /// Largest plugin configuration, in bytes. Default 64 KiB.
+    pub max_config_bytes: usize,
+    /// Plugins per tenant. Default 16.
+    pub max_per_tenant: usize,
+    /// Versions kept per plugin; an upload beyond it drops the oldest inactive one. Default 8.
+    pub max_versions: usize,
+    /// Plugin instances alive at once, over all tenants (each running request holds one per
+    /// choice). Default 256.
+    pub instances: u32,
+    /// Linear memory per instance, in MiB. Default 64.
+    pub memory_mib: usize,
+    /// Fuel (about one unit per wasm instruction) per call. Default 50,000,000.
+    pub fuel_per_call: u64,
+    /// Wall time per call, in milliseconds. Default 100.
+    pub call_timeout_ms: u64,
+}
+
+impl Default for PluginsConfig {
+    fn default() -> Self {
+        Self {
+            max_component_bytes: 8 << 20,
+            max_config_bytes: 64 << 10,
+            max_per_tenant: 16,
+            max_versions: 8,
+            instances: 256,
+            memory_mib: 64,
+            fuel_per_call: 50_000_000,
+            call_timeout_ms: 100,
+        }
+    }
+}
+
 /// Errors reading a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -207,7 +248,14 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 9] = [
+        let positive: [(&'static str, usize); 16] = [
+            ("plugins.max_component_bytes", self.plugins.max_component_bytes),
+            ("plugins.max_config_bytes", self.plugins.max_config_bytes),
+            ("plugins.max_per_tenant", self.plugins.max_per_tenant),
+            ("plugins.max_versions", self.plugins.max_versions),
+            ("plugins.instances", self.plugins.instances as usize),
+            ("plugins.memory_mib", self.plugins.memory_mib),
+            ("plugins.call_timeout_ms", self.plugins.call_timeout_ms as usize),
             ("kv.memory_mib", self.kv.memory_mib),
             ("kv.page_size", self.kv.page_size),
             ("limits.default_max_tokens", self.limits.default_max_tokens),
@@ -222,6 +270,23 @@ impl ServeConfig {
             if v == 0 {
                 return Err(bad(key, v, "must be at least 1"));
             }
+        }
+        if self.plugins.fuel_per_call == 0 {
+            return Err(bad("plugins.fuel_per_call", 0, "must be at least 1"));
+        }
+        if self.plugins.memory_mib > 4096 {
+            return Err(bad(
+                "plugins.memory_mib",
+                self.plugins.memory_mib,
+                "must be at most 4096",
+            ));
+        }
+        if self.plugins.instances > 10_000 {
+            return Err(bad(
+                "plugins.instances",
+                self.plugins.instances as usize,
+                "must be at most 10000",
+            ));
         }
         if self.kv.page_size > 1024 {
             return Err(bad("kv.page_size", self.kv.page_size, "must be at most 1024"));

@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -17,10 +17,13 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::State;
-use super::openai::{ApiError, ChatRequest, CompletionRequest, Plan, Prompt, parse_body};
+use super::openai::{ApiError, ChatRequest, Common, CompletionRequest, Plan, Prompt, RequestLimits, Stop, parse_body};
+use super::plugins::pipeline::{Hooks, Reporter};
 use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
 use super::worker::{Busy, Job, Update};
+use crate::chat::ChatMessage;
+use crate::plugin::{Input, Message, Sampling};
 
 /// Response bodies: whole or streamed.
 pub type Body = BoxBody<Bytes, std::convert::Infallible>;
@@ -160,6 +163,10 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             let body = read_body(state, req).await?;
             completions(state, t, &body).await
         }
+        ["v1", "plugins", rest @ ..] => {
+            let t = tenant(state, &req)?;
+            plugin_api(state, &t, req, &method, rest).await
+        }
         ["admin", "v1", rest @ ..] => admin_api(state, req, &method, rest).await,
         _ => Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -222,11 +229,21 @@ fn admin(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
 }
 
 async fn read_body(state: &State, req: Request<Incoming>) -> Result<Bytes, ApiError> {
-    let limit = state.cfg.limits.body_bytes;
+    read_body_up_to(state, req, state.cfg.limits.body_bytes, "body_too_large").await
+}
+
+/// Reads a body of at most `limit` bytes (checked against Content-Length before reading, and
+/// while reading); beyond, 413 with `code`.
+async fn read_body_up_to(
+    state: &State,
+    req: Request<Incoming>,
+    limit: usize,
+    code: &'static str,
+) -> Result<Bytes, ApiError> {
     let too_large = |n: String| {
         ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
-            "body_too_large",
+            code,
             format!("the request body is {n} bytes, more than the limit of {limit}"),
         )
     };
@@ -276,31 +293,33 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
 }
 
+/// What a request asks for before tokenizing, in the plugin world's terms.
+enum Asked {
+    /// Messages, rendered with the chat template.
+    Input(Input),
+    /// Token ids given by the client (a completion prompt); never rendered.
+    Tokens(Vec<u32>),
+}
+
 async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
     if r.common.model != state.model_id {
         return Err(model_not_found(&r.common.model));
     }
-    let messages = r.chat_messages()?;
+    let messages = r
+        .chat_messages()?
+        .into_iter()
+        .map(|m| Message {
+            role: m.role,
+            content: m.content,
+        })
+        .collect();
     let logprobs = r.logprobs()?;
-    let template = state.chat.as_ref().ok_or_else(|| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "no_chat_template",
-            "this model has no chat template; use /v1/completions",
-        )
-    })?;
-    let (template, tk) = (template.clone(), state.tokenizer.clone());
-    let prompt = off_runtime(move || {
-        let text = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
-        Ok(tk.encode(&text, true))
-    })
-    .await?;
-    let mut plan = r.common.plan(t.id, prompt, &state.request_limits)?;
+    let id = request_id("chatcmpl");
+    let (prompt, common, hooks) = prepare(state, &t, Asked::Input(Input::Chat(messages)), r.common, &id).await?;
+    let mut plan = common.plan(t.id, prompt, &state.request_limits)?;
     plan.req.logprobs = logprobs;
-    generate(state, &t, plan, Api::Chat, request_id("chatcmpl")).await
+    generate(state, &t, plan, Api::Chat, id, hooks).await
 }
 
 async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
@@ -314,18 +333,134 @@ async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Respo
             format!("prompt lists must hold exactly one prompt (got {what}); send one request per prompt"),
         )
     };
-    let tk = state.tokenizer.clone();
-    let encode = |s: String| off_runtime(move || Ok(tk.encode(&s, true)));
-    let prompt = match r.prompt {
-        Prompt::Text(s) => encode(s).await?,
-        Prompt::Tokens(ids) => ids,
-        Prompt::TextList(v) if v.len() == 1 => encode(v.into_iter().next().unwrap_or_default()).await?,
-        Prompt::TokensList(v) if v.len() == 1 => v.into_iter().next().unwrap_or_default(),
+    let asked = match r.prompt {
+        Prompt::Text(s) => Asked::Input(Input::Prompt(s)),
+        Prompt::Tokens(ids) => Asked::Tokens(ids),
+        Prompt::TextList(v) if v.len() == 1 => Asked::Input(Input::Prompt(v.into_iter().next().unwrap_or_default())),
+        Prompt::TokensList(v) if v.len() == 1 => Asked::Tokens(v.into_iter().next().unwrap_or_default()),
         Prompt::TextList(v) => return Err(one(v.len())),
         Prompt::TokensList(v) => return Err(one(v.len())),
     };
-    let plan = r.common.plan(t.id, prompt, &state.request_limits)?;
-    generate(state, &t, plan, Api::Completion, request_id("cmpl")).await
+    let id = request_id("cmpl");
+    let (prompt, common, hooks) = prepare(state, &t, asked, r.common, &id).await?;
+    let plan = common.plan(t.id, prompt, &state.request_limits)?;
+    generate(state, &t, plan, Api::Completion, id, hooks).await
+}
+
+/// The sampling fields as a plugin sees them.
+fn sampling_of(c: &Common, lim: &RequestLimits) -> Sampling {
+    Sampling {
+        temperature: c.temperature.unwrap_or(1.0),
+        top_p: c.top_p.unwrap_or(1.0),
+        max_tokens: c
+            .max_completion_tokens
+            .or(c.max_tokens)
+            .map(|m| m.clamp(0, u32::MAX as i64) as u32)
+            .unwrap_or(lim.default_max_tokens.min(u32::MAX as usize) as u32),
+        seed: c.seed.map(|s| s as u64),
+        stop: c.stop.clone().map(Stop::into_vec).unwrap_or_default(),
+    }
+}
+
+/// Runs the request's plugin, if it has one, on its input and sampling, then renders and
+/// tokenizes the input (off the runtime). Returns the prompt, the sampling fields as the
+/// plugin left them, and the plugin's hooks for the output.
+async fn prepare(
+    state: &Arc<State>,
+    t: &Tenant,
+    mut asked: Asked,
+    mut common: Common,
+    id: &str,
+) -> Result<(Vec<u32>, Common, Option<Hooks>), ApiError> {
+    let resolved = state.plugins.resolve(t, common.plugin.as_deref()).await?;
+    let mut hooks = None;
+    if let Some(resolved) = resolved {
+        // The client's own values are checked before the plugin sees them.
+        common.plan(t.id, vec![], &state.request_limits)?;
+        let seed = common.seed.map(|s| s as u64).unwrap_or_else(rand::random);
+        let reporter = Reporter {
+            metrics: state.metrics.clone(),
+            tenant: t.name.clone(),
+        };
+        let mut h = Hooks::new(
+            resolved,
+            state.plugins.limits(),
+            state.tokenizer.clone(),
+            seed,
+            reporter,
+        )
+        .await?;
+        let (input, tokens) = match asked {
+            Asked::Input(i) => (i, None),
+            Asked::Tokens(ids) => (Input::Prompt(state.tokenizer.decode(&ids)), Some(ids)),
+        };
+        let before = match (&input, &tokens) {
+            (Input::Prompt(p), Some(_)) => Some(p.clone()),
+            _ => None,
+        };
+        let endpoint = match input {
+            Input::Chat(_) => "chat.completions",
+            Input::Prompt(_) => "completions",
+        };
+        let metadata = vec![
+            ("endpoint".to_string(), endpoint.to_string()),
+            ("tenant".into(), t.name.clone()),
+            ("request-id".into(), id.to_string()),
+            ("model".into(), state.model_id.clone()),
+        ];
+        let (input, sampling) = h
+            .preprocess(input, sampling_of(&common, &state.request_limits), metadata)
+            .await?;
+        common.temperature = Some(sampling.temperature);
+        common.top_p = Some(sampling.top_p);
+        common.max_tokens = None;
+        common.max_completion_tokens = Some(i64::from(sampling.max_tokens));
+        common.seed = sampling.seed.map(|s| s as i64);
+        common.stop = Some(Stop::Many(sampling.stop));
+        // The plugin's values go through the same checks, named as the plugin's.
+        common.plan(t.id, vec![], &state.request_limits).map_err(|mut e| {
+            e.message = format!("after the plugin's preprocess: {}", e.message);
+            e
+        })?;
+        asked = match (input, tokens, before) {
+            // A token prompt the plugin left alone keeps its exact ids.
+            (Input::Prompt(p), Some(ids), Some(b)) if p == b => Asked::Tokens(ids),
+            (input, _, _) => Asked::Input(input),
+        };
+        hooks = Some(h);
+    }
+    let prompt = match asked {
+        Asked::Tokens(ids) => ids,
+        Asked::Input(Input::Prompt(text)) => {
+            let tk = state.tokenizer.clone();
+            off_runtime(move || Ok(tk.encode(&text, true))).await?
+        }
+        Asked::Input(Input::Chat(messages)) => {
+            let template = state.chat.as_ref().ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "no_chat_template",
+                    "this model has no chat template; use /v1/completions",
+                )
+            })?;
+            let (template, tk) = (template.clone(), state.tokenizer.clone());
+            off_runtime(move || {
+                let messages: Vec<ChatMessage> = messages
+                    .into_iter()
+                    .map(|m| ChatMessage {
+                        role: m.role,
+                        content: m.content,
+                    })
+                    .collect();
+                let text = template
+                    .render(&messages, true)
+                    .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+                Ok(tk.encode(&text, true))
+            })
+            .await?
+        }
+    };
+    Ok((prompt, common, hooks))
 }
 
 /// Admits, submits and answers a planned request: a JSON body, or an SSE stream that starts once
@@ -336,6 +471,7 @@ async fn generate(
     plan: Plan,
     api: Api,
     id: String,
+    hooks: Option<Hooks>,
 ) -> Result<Response<Body>, ApiError> {
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(
@@ -350,8 +486,14 @@ async fn generate(
         state.metrics.rejected(&t.name, rej.reason.code());
         return Err(rej.reason.into());
     }
-    let (tx, mut rx) = mpsc::unbounded_channel::<(usize, Update)>();
-    for i in 0..plan.n {
+    let stops: Vec<Arc<AtomicBool>> = (0..plan.n).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    // Every choice's plugin instance exists before anything is queued.
+    let output = match hooks {
+        Some(h) => Some(h.output(&stops, plan.req.prompt.len()).await?),
+        None => None,
+    };
+    let (tx, rx) = mpsc::unbounded_channel::<(usize, Update)>();
+    for (i, stop) in stops.iter().enumerate() {
         let mut req = plan.req.clone();
         req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
         let job = Job {
@@ -359,6 +501,7 @@ async fn generate(
             tenant: t.name.clone(),
             index: i,
             tx: tx.clone(),
+            stop: stop.clone(),
         };
         if let Err(Busy) = state.engine.submit(job) {
             state.metrics.rejected(&t.name, "queue_full");
@@ -373,6 +516,10 @@ async fn generate(
         }
     }
     drop(tx);
+    let mut rx = match output {
+        Some(o) => o.spawn(rx),
+        None => rx,
+    };
     let mut responder = Responder::new(
         api,
         &state.model_id,
@@ -424,6 +571,79 @@ async fn generate(
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct Activate {
+    version: String,
+}
+
+/// Whether the query string says `activate=false`.
+fn no_activate(req: &Request<Incoming>) -> bool {
+    req.uri()
+        .query()
+        .is_some_and(|q| q.split('&').any(|kv| kv == "activate=false" || kv == "activate=0"))
+}
+
+/// `/v1/plugins/...` for tenant `t` (also reached by the admin API as
+/// `/admin/v1/tenants/{t}/plugins/...`).
+async fn plugin_api(
+    state: &Arc<State>,
+    t: &Tenant,
+    req: Request<Incoming>,
+    method: &Method,
+    rest: &[&str],
+) -> Result<Response<Body>, ApiError> {
+    let p = &state.plugins;
+    let not_allowed = || {
+        ApiError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "method_not_allowed",
+            format!("{method} is not allowed on {}", req.uri().path()),
+        )
+    };
+    let ok = |v: Value| Ok(json_response(StatusCode::OK, &v));
+    match (rest, method) {
+        ([], &Method::GET) => ok(p.list(t)?),
+        ([], _) => Err(not_allowed()),
+        ([name], &Method::GET) => ok(p.get(t, name)?),
+        ([name], &Method::PUT) => {
+            let activate = !no_activate(&req);
+            let name = name.to_string();
+            let bytes = read_body_up_to(state, req, p.max_component_bytes(), "component_too_large").await?;
+            let v = p.upload(t, &name, bytes.to_vec(), activate).await?;
+            let status = if v["new"].as_bool() == Some(true) {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok(json_response(status, &v))
+        }
+        ([name], &Method::DELETE) => ok(p.delete(t, name)?),
+        ([_], _) => Err(not_allowed()),
+        ([name, "activate"], &Method::POST) => {
+            let name = name.to_string();
+            let body = read_body(state, req).await?;
+            let a: Activate = parse_body(&body, 4, &["version"])?;
+            ok(p.activate(t, &name, &a.version)?)
+        }
+        ([name, "rollback"], &Method::POST) => ok(p.rollback(t, name)?),
+        ([name, "config"], &Method::PUT) => {
+            let name = name.to_string();
+            let body = read_body_up_to(state, req, p.max_config_bytes(), "config_too_large").await?;
+            ok(p.set_config(t, &name, &body)?)
+        }
+        ([name, "default"], &Method::PUT) => ok(p.set_default(t, name)?),
+        ([name, "default"], &Method::DELETE) => ok(p.clear_default(t, name)?),
+        ([name, "versions", v], &Method::DELETE) => ok(p.delete_version(t, name, v)?),
+        ([_, "activate" | "rollback" | "config" | "default"], _) | ([_, "versions", _], _) => Err(not_allowed()),
+        _ => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no plugin route {}", req.uri().path()),
+        )),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct NewTenant {
     name: String,
 }
@@ -465,6 +685,14 @@ async fn admin_api(
             ok(json!({"data": state.store.keys(Some(name)).map_err(store_error)?}))
         }
         (["tenants", _, "keys"], _) => Err(not_allowed()),
+        (["tenants", name, "plugins", rest @ ..], _) => {
+            let t = state
+                .store
+                .tenant(name)
+                .map_err(store_error)?
+                .ok_or_else(|| store_error(StoreError::NoTenant(name.to_string())))?;
+            plugin_api(state, &t, req, method, rest).await
+        }
         (["keys"], &Method::GET) => ok(json!({"data": state.store.keys(None).map_err(store_error)?})),
         (["keys"], _) => Err(not_allowed()),
         (["keys", id], &Method::DELETE) => ok(json!(state.store.revoke_key(id).map_err(store_error)?)),

@@ -98,7 +98,8 @@ fn key_lines(v: &Value) -> String {
     out.trim_end().to_string()
 }
 
-fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
+/// One call to a running server's admin API; the reply's JSON, or its error message.
+fn admin_call(data_dir: &Path, method: Method, path: &str, body: Option<Vec<u8>>) -> anyhow::Result<Value> {
     let info_path = server_info_path(data_dir);
     let info: ServerInfo = serde_json::from_slice(
         &std::fs::read(&info_path)
@@ -108,6 +109,16 @@ fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
     let token_path = admin_token_path(data_dir);
     let token = std::fs::read_to_string(&token_path).with_context(|| format!("reading {}", token_path.display()))?;
     let client = Client::new(&info.url, info.cert.as_deref())?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let reply = rt.block_on(client.request(method, path, Some(token.trim()), body))?;
+    let v = reply.json()?;
+    if reply.status >= 400 {
+        bail!("{}", v["error"]["message"].as_str().unwrap_or(&reply.text()));
+    }
+    Ok(v)
+}
+
+fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
     let (method, path, body) = match &op {
         Op::TenantCreate(n) => (Method::POST, "/admin/v1/tenants".to_string(), Some(json!({"name": n}))),
         Op::TenantList => (Method::GET, "/admin/v1/tenants".into(), None),
@@ -117,17 +128,7 @@ fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
         Op::KeyList(Some(t)) => (Method::GET, format!("/admin/v1/tenants/{t}/keys"), None),
         Op::KeyList(None) => (Method::GET, "/admin/v1/keys".into(), None),
     };
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let reply = rt.block_on(client.request(
-        method,
-        &path,
-        Some(token.trim()),
-        body.map(|b| b.to_string().into_bytes()),
-    ))?;
-    let v = reply.json()?;
-    if reply.status >= 400 {
-        bail!("{}", v["error"]["message"].as_str().unwrap_or(&reply.text()));
-    }
+    let v = admin_call(data_dir, method, &path, body.map(|b| b.to_string().into_bytes()))?;
     Ok(match op {
         Op::TenantCreate(_) => format!(
             "created tenant {:?} (id {})",
@@ -148,4 +149,117 @@ fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
         ),
         Op::KeyList(_) => key_lines(&v["data"]),
     })
+}
+
+/// A plugin operation, for one tenant (`warden plugin ...`).
+#[derive(Debug, Clone)]
+pub enum PluginOp {
+    /// Upload a component as a new version (active unless `activate` is false).
+    Upload {
+        /// Plugin name.
+        name: String,
+        /// The component file.
+        file: std::path::PathBuf,
+        /// Make it the active version.
+        activate: bool,
+    },
+    /// List the tenant's plugins.
+    List,
+    /// Show one plugin.
+    Show(String),
+    /// Activate a version.
+    Activate {
+        /// Plugin name.
+        name: String,
+        /// SHA-256 (or an unambiguous prefix of at least 8 digits).
+        version: String,
+    },
+    /// Return to the previously active version.
+    Rollback(String),
+    /// Delete a plugin and all its versions.
+    Delete(String),
+    /// Delete one inactive version.
+    DeleteVersion {
+        /// Plugin name.
+        name: String,
+        /// The version.
+        version: String,
+    },
+    /// Set the plugin's configuration from a file.
+    Config {
+        /// Plugin name.
+        name: String,
+        /// The file whose text becomes the configuration.
+        file: std::path::PathBuf,
+    },
+    /// Make the plugin the tenant's default.
+    Default(String),
+    /// Stop the plugin being the tenant's default.
+    ClearDefault(String),
+}
+
+/// Runs a plugin operation for `tenant` against the store of `cfg`; returns the resulting JSON.
+pub fn plugin(cfg: &super::config::ServeConfig, data_dir: &Path, tenant: &str, op: PluginOp) -> anyhow::Result<String> {
+    let read = |f: &Path| std::fs::read(f).with_context(|| format!("reading {}", f.display()));
+    let v = match Store::open(data_dir) {
+        Ok(store) => {
+            let t = store
+                .tenant(tenant)?
+                .ok_or_else(|| StoreError::NoTenant(tenant.into()))?;
+            let g = crate::gguf::Gguf::open(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
+            let tokenizer = std::sync::Arc::new(crate::tokenizer::Tokenizer::from_gguf(&g)?);
+            let p = super::plugins::Plugins::new(
+                store.clone(),
+                cfg.plugins.clone(),
+                &super::plugin_cache_dir(data_dir),
+                tokenizer,
+            )?;
+            let r = match op {
+                PluginOp::Upload { name, file, activate } => {
+                    let bytes = read(&file)?;
+                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                    rt.block_on(p.upload(&t, &name, bytes, activate))
+                }
+                PluginOp::List => p.list(&t),
+                PluginOp::Show(n) => p.get(&t, &n),
+                PluginOp::Activate { name, version } => p.activate(&t, &name, &version),
+                PluginOp::Rollback(n) => p.rollback(&t, &n),
+                PluginOp::Delete(n) => p.delete(&t, &n),
+                PluginOp::DeleteVersion { name, version } => p.delete_version(&t, &name, &version),
+                PluginOp::Config { name, file } => p.set_config(&t, &name, &read(&file)?),
+                PluginOp::Default(n) => p.set_default(&t, &n),
+                PluginOp::ClearDefault(n) => p.clear_default(&t, &n),
+            };
+            store.flush()?;
+            r.map_err(|e| anyhow::anyhow!("{} ({})", e.message, e.code))?
+        }
+        Err(StoreError::Locked(_)) => {
+            let base = format!("/admin/v1/tenants/{tenant}/plugins");
+            let (method, path, body) = match op {
+                PluginOp::Upload { name, file, activate } => (
+                    Method::PUT,
+                    format!("{base}/{name}{}", if activate { "" } else { "?activate=false" }),
+                    Some(read(&file)?),
+                ),
+                PluginOp::List => (Method::GET, base, None),
+                PluginOp::Show(n) => (Method::GET, format!("{base}/{n}"), None),
+                PluginOp::Activate { name, version } => (
+                    Method::POST,
+                    format!("{base}/{name}/activate"),
+                    Some(json!({ "version": version }).to_string().into_bytes()),
+                ),
+                PluginOp::Rollback(n) => (Method::POST, format!("{base}/{n}/rollback"), None),
+                PluginOp::Delete(n) => (Method::DELETE, format!("{base}/{n}"), None),
+                PluginOp::DeleteVersion { name, version } => {
+                    (Method::DELETE, format!("{base}/{name}/versions/{version}"), None)
+                }
+                PluginOp::Config { name, file } => (Method::PUT, format!("{base}/{name}/config"), Some(read(&file)?)),
+                PluginOp::Default(n) => (Method::PUT, format!("{base}/{n}/default"), None),
+                PluginOp::ClearDefault(n) => (Method::DELETE, format!("{base}/{n}/default"), None),
+            };
+            admin_call(data_dir, method, &path, body)?
+        }
+        Err(e) => return Err(e.into()),
+    };
+    Ok(serde_json::to_string_pretty(&v)?)
 }

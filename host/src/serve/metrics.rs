@@ -53,6 +53,8 @@ struct Inner {
     completion_tokens: BTreeMap<String, u64>,
     rejections: BTreeMap<(String, &'static str), u64>,
     http_errors: BTreeMap<&'static str, u64>,
+    plugin_requests: BTreeMap<String, u64>,
+    plugin_failures: BTreeMap<(String, &'static str), u64>,
     ttft: Histogram,
     itl: Histogram,
     kv: KvCounters,
@@ -97,6 +99,16 @@ impl Metrics {
     /// A request failed before it reached a tenant (bad key, bad route, bad body...).
     pub fn http_error(&self, code: &'static str) {
         self.with(|m| *m.http_errors.entry(code).or_default() += 1)
+    }
+
+    /// A request of `tenant` runs a plugin.
+    pub fn plugin_request(&self, tenant: &str) {
+        self.with(|m| *m.plugin_requests.entry(tenant.into()).or_default() += 1)
+    }
+
+    /// A plugin of `tenant` failed a request with `code` (`plugin_trap`, `plugin_timeout`...).
+    pub fn plugin_failure(&self, tenant: &str, code: &'static str) {
+        self.with(|m| *m.plugin_failures.entry((tenant.into(), code)).or_default() += 1)
     }
 
     /// Time from submission to the first token.
@@ -154,6 +166,20 @@ impl Metrics {
             }
             let _ = writeln!(
                 o,
+                "# HELP warden_plugin_requests_total Requests that ran a plugin, by tenant.\n# TYPE warden_plugin_requests_total counter"
+            );
+            for (t, n) in &m.plugin_requests {
+                let _ = writeln!(o, "warden_plugin_requests_total{{tenant=\"{}\"}} {n}", escape(t));
+            }
+            let _ = writeln!(
+                o,
+                "# HELP warden_plugin_failures_total Requests a plugin failed, by tenant and error code.\n# TYPE warden_plugin_failures_total counter"
+            );
+            for ((t, code), n) in &m.plugin_failures {
+                let _ = writeln!(o, "warden_plugin_failures_total{{tenant=\"{}\",code=\"{code}\"}} {n}", escape(t));
+            }
+            let _ = writeln!(
+                o,
                 "# HELP warden_isolation_violations_total KV reads or writes refused by a tag check.\n# TYPE warden_isolation_violations_total counter\nwarden_isolation_violations_total {}",
                 m.kv.tag_mismatches
             );
@@ -206,6 +232,7 @@ mod tests {
         m.request_done("acme", "stop", 10, 5);
         m.request_done("acme", "stop", 1, 2);
         m.rejected("beta", "context_length_exceeded");
+        m.plugin_failure("beta", "plugin_trap");
         m.first_token(Duration::from_millis(30));
         m.engine_state(
             KvCounters {
@@ -226,6 +253,7 @@ mod tests {
             "warden_completion_tokens_total{tenant=\"acme\"} 7",
             "warden_rejections_total{tenant=\"beta\",reason=\"context_length_exceeded\"} 1",
             "warden_isolation_violations_total 1",
+            "warden_plugin_failures_total{tenant=\"beta\",code=\"plugin_trap\"} 1",
             "warden_kv_pages{state=\"free\"} 6",
             "warden_queue_depth 3",
             "warden_time_to_first_token_seconds_bucket{le=\"0.025\"} 0",

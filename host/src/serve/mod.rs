@@ -13,6 +13,7 @@ pub mod http;
 pub mod manage;
 pub mod metrics;
 pub mod openai;
+pub mod plugins;
 pub mod store;
 pub mod stream;
 pub mod tls;
@@ -49,6 +50,8 @@ pub struct State {
     pub store: Store,
     /// The engine thread.
     pub engine: EngineHandle,
+    /// Tenant plugins.
+    pub plugins: plugins::Plugins,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The model's tokenizer.
@@ -82,6 +85,11 @@ pub struct ServerInfo {
 /// Where a data dir keeps the admin token.
 pub fn admin_token_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin-token")
+}
+
+/// Where a data dir keeps compiled plugins.
+pub fn plugin_cache_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("plugin-cache")
 }
 
 /// Where a data dir keeps [`ServerInfo`].
@@ -120,6 +128,12 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     let admission = engine.limits();
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
+    let plugins = plugins::Plugins::new(
+        store.clone(),
+        cfg.plugins.clone(),
+        &plugin_cache_dir(&cfg.data_dir),
+        loaded.tokenizer.clone(),
+    )?;
     let metrics = Arc::new(Metrics::default());
     let handle = EngineHandle::start(engine, cfg.limits.queue, metrics.clone())?;
     let tls = if opts.insecure_http {
@@ -142,6 +156,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         cfg,
         store,
         engine: handle,
+        plugins,
         metrics,
         tokenizer: loaded.tokenizer,
         chat: loaded.chat,

@@ -126,6 +126,7 @@ pub const COMMON_FIELDS: &[&str] = &[
     "top_k",
     "min_p",
     "repetition_penalty",
+    "plugin",
 ];
 
 /// Fields only `POST /v1/chat/completions` accepts.
@@ -202,7 +203,8 @@ pub enum Stop {
 }
 
 impl Stop {
-    fn into_vec(self) -> Vec<String> {
+    /// The stop strings.
+    pub fn into_vec(self) -> Vec<String> {
         match self {
             Stop::One(s) => vec![s],
             Stop::Many(v) => v,
@@ -305,6 +307,9 @@ pub struct Common {
     /// Extension: repetition penalty (1 is none).
     #[serde(default)]
     pub repetition_penalty: Option<f32>,
+    /// Extension: the tenant's plugin to run (default: the tenant's default plugin, if any).
+    #[serde(default)]
+    pub plugin: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.

@@ -15,6 +15,8 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
+use super::plugins::records::Records;
+
 /// A tenant.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tenant {
@@ -81,6 +83,7 @@ pub struct Store {
     tenants: sled::Tree,
     keys: sled::Tree,
     meta: sled::Tree,
+    plugins: Records,
 }
 
 const NEXT_TENANT_ID: &[u8] = b"next_tenant_id";
@@ -88,7 +91,8 @@ const ADMIN_TOKEN_HASH: &[u8] = b"admin_token_hash";
 const KEY_PREFIX: &str = "wdn-";
 const KEY_ID_LEN: usize = 16;
 
-fn now() -> u64 {
+/// Seconds since the Unix epoch.
+pub(crate) fn now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
@@ -132,6 +136,7 @@ impl Store {
             tenants: db.open_tree("tenants")?,
             keys: db.open_tree("keys")?,
             meta: db.open_tree("meta")?,
+            plugins: Records::open(&db)?,
             db,
         })
     }
@@ -197,14 +202,14 @@ impl Store {
             .collect()
     }
 
-    /// Deletes tenant `name` and every key of it.
+    /// Deletes tenant `name`, every key of it and its plugins.
     pub fn delete_tenant(&self, name: &str) -> Result<(), StoreError> {
-        if self.tenants.remove(name)?.is_none() {
-            return Err(StoreError::NoTenant(name.into()));
-        }
+        let t = self.tenant(name)?.ok_or_else(|| StoreError::NoTenant(name.into()))?;
+        self.tenants.remove(name)?;
         for k in self.keys(Some(name))? {
             self.keys.remove(k.id.as_bytes())?;
         }
+        self.plugins.forget_tenant(t.id)?;
         self.db.flush()?;
         Ok(())
     }
@@ -305,6 +310,26 @@ impl Store {
             Some(h) if h.len() == 32 => sha256(token.as_bytes()).ct_eq(&h[..]).into(),
             _ => false,
         })
+    }
+
+    /// The tenants' plugin records.
+    pub fn plugins(&self) -> &Records {
+        &self.plugins
+    }
+
+    /// A secret of this store, made on first use: `name` tells secrets apart.
+    pub fn secret(&self, name: &str) -> Result<[u8; 32], StoreError> {
+        let key = format!("secret/{name}");
+        let fresh = random_bytes::<32>();
+        let _ = self
+            .meta
+            .compare_and_swap(key.as_bytes(), None as Option<&[u8]>, Some(&fresh[..]))?;
+        self.db.flush()?;
+        let v = self
+            .meta
+            .get(key.as_bytes())?
+            .ok_or_else(|| StoreError::Corrupt(key.clone()))?;
+        <[u8; 32]>::try_from(&v[..]).map_err(|_| StoreError::Corrupt(key))
     }
 
     /// Writes everything to disk.

@@ -172,7 +172,7 @@ impl Responder {
 
     /// Takes choice `index`'s next update; appends any SSE bytes it produces to `out`.
     pub fn push(&mut self, index: usize, u: Update, out: &mut VecDeque<Bytes>) {
-        if self.finished() || index >= self.choices.len() {
+        if self.finished() || self.choices.get(index).is_none_or(|c| c.finish.is_some()) {
             return;
         }
         match u {
@@ -222,6 +222,7 @@ impl Responder {
                 }
             }
             Update::Rejected(r) => self.fail(r.reason.into(), out),
+            Update::Failed(e) => self.fail(e, out),
             Update::ShuttingDown => self.fail(abort_error(&AbortReason::Shutdown), out),
         }
     }

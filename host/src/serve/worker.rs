@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
 
 use super::metrics::Metrics;
+use super::openai::ApiError;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
 use crate::engine::{Engine, Event, TokenLogprobs};
 
@@ -41,6 +42,8 @@ pub enum Update {
     },
     /// Admission refused it; nothing ran.
     Rejected(Rejected),
+    /// Its plugin failed on the output (sent by the plugin stage, never by the engine).
+    Failed(ApiError),
     /// The server is shutting down and took no new work.
     ShuttingDown,
 }
@@ -55,6 +58,8 @@ pub struct Job {
     pub index: usize,
     /// Where its updates go, tagged with `index`; the request's choices share the channel.
     pub tx: mpsc::UnboundedSender<(usize, Update)>,
+    /// Raised when the choice must end now as finished (its plugin said stop).
+    pub stop: Arc<AtomicBool>,
 }
 
 enum Cmd {
@@ -76,6 +81,7 @@ pub struct EngineHandle {
 struct Live {
     index: usize,
     tx: mpsc::UnboundedSender<(usize, Update)>,
+    stop: Arc<AtomicBool>,
     tenant: String,
     submitted: Instant,
     last: Option<Instant>,
@@ -189,6 +195,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                                 Live {
                                     index: job.index,
                                     tx: job.tx,
+                                    stop: job.stop,
                                     tenant: job.tenant,
                                     submitted,
                                     last: None,
@@ -212,6 +219,15 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
             .collect();
         for id in gone {
             engine.cancel(id);
+        }
+        // Choices their plugin stopped: finished, through the same path.
+        let stopped: Vec<RequestId> = live
+            .iter()
+            .filter(|(_, l)| l.stop.load(Ordering::Relaxed))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in stopped {
+            engine.stop(id);
         }
         let events = match &shutdown {
             Some((deadline, _)) if Instant::now() >= *deadline => engine.abort_all(),

@@ -1,0 +1,118 @@
+//! Compiled plugins on disk, so a restart does not recompile every tenant's plugins.
+//!
+//! An artefact is machine code that wasmtime runs without verifying it, so a file is loaded only
+//! if Warden wrote it: each file starts with an HMAC-SHA256, under a secret kept in the state
+//! store, of its name's parts (tenant, component SHA-256, engine compatibility) and its contents.
+//! A file that was altered, copied from another tenant's name, written by another process or by
+//! another engine version fails the check (or wasmtime's own version check) and is recompiled.
+
+use std::path::{Path, PathBuf};
+
+use sha2::{Digest, Sha256};
+use subtle::ConstantTimeEq;
+
+use crate::plugin::{Plugin, Runtime};
+
+const MAC_LEN: usize = 32;
+
+/// The cache directory and its key.
+pub struct Artefacts {
+    dir: PathBuf,
+    key: [u8; 32],
+    compatibility: String,
+}
+
+fn hmac(key: &[u8; 32], parts: &[&[u8]]) -> [u8; 32] {
+    let mut ipad = [0x36u8; 64];
+    let mut opad = [0x5cu8; 64];
+    for (i, k) in key.iter().enumerate() {
+        ipad[i] ^= k;
+        opad[i] ^= k;
+    }
+    let mut inner = Sha256::new();
+    inner.update(ipad);
+    for p in parts {
+        // Length-prefixed, so no two part lists give the same input.
+        inner.update((p.len() as u64).to_be_bytes());
+        inner.update(p);
+    }
+    let mut outer = Sha256::new();
+    outer.update(opad);
+    outer.update(inner.finalize());
+    outer.finalize().into()
+}
+
+impl Artefacts {
+    /// A cache in `dir` (created), authenticated with `key`, for `runtime`'s engine.
+    pub fn new(dir: &Path, key: [u8; 32], runtime: &Runtime) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        Ok(Self {
+            dir: dir.into(),
+            key,
+            compatibility: runtime.compatibility(),
+        })
+    }
+
+    fn path(&self, tenant: u64, sha256: &str) -> PathBuf {
+        self.dir
+            .join(format!("{tenant:016x}-{sha256}-{}.cwasm", self.compatibility))
+    }
+
+    fn mac(&self, tenant: u64, sha256: &str, body: &[u8]) -> [u8; 32] {
+        hmac(
+            &self.key,
+            &[
+                &tenant.to_be_bytes(),
+                sha256.as_bytes(),
+                self.compatibility.as_bytes(),
+                body,
+            ],
+        )
+    }
+
+    /// The cached compile of `tenant`'s version `sha256`, if there is one that Warden wrote.
+    pub fn load(&self, runtime: &Runtime, tenant: u64, sha256: &str) -> Option<Plugin> {
+        let bytes = std::fs::read(self.path(tenant, sha256)).ok()?;
+        if bytes.len() < MAC_LEN {
+            return None;
+        }
+        let (mac, body) = bytes.split_at(MAC_LEN);
+        if !bool::from(self.mac(tenant, sha256, body).ct_eq(mac)) {
+            return None;
+        }
+        // SAFETY: the MAC proves this process's store wrote these exact bytes with
+        // `Plugin::artefact` for this engine compatibility, under this name.
+        unsafe { runtime.load_artefact(body) }.ok()
+    }
+
+    /// Writes `plugin`'s compile for `tenant`'s version `sha256` (atomically; errors are
+    /// ignored: the cache only saves time).
+    pub fn save(&self, tenant: u64, sha256: &str, plugin: &Plugin) {
+        let Ok(body) = plugin.artefact() else { return };
+        let mut out = self.mac(tenant, sha256, &body).to_vec();
+        out.extend_from_slice(&body);
+        let path = self.path(tenant, sha256);
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if crate::serve::tls::write_private(&tmp, &out).is_ok() && std::fs::rename(&tmp, &path).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+
+    /// Drops the cached compile of a version.
+    pub fn remove(&self, tenant: u64, sha256: &str) {
+        let _ = std::fs::remove_file(self.path(tenant, sha256));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mac_depends_on_key_and_on_how_the_parts_are_split() {
+        let k = [7u8; 32];
+        assert_ne!(hmac(&k, &[b"ab", b"c"]), hmac(&k, &[b"a", b"bc"]));
+        assert_ne!(hmac(&k, &[b"x"]), hmac(&[8u8; 32], &[b"x"]));
+        assert_eq!(hmac(&k, &[b"x"]), hmac(&k, &[b"x"]));
+    }
+}

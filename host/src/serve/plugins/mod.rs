@@ -1,0 +1,508 @@
+//! Tenant plugins in the server: upload validation, versions and activation ([`records`]),
+//! compiled artefacts in memory and on disk ([`artefacts`]), resolving the plugin a request
+//! runs, and running its hooks on the request and its output ([`pipeline`]).
+//!
+//! Everything is scoped by the tenant's id: a tenant names only its own plugins, and a compiled
+//! plugin is cached under (tenant, SHA-256), so even identical bytes uploaded by two tenants
+//! share nothing.
+
+pub mod artefacts;
+pub mod pipeline;
+pub mod records;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hyper::StatusCode;
+use serde_json::{Value, json};
+
+use super::config::PluginsConfig;
+use super::openai::ApiError;
+use super::store::{Store, StoreError, Tenant, valid_tenant_name};
+use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, Runtime, Sampling};
+use crate::tokenizer::Tokenizer;
+use artefacts::Artefacts;
+use records::{PluginRecord, version_of};
+
+/// Compiled plugins kept in memory; beyond this, one is dropped per compile.
+const COMPILED_CACHE: usize = 256;
+/// Activations remembered for rollback.
+const HISTORY: usize = 16;
+
+/// The plugin a request runs.
+#[derive(Clone)]
+pub struct Resolved {
+    /// Its name.
+    pub name: String,
+    /// The active version.
+    pub version: String,
+    /// The tenant's configuration for it.
+    pub config: String,
+    /// Compiled, ready to instantiate.
+    pub plugin: Plugin,
+}
+
+/// The server's plugin service.
+pub struct Plugins {
+    runtime: Arc<Runtime>,
+    store: Store,
+    cfg: PluginsConfig,
+    artefacts: Artefacts,
+    compiled: Mutex<HashMap<(u64, String), Plugin>>,
+    /// Serializes read-modify-write of records.
+    write: Mutex<()>,
+    tokenizer: Arc<Tokenizer>,
+}
+
+fn store_error(e: StoreError) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store_error", e.to_string())
+}
+
+fn not_found(name: &str) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        code: "plugin_not_found",
+        message: format!("no plugin {name:?}"),
+        param: Some("plugin".into()),
+    }
+}
+
+/// The error a client gets for a plugin failure.
+pub fn failure_error(f: &PluginFailure) -> ApiError {
+    let status = match f {
+        PluginFailure::Refused { .. } | PluginFailure::Invalid(_) => StatusCode::BAD_REQUEST,
+        PluginFailure::Busy => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    ApiError::new(status, f.code(), f.to_string())
+}
+
+fn version_json(rec: &PluginRecord, v: &records::Version) -> Value {
+    json!({
+        "version": v.sha256, "size": v.size, "uploaded": v.uploaded,
+        "active": rec.active.as_deref() == Some(v.sha256.as_str()),
+    })
+}
+
+fn record_json(rec: &PluginRecord, default: bool) -> Value {
+    json!({
+        "name": rec.name,
+        "active": rec.active,
+        "default": default,
+        "versions": rec.versions.iter().map(|v| version_json(rec, v)).collect::<Vec<_>>(),
+        "config_bytes": rec.config.len(),
+    })
+}
+
+impl Plugins {
+    /// The service over `store`, caching compiled artefacts in `cache_dir`.
+    pub fn new(
+        store: Store,
+        cfg: PluginsConfig,
+        cache_dir: &std::path::Path,
+        tokenizer: Arc<Tokenizer>,
+    ) -> anyhow::Result<Self> {
+        let runtime = Runtime::new(cfg.instances, cfg.memory_mib << 20)?;
+        let key = store.secret("plugin-artefacts")?;
+        let artefacts = Artefacts::new(cache_dir, key, &runtime)
+            .map_err(|e| anyhow::anyhow!("creating the plugin cache {}: {e}", cache_dir.display()))?;
+        Ok(Self {
+            runtime: Arc::new(runtime),
+            store,
+            cfg,
+            artefacts,
+            compiled: Mutex::new(HashMap::new()),
+            write: Mutex::new(()),
+            tokenizer,
+        })
+    }
+
+    /// What each instance may use.
+    pub fn limits(&self) -> PluginLimits {
+        PluginLimits {
+            fuel_per_call: self.cfg.fuel_per_call,
+            memory_bytes: self.cfg.memory_mib << 20,
+            call_timeout: Duration::from_millis(self.cfg.call_timeout_ms),
+        }
+    }
+
+    /// The largest component an upload may carry.
+    pub fn max_component_bytes(&self) -> usize {
+        self.cfg.max_component_bytes
+    }
+
+    /// The largest plugin configuration.
+    pub fn max_config_bytes(&self) -> usize {
+        self.cfg.max_config_bytes
+    }
+
+    /// The served model's tokenizer (plugins import it).
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.write.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn record(&self, t: &Tenant, name: &str) -> Result<PluginRecord, ApiError> {
+        self.store
+            .plugins()
+            .get(t.id, name)
+            .map_err(store_error)?
+            .ok_or_else(|| not_found(name))
+    }
+
+    fn is_default(&self, t: &Tenant, name: &str) -> Result<bool, ApiError> {
+        Ok(self.store.plugins().default(t.id).map_err(store_error)?.as_deref() == Some(name))
+    }
+
+    fn cached(&self, tenant: u64, sha: &str) -> Option<Plugin> {
+        let g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        g.get(&(tenant, sha.to_string())).cloned()
+    }
+
+    fn remember(&self, tenant: u64, sha: &str, p: &Plugin) {
+        let mut g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        if g.len() >= COMPILED_CACHE
+            && let Some(k) = g.keys().next().cloned()
+        {
+            g.remove(&k);
+        }
+        g.insert((tenant, sha.to_string()), p.clone());
+    }
+
+    fn forget(&self, tenant: u64, sha: &str) {
+        let mut g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
+        g.remove(&(tenant, sha.to_string()));
+        self.artefacts.remove(tenant, sha);
+    }
+
+    /// Compiles on the blocking pool: seconds of CPU for a large component.
+    async fn compile(&self, bytes: Vec<u8>) -> Result<Plugin, PluginFailure> {
+        let rt = self.runtime.clone();
+        tokio::task::spawn_blocking(move || rt.compile(&bytes))
+            .await
+            .unwrap_or_else(|e| Err(PluginFailure::Invalid(format!("compiling: {e}"))))
+    }
+
+    /// A smoke call under the configured limits: instantiate, `capabilities`, `preprocess` of a
+    /// small chat request with the plugin's config, and a final `postprocess`. A refusal is
+    /// fine (the plugin ran); a trap, exhausted fuel, a timeout or the memory cap is not.
+    async fn smoke(&self, p: &Plugin, config: &str) -> Result<(), PluginFailure> {
+        let mut i = p.instantiate(self.limits(), self.tokenizer.clone(), 0).await?;
+        i.capabilities().await?;
+        let req = Request {
+            input: Input::Chat(vec![Message {
+                role: "user".into(),
+                content: "Hello! This is Warden's upload check.".into(),
+            }]),
+            sampling: Sampling {
+                temperature: 1.0,
+                top_p: 1.0,
+                max_tokens: 16,
+                seed: None,
+                stop: vec![],
+            },
+            config: config.into(),
+            metadata: vec![("endpoint".into(), "upload-check".into())],
+        };
+        ran(i.preprocess(&req).await)?;
+        ran(i.postprocess("Hello from the upload check.", true).await)
+    }
+
+    /// Validates `bytes` (size, compiles, implements the world with only the host's imports, a
+    /// smoke call under fuel) and stores them as a version of plugin `name`; with `activate`,
+    /// requests run it from now on.
+    pub async fn upload(&self, t: &Tenant, name: &str, bytes: Vec<u8>, activate: bool) -> Result<Value, ApiError> {
+        if !valid_tenant_name(name) {
+            return Err(ApiError::field(
+                "name",
+                format!(
+                    "invalid plugin name {name:?}: use 1 to 63 characters, lowercase letters, digits, '-' and '_', starting with a letter or digit"
+                ),
+            ));
+        }
+        if bytes.len() > self.cfg.max_component_bytes {
+            return Err(too_large(bytes.len(), self.cfg.max_component_bytes));
+        }
+        let existing = self.store.plugins().get(t.id, name).map_err(store_error)?;
+        if existing.is_none() && self.store.plugins().list(t.id).map_err(store_error)?.len() >= self.cfg.max_per_tenant
+        {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "too_many_plugins",
+                format!(
+                    "tenant {:?} has {} plugins, the most allowed; delete one first",
+                    t.name, self.cfg.max_per_tenant
+                ),
+            ));
+        }
+        let (version, sha) = version_of(&bytes);
+        let config = existing.as_ref().map(|r| r.config.clone()).unwrap_or_default();
+        let known = existing
+            .as_ref()
+            .is_some_and(|r| r.versions.iter().any(|v| v.sha256 == version.sha256));
+        if !known {
+            let plugin = self.compile(bytes.clone()).await.map_err(|e| upload_error(&e))?;
+            self.smoke(&plugin, &config).await.map_err(|e| match e {
+                PluginFailure::Busy => failure_error(&e),
+                e => upload_error(&PluginFailure::Invalid(format!("the upload check failed: {e}"))),
+            })?;
+            self.store.plugins().put_blob(t.id, &sha, &bytes).map_err(store_error)?;
+            self.artefacts.save(t.id, &version.sha256, &plugin);
+            self.remember(t.id, &version.sha256, &plugin);
+        }
+        let _g = self.lock();
+        let mut rec = self
+            .store
+            .plugins()
+            .get(t.id, name)
+            .map_err(store_error)?
+            .unwrap_or_else(|| PluginRecord {
+                name: name.into(),
+                versions: vec![],
+                active: None,
+                history: vec![],
+                config,
+            });
+        if !rec.versions.iter().any(|v| v.sha256 == version.sha256) {
+            rec.versions.push(version.clone());
+        }
+        if activate {
+            set_active(&mut rec, &version.sha256);
+        }
+        // Beyond the limit, drop the oldest version that is not active.
+        while rec.versions.len() > self.cfg.max_versions {
+            let Some(i) = rec
+                .versions
+                .iter()
+                .position(|v| rec.active.as_deref() != Some(v.sha256.as_str()))
+            else {
+                break;
+            };
+            let old = rec.versions.remove(i);
+            rec.history.retain(|h| *h != old.sha256);
+            self.store
+                .plugins()
+                .remove_blob(t.id, &old.sha256)
+                .map_err(store_error)?;
+            self.forget(t.id, &old.sha256);
+        }
+        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        let default = self.is_default(t, name)?;
+        Ok(json!({"plugin": record_json(&rec, default), "version": version.sha256, "new": !known}))
+    }
+
+    /// The tenant's plugins.
+    pub fn list(&self, t: &Tenant) -> Result<Value, ApiError> {
+        let default = self.store.plugins().default(t.id).map_err(store_error)?;
+        let recs = self.store.plugins().list(t.id).map_err(store_error)?;
+        Ok(
+            json!({"data": recs.iter().map(|r| record_json(r, default.as_deref() == Some(r.name.as_str()))).collect::<Vec<_>>()}),
+        )
+    }
+
+    /// One plugin.
+    pub fn get(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+        let rec = self.record(t, name)?;
+        Ok(record_json(&rec, self.is_default(t, name)?))
+    }
+
+    /// Makes `version` (a SHA-256 or an unambiguous prefix of at least 8 digits) the active one.
+    pub fn activate(&self, t: &Tenant, name: &str, version: &str) -> Result<Value, ApiError> {
+        let _g = self.lock();
+        let mut rec = self.record(t, name)?;
+        let sha = rec
+            .find(version)
+            .ok_or_else(|| version_not_found(name, version))?
+            .sha256
+            .clone();
+        set_active(&mut rec, &sha);
+        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        Ok(record_json(&rec, self.is_default(t, name)?))
+    }
+
+    /// Returns to the version active before the current one.
+    pub fn rollback(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+        let _g = self.lock();
+        let mut rec = self.record(t, name)?;
+        let Some(prev) = rec.history.pop() else {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "nothing_to_roll_back",
+                format!("plugin {name:?} has no earlier active version"),
+            ));
+        };
+        rec.active = Some(prev);
+        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        Ok(record_json(&rec, self.is_default(t, name)?))
+    }
+
+    /// Deletes plugin `name` and all its versions (and clears it as the default).
+    pub fn delete(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+        let _g = self.lock();
+        let rec = self.record(t, name)?;
+        self.store.plugins().remove(t.id, &rec).map_err(store_error)?;
+        for v in &rec.versions {
+            self.forget(t.id, &v.sha256);
+        }
+        Ok(json!({"deleted": name, "versions": rec.versions.len()}))
+    }
+
+    /// Deletes one version that is not active.
+    pub fn delete_version(&self, t: &Tenant, name: &str, version: &str) -> Result<Value, ApiError> {
+        let _g = self.lock();
+        let mut rec = self.record(t, name)?;
+        let sha = rec
+            .find(version)
+            .ok_or_else(|| version_not_found(name, version))?
+            .sha256
+            .clone();
+        if rec.active.as_deref() == Some(sha.as_str()) {
+            return Err(ApiError::new(
+                StatusCode::CONFLICT,
+                "version_active",
+                format!("version {sha} of plugin {name:?} is active; activate another first"),
+            ));
+        }
+        rec.versions.retain(|v| v.sha256 != sha);
+        rec.history.retain(|h| *h != sha);
+        self.store.plugins().remove_blob(t.id, &sha).map_err(store_error)?;
+        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        self.forget(t.id, &sha);
+        Ok(record_json(&rec, self.is_default(t, name)?))
+    }
+
+    /// Sets the configuration every version of `name` gets.
+    pub fn set_config(&self, t: &Tenant, name: &str, config: &[u8]) -> Result<Value, ApiError> {
+        if config.len() > self.cfg.max_config_bytes {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "config_too_large",
+                format!(
+                    "the plugin config is {} bytes, more than the limit of {}",
+                    config.len(),
+                    self.cfg.max_config_bytes
+                ),
+            ));
+        }
+        let config = std::str::from_utf8(config)
+            .map_err(|e| ApiError::field("config", format!("the plugin config must be UTF-8 text: {e}")))?;
+        let _g = self.lock();
+        let mut rec = self.record(t, name)?;
+        rec.config = config.into();
+        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        Ok(record_json(&rec, self.is_default(t, name)?))
+    }
+
+    /// Makes `name` the tenant's default plugin: requests that name none run it.
+    pub fn set_default(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+        let _g = self.lock();
+        self.record(t, name)?;
+        self.store
+            .plugins()
+            .set_default(t.id, Some(name))
+            .map_err(store_error)?;
+        Ok(json!({"default": name}))
+    }
+
+    /// Stops `name` being the tenant's default plugin (if it is).
+    pub fn clear_default(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+        let _g = self.lock();
+        self.record(t, name)?;
+        if self.is_default(t, name)? {
+            self.store.plugins().set_default(t.id, None).map_err(store_error)?;
+        }
+        let now = self.store.plugins().default(t.id).map_err(store_error)?;
+        Ok(json!({"default": now}))
+    }
+
+    /// The plugin a request of `t` runs: the one it names, else the tenant's default, else none.
+    pub async fn resolve(&self, t: &Tenant, requested: Option<&str>) -> Result<Option<Resolved>, ApiError> {
+        let name = match requested {
+            Some(n) => n.to_string(),
+            None => match self.store.plugins().default(t.id).map_err(store_error)? {
+                Some(n) => n,
+                None => return Ok(None),
+            },
+        };
+        let rec = self.record(t, &name)?;
+        let Some(version) = rec.active.clone() else {
+            return Err(ApiError {
+                status: StatusCode::CONFLICT,
+                code: "plugin_inactive",
+                message: format!("plugin {name:?} has no active version; activate one"),
+                param: Some("plugin".into()),
+            });
+        };
+        let plugin = match self.cached(t.id, &version) {
+            Some(p) => p,
+            None => {
+                let plugin = match self.artefacts.load(&self.runtime, t.id, &version) {
+                    Some(p) => p,
+                    None => {
+                        let bytes = self
+                            .store
+                            .plugins()
+                            .blob(t.id, &version)
+                            .map_err(store_error)?
+                            .ok_or_else(|| store_error(StoreError::Corrupt(format!("plugin {name} {version}"))))?;
+                        let p = self.compile(bytes.to_vec()).await.map_err(|e| failure_error(&e))?;
+                        self.artefacts.save(t.id, &version, &p);
+                        p
+                    }
+                };
+                self.remember(t.id, &version, &plugin);
+                plugin
+            }
+        };
+        Ok(Some(Resolved {
+            name,
+            version,
+            config: rec.config,
+            plugin,
+        }))
+    }
+}
+
+/// A call that ran: it returned, or the plugin refused on purpose.
+fn ran<T>(r: Result<T, PluginFailure>) -> Result<(), PluginFailure> {
+    match r {
+        Ok(_) | Err(PluginFailure::Refused { .. }) => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+fn set_active(rec: &mut PluginRecord, sha: &str) {
+    if rec.active.as_deref() == Some(sha) {
+        return;
+    }
+    if let Some(old) = rec.active.replace(sha.into()) {
+        rec.history.push(old);
+        if rec.history.len() > HISTORY {
+            rec.history.remove(0);
+        }
+    }
+}
+
+fn too_large(got: usize, limit: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "component_too_large",
+        format!("the component is {got} bytes, more than the limit of {limit}"),
+    )
+}
+
+fn upload_error(f: &PluginFailure) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, "plugin_invalid", f.to_string())
+}
+
+fn version_not_found(name: &str, v: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "version_not_found",
+        format!("plugin {name:?} has no version {v:?} (give its SHA-256, or at least 8 unambiguous leading digits)"),
+    )
+}

@@ -1,0 +1,248 @@
+//! A request's plugin hooks: `preprocess` before tokenizing, and an output stage between the
+//! engine and the response that runs `on-token` and `postprocess` for each choice.
+//!
+//! One fresh instance per request runs `preprocess` and then choice 0's output; each further
+//! choice (`n` > 1) gets its own fresh instance, so held-back text never mixes across choices.
+//! The output stage is a task between the engine's channel and the responder's: it forwards
+//! each update with its text postprocessed, and when `on-token` says stop it ends the choice
+//! (finish reason `stop`, the stopping token included) and raises the choice's stop flag, which
+//! the engine thread turns into the sequence's retirement. Guest calls are futures that yield
+//! every epoch tick, so a slow plugin delays only its own request.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use tokio::sync::mpsc;
+
+use super::{Resolved, failure_error};
+use crate::engine::request::{FinishReason, Outcome, Usage};
+use crate::plugin::{Input, Instance, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
+use crate::serve::metrics::Metrics;
+use crate::serve::openai::ApiError;
+use crate::serve::worker::Update;
+use crate::tokenizer::Tokenizer;
+
+/// What reports plugin failures: the tenant's metrics.
+#[derive(Clone)]
+pub struct Reporter {
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// The tenant's name.
+    pub tenant: String,
+}
+
+impl Reporter {
+    fn error(&self, f: &PluginFailure) -> ApiError {
+        self.metrics.plugin_failure(&self.tenant, f.code());
+        failure_error(f)
+    }
+}
+
+/// A request's plugin, instantiated.
+pub struct Hooks {
+    first: Instance,
+    resolved: Resolved,
+    limits: PluginLimits,
+    tokenizer: Arc<Tokenizer>,
+    seed: u64,
+    reporter: Reporter,
+}
+
+impl Hooks {
+    /// A fresh instance of `resolved` for one request.
+    pub async fn new(
+        resolved: Resolved,
+        limits: PluginLimits,
+        tokenizer: Arc<Tokenizer>,
+        seed: u64,
+        reporter: Reporter,
+    ) -> Result<Self, ApiError> {
+        reporter.metrics.plugin_request(&reporter.tenant);
+        let first = resolved
+            .plugin
+            .instantiate(limits, tokenizer.clone(), seed)
+            .await
+            .map_err(|f| reporter.error(&f))?;
+        Ok(Self {
+            first,
+            resolved,
+            limits,
+            tokenizer,
+            seed,
+            reporter,
+        })
+    }
+
+    /// Runs `preprocess` on the request's input and sampling.
+    pub async fn preprocess(
+        &mut self,
+        input: Input,
+        sampling: Sampling,
+        metadata: Vec<(String, String)>,
+    ) -> Result<(Input, Sampling), ApiError> {
+        let req = Request {
+            input,
+            sampling,
+            config: self.resolved.config.clone(),
+            metadata,
+        };
+        let out = self.first.preprocess(&req).await.map_err(|f| self.reporter.error(&f))?;
+        Ok((out.input, out.sampling))
+    }
+
+    /// The output stage for `n` choices, with each choice's stop flag.
+    pub async fn output(self, stops: &[Arc<AtomicBool>], prompt_tokens: usize) -> Result<Output, ApiError> {
+        let Hooks {
+            first,
+            resolved,
+            limits,
+            tokenizer,
+            seed,
+            reporter,
+        } = self;
+        let mut choices = Vec::with_capacity(stops.len());
+        let mut next = Some(first);
+        for (i, stop) in stops.iter().enumerate() {
+            let mut instance = match next.take() {
+                Some(first) => first,
+                None => resolved
+                    .plugin
+                    .instantiate(limits, tokenizer.clone(), seed.wrapping_add(i as u64))
+                    .await
+                    .map_err(|f| reporter.error(&f))?,
+            };
+            let on_token = instance.capabilities().await.map_err(|f| reporter.error(&f))?.on_token;
+            choices.push(ChoiceStage {
+                instance,
+                on_token,
+                stop: stop.clone(),
+                tokens: 0,
+                done: false,
+            });
+        }
+        Ok(Output {
+            choices,
+            prompt_tokens,
+            reporter,
+        })
+    }
+}
+
+struct ChoiceStage {
+    instance: Instance,
+    on_token: bool,
+    stop: Arc<AtomicBool>,
+    tokens: u32,
+    done: bool,
+}
+
+/// The output stage of a request.
+pub struct Output {
+    choices: Vec<ChoiceStage>,
+    prompt_tokens: usize,
+    reporter: Reporter,
+}
+
+impl Output {
+    /// Starts the stage over the engine's channel `rx`; the responder reads the returned one.
+    /// When the responder's side goes away (the client left), the stage ends and drops `rx`,
+    /// which cancels the request in the engine.
+    pub fn spawn(self, mut rx: mpsc::UnboundedReceiver<(usize, Update)>) -> mpsc::UnboundedReceiver<(usize, Update)> {
+        let (tx, out) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut stage = self;
+            loop {
+                let msg = tokio::select! {
+                    m = rx.recv() => m,
+                    _ = tx.closed() => None,
+                };
+                let Some((i, u)) = msg else { break };
+                for u in stage.apply(i, u).await {
+                    if tx.send((i, u)).is_err() {
+                        return;
+                    }
+                }
+                if stage.choices.iter().all(|c| c.done) {
+                    break;
+                }
+            }
+        });
+        out
+    }
+
+    async fn apply(&mut self, i: usize, u: Update) -> Vec<Update> {
+        let prompt_tokens = self.prompt_tokens;
+        let Some(c) = self.choices.get_mut(i) else {
+            return vec![];
+        };
+        if c.done {
+            return vec![];
+        }
+        let r = &self.reporter;
+        match u {
+            Update::Token { text, token, logprobs } => {
+                c.tokens += 1;
+                let mut stop = false;
+                if c.on_token {
+                    let t = Token {
+                        id: token,
+                        text: text.clone(),
+                        index: c.tokens,
+                    };
+                    match c.instance.on_token(&t).await {
+                        Ok(TokenAction::Stop) => stop = true,
+                        Ok(TokenAction::Continue) => {}
+                        Err(f) => return c.fail(r.error(&f)),
+                    }
+                }
+                let text = match c.instance.postprocess(&text, false).await {
+                    Ok(t) => t,
+                    Err(f) => return c.fail(r.error(&f)),
+                };
+                let mut out = vec![Update::Token { text, token, logprobs }];
+                if stop {
+                    c.stop.store(true, Ordering::SeqCst);
+                    c.done = true;
+                    match c.instance.postprocess("", true).await {
+                        Ok(rest) => out.push(Update::Done {
+                            outcome: Outcome::Finished(FinishReason::Stop),
+                            text: rest,
+                            usage: Usage {
+                                prompt_tokens,
+                                completion_tokens: c.tokens as usize,
+                                cached_tokens: 0,
+                            },
+                        }),
+                        Err(f) => out.push(Update::Failed(r.error(&f))),
+                    }
+                }
+                out
+            }
+            Update::Done {
+                outcome: outcome @ Outcome::Finished(_),
+                text,
+                usage,
+            } => {
+                c.done = true;
+                match c.instance.postprocess(&text, true).await {
+                    Ok(text) => vec![Update::Done { outcome, text, usage }],
+                    Err(f) => vec![Update::Failed(r.error(&f))],
+                }
+            }
+            other => {
+                // Aborted, rejected, shutting down, failed: nothing of the output remains to
+                // release, the error replaces it.
+                c.done = true;
+                vec![other]
+            }
+        }
+    }
+}
+
+impl ChoiceStage {
+    fn fail(&mut self, e: ApiError) -> Vec<Update> {
+        self.done = true;
+        self.stop.store(true, Ordering::SeqCst);
+        vec![Update::Failed(e)]
+    }
+}

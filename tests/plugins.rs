@@ -1,0 +1,463 @@
+//! Tenant plugins through the real server: upload and validation, running a request's plugin
+//! (preprocess, postprocess while streaming, on-token), hot swap, rollback, restarts, the CLI,
+//! and adversarial plugins that fail only their own requests. The components are the SDK's
+//! examples, built for wasm32-wasip2 by the test command.
+
+mod common;
+
+use hyper::Method;
+use serde_json::{Value, json};
+use sha2::Digest;
+use warden::serve::client::{Client, Proto, Reply};
+
+use common::{MODEL, Server, content, root, sse_content};
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn example(name: &str) -> Vec<u8> {
+    let p = root()
+        .join("guest-sdk/target/wasm32-wasip2/release/examples")
+        .join(format!("{name}.wasm"));
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e} (the test command builds the examples)", p.display()))
+}
+
+fn sha(bytes: &[u8]) -> String {
+    sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn call(c: &Client, method: Method, path: &str, key: &str, body: Option<Vec<u8>>) -> Reply {
+    c.request(method, path, Some(key), body).await.expect("request")
+}
+
+async fn upload(c: &Client, key: &str, name: &str, bytes: Vec<u8>) -> Reply {
+    call(c, Method::PUT, &format!("/v1/plugins/{name}"), key, Some(bytes)).await
+}
+
+fn chat(messages: Value, plugin: Option<&str>, max_tokens: usize, stream: bool) -> Vec<u8> {
+    let mut v = json!({
+        "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": stream,
+    });
+    if let Some(p) = plugin {
+        v["plugin"] = json!(p);
+    }
+    v.to_string().into_bytes()
+}
+
+fn code(r: &Reply) -> String {
+    r.json()
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
+const CONTACTS: &str = "Contact list:\nJohn Smith, john.smith@example.com, +1 555 123 4567\nJohn Smith,";
+
+#[test]
+fn plugins_upload_run_swap_roll_back_and_survive_a_restart() {
+    let mut s = Server::start("plugins", "");
+    let data_dir = s.data_dir.clone();
+    let config = s.config.clone();
+    let key = s.key().to_string();
+    let sp = example("system_prompt");
+    let pii = example("pii_redactor");
+    let system = "You are a pirate. Answer in one short sentence.";
+    let user = json!([{"role": "user", "content": "Where is the treasure?"}]);
+    let with_system =
+        json!([{"role": "system", "content": system}, {"role": "user", "content": "Where is the treasure?"}]);
+    rt().block_on(async {
+        let c = s.client();
+        // Upload: 201 with the version's SHA-256; the same bytes again change nothing.
+        let r = upload(&c, &key, "style", sp.clone()).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        let v = r.json().unwrap();
+        assert_eq!(v["version"], json!(sha(&sp)));
+        assert_eq!(v["plugin"]["active"], json!(sha(&sp)));
+        let r = upload(&c, &key, "style", sp.clone()).await;
+        assert_eq!((r.status, r.json().unwrap()["new"].clone()), (200, json!(false)));
+        // Without a config the plugin refuses, with its own code.
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), Some("style"), 12, false)),
+        )
+        .await;
+        assert_eq!((r.status, code(&r).as_str()), (400, "plugin_refused"), "{}", r.text());
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/style/config",
+            &key,
+            Some(system.as_bytes().to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        // Preprocess: the plugin's system prompt gives exactly the answer an explicit one gives.
+        let expected = content(
+            &call(
+                &c,
+                Method::POST,
+                "/v1/chat/completions",
+                &key,
+                Some(chat(with_system.clone(), None, 16, false)),
+            )
+            .await,
+        );
+        let plain = content(
+            &call(
+                &c,
+                Method::POST,
+                "/v1/chat/completions",
+                &key,
+                Some(chat(user.clone(), None, 16, false)),
+            )
+            .await,
+        );
+        assert_ne!(
+            expected, plain,
+            "the system prompt changes the answer, so the check below means something"
+        );
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), Some("style"), 16, false)),
+        )
+        .await;
+        assert_eq!(content(&r), expected, "{}", r.text());
+        // As the tenant's default, it runs for requests that name no plugin; streamed too.
+        let r = call(&c, Method::PUT, "/v1/plugins/style/default", &key, None).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), None, 16, true)),
+        )
+        .await;
+        assert_eq!(sse_content(&r.text()), expected);
+        // Hot swap: a new version (here the redactor) runs from the next request on.
+        let r = upload(&c, &key, "style", pii.clone()).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), None, 16, false)),
+        )
+        .await;
+        assert_eq!(content(&r), plain, "the redactor leaves a reply without PII alone");
+        // Rollback returns to the system-prompt version.
+        let r = call(&c, Method::POST, "/v1/plugins/style/rollback", &key, None).await;
+        assert_eq!(r.json().unwrap()["active"], json!(sha(&sp)), "{}", r.text());
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), None, 16, false)),
+        )
+        .await;
+        assert_eq!(content(&r), expected);
+        let r = call(&c, Method::POST, "/v1/plugins/style/rollback", &key, None).await;
+        assert_eq!((r.status, code(&r).as_str()), (409, "nothing_to_roll_back"));
+        // Activate by prefix; the active version cannot be deleted, an inactive one can.
+        let body = json!({"version": &sha(&pii)[..12]}).to_string().into_bytes();
+        let r = call(&c, Method::POST, "/v1/plugins/style/activate", &key, Some(body)).await;
+        assert_eq!(r.json().unwrap()["active"], json!(sha(&pii)), "{}", r.text());
+        let r = call(
+            &c,
+            Method::DELETE,
+            &format!("/v1/plugins/style/versions/{}", sha(&pii)),
+            &key,
+            None,
+        )
+        .await;
+        assert_eq!((r.status, code(&r).as_str()), (409, "version_active"));
+        let body = json!({"version": sha(&sp)}).to_string().into_bytes();
+        call(&c, Method::POST, "/v1/plugins/style/activate", &key, Some(body)).await;
+        let r = call(
+            &c,
+            Method::DELETE,
+            &format!("/v1/plugins/style/versions/{}", sha(&pii)),
+            &key,
+            None,
+        )
+        .await;
+        assert_eq!(
+            r.json().unwrap()["versions"].as_array().map(Vec::len),
+            Some(1),
+            "{}",
+            r.text()
+        );
+        // Another tenant sees none of it, and cannot name it.
+        let other = s.tenant_with_key("other").await;
+        let r = call(&c, Method::GET, "/v1/plugins", &other, None).await;
+        assert_eq!(r.json().unwrap()["data"], json!([]));
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &other,
+            Some(chat(user.clone(), Some("style"), 4, false)),
+        )
+        .await;
+        assert_eq!((r.status, code(&r).as_str()), (404, "plugin_not_found"));
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &other,
+            Some(chat(user.clone(), None, 16, false)),
+        )
+        .await;
+        assert_eq!(content(&r), plain, "the other tenant's requests run no plugin");
+    });
+    assert!(s.stop(), "clean shutdown");
+    // A tampered compile in the cache is not loaded: it is recompiled from the stored bytes.
+    let cache = data_dir.join("data/plugin-cache");
+    let mut tampered = 0;
+    for e in std::fs::read_dir(&cache).expect("the plugin cache exists") {
+        let p = e.unwrap().path();
+        let mut b = std::fs::read(&p).unwrap();
+        let n = b.len();
+        b[n - 100] ^= 0xff;
+        std::fs::write(&p, b).unwrap();
+        tampered += 1;
+    }
+    assert!(tampered >= 1);
+    let s = Server::start_with(data_dir, config);
+    rt().block_on(async {
+        let c = s.client();
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), None, 16, false)),
+        )
+        .await;
+        let expected = content(
+            &call(
+                &c,
+                Method::POST,
+                "/v1/chat/completions",
+                &key,
+                Some(chat(with_system, Some("style"), 16, false)),
+            )
+            .await,
+        );
+        assert_eq!(
+            content(&r),
+            expected,
+            "the default plugin and its config survive the restart: {}",
+            r.text()
+        );
+    });
+}
+
+#[test]
+fn the_redactor_holds_pii_back_across_stream_chunks_and_the_guard_stops_generation() {
+    let s = Server::start("plugout", "");
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        assert_eq!(upload(&c, &key, "pii", example("pii_redactor")).await.status, 201);
+        assert_eq!(upload(&c, &key, "json", example("json_guard")).await.status, 201);
+        let completion = |plugin: Option<&str>, stream: bool, max_tokens: usize| {
+            let mut v = json!({"model": MODEL, "prompt": CONTACTS, "temperature": 0, "max_tokens": max_tokens, "stream": stream});
+            if let Some(p) = plugin {
+                v["plugin"] = json!(p);
+            }
+            v.to_string().into_bytes()
+        };
+        let text = |r: &Reply| r.json().unwrap()["choices"][0]["text"].as_str().unwrap_or_default().to_string();
+        let plain = text(&call(&c, Method::POST, "/v1/completions", &key, Some(completion(None, false, 48))).await);
+        assert!(plain.contains("@example.com") && plain.contains("555 123 4567"), "the model repeats the PII: {plain:?}");
+        let r = call(&c, Method::POST, "/v1/completions", &key, Some(completion(Some("pii"), false, 48))).await;
+        let redacted = text(&r);
+        assert!(redacted.contains("[EMAIL]") && redacted.contains("[PHONE]"), "{redacted:?}");
+        assert!(!redacted.contains("@example.com") && !redacted.contains("555 123"), "{redacted:?}");
+        // Streamed: no chunk, and no prefix of the stream, carries a fragment of the PII.
+        let r = call(&c, Method::POST, "/v1/completions", &key, Some(completion(Some("pii"), true, 48))).await;
+        let sse = r.text();
+        let mut so_far = String::new();
+        let mut chunks = 0;
+        for d in sse.lines().filter_map(|l| l.strip_prefix("data: ")).filter(|d| *d != "[DONE]") {
+            let v: Value = serde_json::from_str(d).unwrap();
+            so_far.push_str(v["choices"][0]["text"].as_str().unwrap_or_default());
+            chunks += 1;
+            for frag in ["@example", "555 1", "123 4567", "smith@"] {
+                assert!(!so_far.contains(frag), "{so_far:?}");
+            }
+        }
+        assert!(chunks >= 2, "{sse}");
+        assert_eq!(so_far, redacted, "streamed and whole replies agree");
+        // The JSON guard stops a reply that cannot be JSON at its first token.
+        let body = chat(json!([{"role": "user", "content": "Say hello."}]), Some("json"), 32, false);
+        let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(body)).await;
+        let v = r.json().unwrap();
+        assert_eq!(v["choices"][0]["finish_reason"], json!("stop"), "{v}");
+        assert_eq!(v["usage"]["completion_tokens"], json!(1), "{v}");
+        // Its pages went back: nothing is left running.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert_eq!(s.metric("warden_running_sequences").await, 0.0);
+        assert_eq!(s.metric("warden_kv_pages{state=\"used\"}").await, 0.0);
+    });
+}
+
+#[test]
+fn adversarial_plugins_fail_only_their_own_requests() {
+    let s = Server::start("plugadv", "[plugins]\ncall_timeout_ms = 250\nmemory_mib = 32\n");
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let mallory = s.tenant_with_key("mallory").await;
+        // Bad uploads are refused with what was wrong.
+        for (bytes, why) in [
+            (b"not wasm".to_vec(), "garbage"),
+            (b"\0asm\x01\0\0\0".to_vec(), "a core module, not a component"),
+        ] {
+            let r = upload(&c, &mallory, "bad", bytes).await;
+            assert_eq!(
+                (r.status, code(&r).as_str()),
+                (400, "plugin_invalid"),
+                "{why}: {}",
+                r.text()
+            );
+        }
+        let r = upload(&c, &mallory, "BadName", example("adversary")).await;
+        assert_eq!(r.status, 400);
+        assert_eq!(upload(&c, &mallory, "adv", example("adversary")).await.status, 201);
+        let user = json!([{"role": "user", "content": "Write a poem about the sea."}]);
+        let baseline = content(
+            &call(
+                &c,
+                Method::POST,
+                "/v1/chat/completions",
+                &key,
+                Some(chat(user.clone(), None, 24, false)),
+            )
+            .await,
+        );
+        let attacks = [
+            ("loop", "plugin_timeout"),
+            ("bomb", "plugin_out_of_memory"),
+            ("recurse", "plugin_trap"),
+            ("trap", "plugin_trap"),
+            ("huge", "plugin_out_of_memory"),
+        ];
+        for (attack, expected) in attacks {
+            let r = call(
+                &c,
+                Method::PUT,
+                "/v1/plugins/adv/config",
+                &mallory,
+                Some(attack.as_bytes().to_vec()),
+            )
+            .await;
+            assert_eq!(r.status, 200);
+            // The attack and an innocent tenant's stream run at the same time.
+            let bad = call(
+                &c,
+                Method::POST,
+                "/v1/chat/completions",
+                &mallory,
+                Some(chat(user.clone(), Some("adv"), 8, false)),
+            );
+            let good = c.request_proto(
+                Proto::Http2,
+                Method::POST,
+                "/v1/chat/completions",
+                Some(&key),
+                Some(chat(user.clone(), None, 24, true)),
+            );
+            let (bad, good) = tokio::join!(bad, good);
+            let good = good.expect("good request");
+            assert!(bad.status >= 500, "{attack}: {}", bad.text());
+            let got = code(&bad);
+            assert!(
+                got == expected || (attack == "loop" && got == "plugin_fuel_exhausted"),
+                "{attack}: {got} ({})",
+                bad.text()
+            );
+            assert_eq!(
+                sse_content(&good.text()),
+                baseline,
+                "{attack}: the other tenant's output is unchanged"
+            );
+        }
+        let m = s.metrics().await;
+        for code in ["plugin_out_of_memory", "plugin_trap"] {
+            assert!(
+                m.contains(&format!(
+                    "warden_plugin_failures_total{{tenant=\"mallory\",code=\"{code}\"}}"
+                )),
+                "{code} counted:\n{m}"
+            );
+        }
+        assert_eq!(s.metric("warden_isolation_violations_total").await, 0.0);
+        // And the tenant's own plugin works again once its config is benign.
+        call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/adv/config",
+            &mallory,
+            Some(b"pass".to_vec()),
+        )
+        .await;
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &mallory,
+            Some(chat(user.clone(), Some("adv"), 24, false)),
+        )
+        .await;
+        assert_eq!(content(&r), baseline, "{}", r.text());
+    });
+}
+
+#[test]
+fn the_cli_manages_plugins_beside_a_running_server() {
+    let s = Server::start("plugcli", "");
+    let file = root().join("guest-sdk/target/wasm32-wasip2/release/examples/system_prompt.wasm");
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(common::warden_bin())
+            .args(["plugin"])
+            .args(args)
+            .arg("--config")
+            .arg(&s.config)
+            .output()
+            .expect("run warden plugin");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).expect("json")
+    };
+    let v = cli(&["upload", "greeter", file.to_str().unwrap()]);
+    assert_eq!(v["version"], json!(sha(&example("system_prompt"))));
+    let v = cli(&["list"]);
+    assert_eq!(v["data"][0]["name"], json!("greeter"));
+    let cfg = s.data_dir.join("greeter.txt");
+    std::fs::write(&cfg, "Be brief.").unwrap();
+    assert_eq!(
+        cli(&["config", "greeter", cfg.to_str().unwrap()])["config_bytes"],
+        json!(9)
+    );
+    assert_eq!(cli(&["default", "greeter"])["default"], json!("greeter"));
+    assert_eq!(cli(&["delete", "greeter"])["deleted"], json!("greeter"));
+    assert_eq!(cli(&["list"])["data"], json!([]));
+}
