@@ -221,3 +221,31 @@ async fn a_busy_guest_yields_to_other_tasks_on_the_same_thread() {
         ticks.load(Ordering::SeqCst)
     );
 }
+
+#[tokio::test]
+async fn the_regex_filter_denies_and_rewrites_by_its_config() {
+    let p = example("regex_filter");
+    let config = "# rules\ndeny: (?i)\\bpassword\\b\nreplace: \\bACME-\\d{4}\\b => [ticket]";
+    let mut i = instance(&p, PluginLimits::default()).await;
+    match i.preprocess(&chat(config, &[("user", "my PASSWORD is x")])).await {
+        Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "denied"),
+        other => panic!("{other:?}"),
+    }
+    let mut i = instance(&p, PluginLimits::default()).await;
+    i.preprocess(&chat(config, &[("user", "status of ACME-1234?")]))
+        .await
+        .unwrap();
+    assert_eq!(i.postprocess("Ticket ACME-12", false).await.unwrap(), "");
+    assert_eq!(
+        i.postprocess("34 is open.", true).await.unwrap(),
+        "Ticket [ticket] is open."
+    );
+    let mut i = instance(&p, PluginLimits::default()).await;
+    match i.preprocess(&chat("replace: ( => x", &[("user", "hi")])).await {
+        Err(PluginFailure::Refused { code, message }) => {
+            assert_eq!(code, "plugin_config");
+            assert!(message.contains("line 1"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
