@@ -461,3 +461,61 @@ fn the_cli_manages_plugins_beside_a_running_server() {
     assert_eq!(cli(&["delete", "greeter"])["deleted"], json!("greeter"));
     assert_eq!(cli(&["list"])["data"], json!([]));
 }
+
+#[test]
+fn kv_handles_show_a_plugin_only_its_own_pages_and_forged_ones_trap() {
+    let s = Server::start("plugkv", "");
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let mallory = s.tenant_with_key("mallory").await;
+        assert_eq!(upload(&c, &mallory, "adv", example("adversary")).await.status, 201);
+        let set = |cfg: &str| call(&c, Method::PUT, "/v1/plugins/adv/config", &mallory, Some(cfg.as_bytes().to_vec()));
+        let completion = |plugin: Option<&str>| {
+            let mut v = json!({"model": MODEL, "prompt": "The quick brown fox jumps over the lazy dog. Once upon a time", "temperature": 0, "max_tokens": 12});
+            if let Some(p) = plugin {
+                v["plugin"] = json!(p);
+            }
+            v.to_string().into_bytes()
+        };
+        let text = |r: &Reply| r.json().unwrap()["choices"][0]["text"].as_str().unwrap_or_default().to_string();
+        let baseline = text(&call(&c, Method::POST, "/v1/completions", &key, Some(completion(None))).await);
+        // Its own pages: as many as its written tokens need, and no fewer tokens than its prompt.
+        assert_eq!(set("kv").await.status, 200);
+        let r = call(&c, Method::POST, "/v1/completions", &mallory, Some(completion(Some("adv")))).await;
+        let v = r.json().unwrap();
+        let t = text(&r);
+        let report = t.split("[kv pages=").nth(1).unwrap_or_else(|| panic!("{t:?}"));
+        let report = report.split(']').next().unwrap_or_default();
+        let (pages, written) = report.split_once(" written=").expect("report");
+        let (pages, written): (u64, u64) = (pages.parse().unwrap(), written.parse().unwrap());
+        let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+        let total = prompt + v["usage"]["completion_tokens"].as_u64().unwrap();
+        assert!(written >= prompt && written <= total, "{t:?} prompt {prompt} total {total}");
+        eprintln!("own KV as the plugin saw it: {report}; prompt {prompt}, total {total}");
+        assert!(
+            pages >= written.div_ceil(16) && pages <= total.div_ceil(16),
+            "{t:?}: {pages} pages"
+        );
+        // Forged handle numbers trap, whatever the number; the innocent tenant is unaffected.
+        for forged in ["forge-page:0", "forge-page:1", "forge-page:2", "forge-page:4294967295", "forge-seq:1", "forge-seq:3"] {
+            assert_eq!(set(forged).await.status, 200);
+            let bad = call(&c, Method::POST, "/v1/completions", &mallory, Some(completion(Some("adv"))));
+            let good = call(&c, Method::POST, "/v1/completions", &key, Some(completion(None)));
+            let (bad, good) = tokio::join!(bad, good);
+            assert_eq!((bad.status, code(&bad).as_str()), (500, "plugin_trap"), "{forged}: {}", bad.text());
+            assert!(bad.text().contains("handle"), "{forged}: the trap names the handle: {}", bad.text());
+            assert_eq!(text(&good), baseline, "{forged}");
+        }
+        // A handle kept in a static does not survive into the next request.
+        assert_eq!(set("keep").await.status, 200);
+        for _ in 0..2 {
+            let r = call(&c, Method::POST, "/v1/completions", &mallory, Some(completion(Some("adv")))).await;
+            let t = text(&r);
+            assert!(t.contains("[kept handle ") && !t.contains("reused"), "{t:?}");
+        }
+        assert_eq!(s.metric("warden_isolation_violations_total").await, 0.0);
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert_eq!(s.metric("warden_kv_pages{state=\"used\"}").await, 0.0);
+    });
+}

@@ -1,10 +1,33 @@
-//! A hostile plugin for Warden's containment tests: its config picks the attack `preprocess`
-//! mounts. `loop` spins forever, `bomb` allocates without bound, `recurse` recurses without
-//! bound, `trap` panics, `huge` returns a 64 MiB prompt; anything else passes the request on.
+//! A hostile plugin for Warden's containment tests: its config picks the attack.
+//!
+//! In `preprocess`: `loop` spins forever, `bomb` allocates without bound, `recurse` recurses
+//! without bound, `trap` panics, `huge` returns a 64 MiB prompt.
+//!
+//! In the first `postprocess` (while the sequence is live), against the `kv` capabilities: `kv` reports its own pages
+//! (`[kv pages=N written=W]`, appended to the output); `forge-page:N` and `forge-seq:N` call the
+//! host with handle number N that the host never gave it; `keep` stores its first page handle
+//! in a static and, if a static from an earlier request were still there, uses that instead
+//! (appending `[kept handle N]` or `[reused handle N: ...]`).
+//!
+//! Anything else passes the request on.
 
-use warden_guest::{Input, Plugin, PluginError, Request};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use warden_guest::{Chunk, Input, Plugin, PluginError, Request, kv};
 
 struct Adversary;
+
+static CONFIG: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+static KEPT: AtomicU32 = AtomicU32::new(0);
+static STRUCK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn config() -> String {
+    CONFIG.lock().map(|c| c.clone()).unwrap_or_default()
+}
+
+fn own_pages() -> Result<Vec<kv::KvPage>, String> {
+    kv::current().ok_or("no sequence yet")?.pages()
+}
 
 #[inline(never)]
 #[allow(unconditional_recursion)]
@@ -17,6 +40,9 @@ fn recurse(n: u64, sink: &mut [u64; 16]) -> u64 {
 
 impl Plugin for Adversary {
     fn preprocess(mut req: Request) -> Result<Request, PluginError> {
+        if let Ok(mut c) = CONFIG.lock() {
+            *c = req.config.trim().to_string();
+        }
         match req.config.trim() {
             "loop" => {
                 let mut x = 0u64;
@@ -40,6 +66,54 @@ impl Plugin for Adversary {
             _ => {}
         }
         Ok(req)
+    }
+
+    fn postprocess(mut chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
+        if is_final || STRUCK.swap(true, Ordering::SeqCst) {
+            return Ok(chunk);
+        }
+        let cfg = config();
+        let number = |p: &str| cfg.strip_prefix(p).and_then(|n| n.parse::<u32>().ok());
+        let note = if cfg == "kv" {
+            match own_pages() {
+                Ok(pages) => {
+                    let mut written = 0;
+                    for p in &pages {
+                        written += p.info().map(|i| i.written).unwrap_or(0);
+                    }
+                    format!(" [kv pages={} written={written}]", pages.len())
+                }
+                Err(e) => format!(" [kv error: {e}]"),
+            }
+        } else if let Some(n) = number("forge-page:") {
+            // SAFETY (guest side): deliberately wrong; the host must refuse the number.
+            let page = unsafe { kv::KvPage::from_handle(n) };
+            format!(" [forged page {n}: {:?}]", page.info())
+        } else if let Some(n) = number("forge-seq:") {
+            // SAFETY (guest side): deliberately wrong; the host must refuse the number.
+            let seq = unsafe { kv::Sequence::from_handle(n) };
+            format!(" [forged sequence {n}: {:?}]", seq.pages().map(|p| p.len()))
+        } else if cfg == "keep" {
+            match KEPT.load(Ordering::SeqCst) {
+                0 => match own_pages() {
+                    Ok(mut pages) if !pages.is_empty() => {
+                        let n = pages.remove(0).take_handle();
+                        KEPT.store(n, Ordering::SeqCst);
+                        format!(" [kept handle {n}]")
+                    }
+                    other => format!(" [keep failed: {:?}]", other.map(|p| p.len())),
+                },
+                n => {
+                    // SAFETY (guest side): a handle from an earlier request, if one survived.
+                    let page = unsafe { kv::KvPage::from_handle(n) };
+                    format!(" [reused handle {n}: {:?}]", page.info())
+                }
+            }
+        } else {
+            String::new()
+        };
+        chunk.text.push_str(&note);
+        Ok(chunk)
     }
 }
 

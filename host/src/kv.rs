@@ -80,6 +80,50 @@ pub enum KvError {
     Isolation(#[from] IsolationViolation),
 }
 
+/// What [`KvPool::inspect`] tells a page's holder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageInfo {
+    /// Token slots written.
+    pub written: u32,
+    /// Allocation epoch.
+    pub epoch: u32,
+    /// A 64-bit checksum of the written K and V (not cryptographic: it detects corruption and
+    /// change, it does not authenticate).
+    pub checksum: u64,
+}
+
+/// A fast 64-bit checksum over f16 data, 4 values per word (multiply-rotate mixing).
+#[derive(Default)]
+struct Checksum {
+    h: u64,
+    n: u64,
+}
+
+impl Checksum {
+    fn add(&mut self, xs: &[f16]) {
+        const K: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut chunks = xs.chunks_exact(4);
+        for c in &mut chunks {
+            let w = u64::from(c[0].to_bits())
+                | u64::from(c[1].to_bits()) << 16
+                | u64::from(c[2].to_bits()) << 32
+                | u64::from(c[3].to_bits()) << 48;
+            self.h = (self.h ^ w).wrapping_mul(K).rotate_left(29);
+        }
+        for x in chunks.remainder() {
+            self.h = (self.h ^ u64::from(x.to_bits())).wrapping_mul(K).rotate_left(29);
+        }
+        self.n += xs.len() as u64;
+    }
+
+    fn finish(&self) -> u64 {
+        let mut h = self.h ^ self.n;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^ (h >> 33)
+    }
+}
+
 /// Pool counters, as `/metrics` and tests read them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct KvCounters {
@@ -361,6 +405,33 @@ impl KvPool {
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.k[at..at + kvd], k);
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.v[at..at + kvd], v);
         Ok(())
+    }
+
+    /// What holder `owner` with entry `e` may learn of a page: its written slots, epoch, and a
+    /// checksum of the K and V it holds (written slots only, every layer). The tag is checked
+    /// first, so a stale or foreign entry learns nothing. A refusal here is not counted as an
+    /// isolation violation: it is how a plugin finds that a page it was shown has since left
+    /// its sequence.
+    pub fn inspect(&self, owner: u64, e: PageEntry) -> Result<PageInfo, KvError> {
+        let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
+            page: e.page,
+            pages: self.n_pages,
+        })?;
+        tag.check_holder(owner, e)?;
+        let ps = self.shape.page_size;
+        let kvd = self.shape.kv_dim();
+        let slots = (tag.written as usize).min(ps);
+        let mut sum = Checksum::default();
+        for layer in 0..self.n_layers {
+            let at = (layer * self.n_pages + e.page as usize) * ps * kvd;
+            sum.add(&self.k[at..at + slots * kvd]);
+            sum.add(&self.v[at..at + slots * kvd]);
+        }
+        Ok(PageInfo {
+            written: tag.written,
+            epoch: tag.epoch,
+            checksum: sum.finish(),
+        })
     }
 
     /// One layer's K/V storage, for attention.

@@ -17,9 +17,9 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use warden_kernels::attention::TagCheck;
+use warden_kernels::attention::{PageEntry, TagCheck};
 
-use crate::kv::{KvCounters, KvError, KvPool};
+use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
 use crate::model::{Model, Scratch, StepError, StepSeq};
 use request::{
     AbortReason, AdmissionLimits, FinishReason, GenerateRequest, Outcome, RejectReason, Rejected, RequestId, Usage,
@@ -204,6 +204,17 @@ impl Engine {
     /// The KV pool's counters.
     pub fn kv_counters(&self) -> KvCounters {
         self.pool.counters()
+    }
+
+    /// The page table of request `id`, if it is open and `owner`'s.
+    pub fn kv_pages(&self, id: RequestId, owner: u64) -> Option<Vec<PageEntry>> {
+        let (o, pages) = self.pool.table(id).ok()?;
+        (o == owner).then(|| pages.to_vec())
+    }
+
+    /// What holder `owner` may learn of page `e` (after its tag check).
+    pub fn kv_inspect(&self, owner: u64, e: PageEntry) -> Result<PageInfo, KvError> {
+        self.pool.inspect(owner, e)
     }
 
     /// The KV pool (tests and the admin API set budgets through it).

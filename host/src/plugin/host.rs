@@ -1,6 +1,8 @@
 //! The host side of a plugin instance: its WASI context (with nothing behind it), its memory
 //! limiter, and the world's imports (`kv`, `tokenizer`, `log`).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -10,18 +12,40 @@ use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use super::PluginLimits;
 use super::bindings::warden::plugin::{kv, log, tokenizer, types};
+use crate::kv::PageInfo;
 use crate::tokenizer::Tokenizer;
+use warden_kernels::attention::PageEntry;
 
 /// Most log lines one instance keeps; further lines are dropped.
 const MAX_LOG_LINES: usize = 64;
 /// Longest log line kept, bytes.
 const MAX_LOG_LINE: usize = 1024;
 
-/// A KV page handle, minted by the host for the request's own sequence.
-pub struct KvPage;
+/// A KV page handle, minted by the host for the request's own sequence: the page and the epoch
+/// it had then. Every call re-checks both against the page's tag.
+pub struct KvPage {
+    entry: PageEntry,
+}
 
 /// The request's sequence handle.
 pub struct Sequence;
+
+/// Most resource handles one instance may hold at once (each `pages` call mints one per page).
+const MAX_HANDLES: usize = 4096;
+
+/// A boxed, sendable future.
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// How an instance reaches its own request's KV. The server implements it over the engine
+/// thread, which answers with the pool's tag checks; the instance never sees an address.
+pub trait KvAccess: Send + Sync + 'static {
+    /// Whether the request has been admitted (so it has a sequence to show).
+    fn started(&self) -> bool;
+    /// The request's page table, if it is open.
+    fn pages(&self) -> BoxFuture<Option<Vec<PageEntry>>>;
+    /// What the request's tenant may learn of `entry`, after the tag check.
+    fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>>;
+}
 
 /// Caps memory growth, remembering that it did so the failure can be named.
 struct Limiter {
@@ -73,6 +97,10 @@ pub struct PluginHost {
     logs: Vec<String>,
     /// When the call in progress must end.
     deadline: Instant,
+    /// The request's KV, once the serving path attaches it.
+    kv: Option<Arc<dyn KvAccess>>,
+    /// Live resource handles.
+    handles: usize,
 }
 
 impl PluginHost {
@@ -94,7 +122,27 @@ impl PluginHost {
             tokenizer,
             logs: Vec::new(),
             deadline: Instant::now(),
+            kv: None,
+            handles: 0,
         }
+    }
+
+    pub(super) fn attach_kv(&mut self, kv: Arc<dyn KvAccess>) {
+        self.kv = Some(kv);
+    }
+
+    fn mint<T: Send + 'static>(&mut self, v: T) -> Result<Resource<T>, String> {
+        if self.handles >= MAX_HANDLES {
+            return Err(format!("more than {MAX_HANDLES} live handles; drop some first"));
+        }
+        let r = self.table.push(v).map_err(|e| e.to_string())?;
+        self.handles += 1;
+        Ok(r)
+    }
+
+    /// Time left in the call in progress.
+    fn budget(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
     }
 
     pub(super) fn deadline(&self) -> Instant {
@@ -131,9 +179,11 @@ impl types::Host for PluginHost {}
 
 impl kv::Host for PluginHost {
     fn current(&mut self) -> Option<Resource<Sequence>> {
-        // Plugins run before admission and on output text; neither has a sequence to hand out
-        // until the serving path mints one for the request.
-        None
+        // Before admission (during preprocess) there is no sequence to show.
+        if !self.kv.as_ref().is_some_and(|k| k.started()) {
+            return None;
+        }
+        self.mint(Sequence).ok()
     }
 }
 
@@ -141,37 +191,61 @@ fn no_such_handle() -> String {
     "no such handle".into()
 }
 
+fn timed_out() -> String {
+    "the engine did not answer within the call's time limit".into()
+}
+
 impl kv::HostKvPage for PluginHost {
-    fn info(&mut self, page: Resource<KvPage>) -> Result<kv::PageInfo, String> {
-        // Only handles this store minted resolve; a forged or stale index is refused.
-        self.table.get(&page).map_err(|_| no_such_handle())?;
-        Err(no_such_handle())
+    async fn info(&mut self, page: Resource<KvPage>) -> Result<kv::PageInfo, String> {
+        // Only handles this store minted resolve; wasmtime refuses a forged or stale index
+        // before this runs.
+        let entry = self.table.get(&page).map_err(|_| no_such_handle())?.entry;
+        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
+        let info = tokio::time::timeout(self.budget(), kv.info(entry))
+            .await
+            .map_err(|_| timed_out())??;
+        Ok(kv::PageInfo {
+            written: info.written,
+            epoch: info.epoch,
+            checksum: info.checksum,
+        })
     }
 
     fn drop(&mut self, page: Resource<KvPage>) -> wasmtime::Result<()> {
         self.table.delete(page)?;
+        self.handles = self.handles.saturating_sub(1);
         Ok(())
     }
 }
 
 impl kv::HostSequence for PluginHost {
-    fn pages(&mut self, seq: Resource<Sequence>) -> Result<Vec<Resource<KvPage>>, String> {
+    async fn pages(&mut self, seq: Resource<Sequence>) -> Result<Vec<Resource<KvPage>>, String> {
         self.table.get(&seq).map_err(|_| no_such_handle())?;
-        Err(no_such_handle())
+        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
+        let entries = tokio::time::timeout(self.budget(), kv.pages())
+            .await
+            .map_err(|_| timed_out())?
+            .ok_or_else(|| "the sequence holds no KV pages now (it has ended)".to_string())?;
+        let mut out = Vec::with_capacity(entries.len());
+        for entry in entries {
+            out.push(self.mint(KvPage { entry })?);
+        }
+        Ok(out)
     }
 
     fn pin_prefix(&mut self, seq: Resource<Sequence>, _tokens: u32) -> Result<(), String> {
         self.table.get(&seq).map_err(|_| no_such_handle())?;
-        Err(no_such_handle())
+        Err("this server has no prefix cache, so there is nothing to pin into".into())
     }
 
     fn unpin_prefix(&mut self, seq: Resource<Sequence>) -> Result<(), String> {
         self.table.get(&seq).map_err(|_| no_such_handle())?;
-        Err(no_such_handle())
+        Err("this server has no prefix cache, so there is nothing to unpin".into())
     }
 
     fn drop(&mut self, seq: Resource<Sequence>) -> wasmtime::Result<()> {
         self.table.delete(seq)?;
+        self.handles = self.handles.saturating_sub(1);
         Ok(())
     }
 }

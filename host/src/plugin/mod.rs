@@ -28,6 +28,7 @@ pub use bindings::warden::plugin::types::{
     Capabilities, Chunk, Input, Message, PluginError as GuestError, Request, Sampling, Token, TokenAction,
 };
 use host::PluginHost;
+pub use host::{BoxFuture, KvAccess};
 
 /// The generated bindings of the world (documented in `wit/plugin.wit`).
 #[allow(missing_docs)]
@@ -38,6 +39,8 @@ mod bindings {
         // Guest code runs as futures that yield at every epoch tick, so a busy plugin never
         // holds a runtime thread for longer than one tick. Host imports stay synchronous.
         exports: { default: async },
+        // KV questions go to the engine thread and wait for its answer.
+        imports: { "warden:plugin/kv.[method]sequence.pages": async, "warden:plugin/kv.[method]kv-page.info": async },
         with: {
             "warden:plugin/kv.kv-page": super::host::KvPage,
             "warden:plugin/kv.sequence": super::host::Sequence,
@@ -334,6 +337,12 @@ impl Instance {
         arm(&mut self.store, &self.limits)?;
         let r = self.bindings.call_on_token(&mut self.store, token).await;
         r.map_err(|e| classify(&self.store, &self.limits, e))
+    }
+
+    /// Gives the instance its request's KV: from now on `kv.current()` shows the sequence
+    /// once the request is admitted.
+    pub fn attach_kv(&mut self, kv: Arc<dyn KvAccess>) {
+        self.store.data_mut().attach_kv(kv);
     }
 
     /// What the plugin logged, oldest first.

@@ -2,8 +2,8 @@
 //! metrics and the admin API. Every failure leaves through [`ApiError`]'s JSON.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -21,9 +21,10 @@ use super::openai::{ApiError, ChatRequest, Common, CompletionRequest, Plan, Prom
 use super::plugins::pipeline::{Hooks, Reporter};
 use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
-use super::worker::{Busy, Job, Update};
+use super::worker::{Busy, EngineKv, Job, Update};
 use crate::chat::ChatMessage;
-use crate::plugin::{Input, Message, Sampling};
+use crate::engine::request::RequestId;
+use crate::plugin::{Input, KvAccess, Message, Sampling};
 
 /// Response bodies: whole or streamed.
 pub type Body = BoxBody<Bytes, std::convert::Infallible>;
@@ -487,13 +488,24 @@ async fn generate(
         return Err(rej.reason.into());
     }
     let stops: Vec<Arc<AtomicBool>> = (0..plan.n).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let started: Vec<Arc<OnceLock<RequestId>>> = (0..plan.n).map(|_| Arc::new(OnceLock::new())).collect();
     // Every choice's plugin instance exists before anything is queued.
     let output = match hooks {
-        Some(h) => Some(h.output(&stops, plan.req.prompt.len()).await?),
+        Some(h) => {
+            let choices = stops
+                .iter()
+                .zip(&started)
+                .map(|(stop, id)| {
+                    let kv: Arc<dyn KvAccess> = Arc::new(EngineKv::new(state.engine.clone(), t.id, id.clone()));
+                    (stop.clone(), kv)
+                })
+                .collect();
+            Some(h.output(choices, plan.req.prompt.len()).await?)
+        }
         None => None,
     };
     let (tx, rx) = mpsc::unbounded_channel::<(usize, Update)>();
-    for (i, stop) in stops.iter().enumerate() {
+    for (i, (stop, started)) in stops.iter().zip(&started).enumerate() {
         let mut req = plan.req.clone();
         req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
         let job = Job {
@@ -502,6 +514,7 @@ async fn generate(
             index: i,
             tx: tx.clone(),
             stop: stop.clone(),
+            started: started.clone(),
         };
         if let Err(Busy) = state.engine.submit(job) {
             state.metrics.rejected(&t.name, "queue_full");

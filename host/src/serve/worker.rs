@@ -7,9 +7,9 @@
 //! receives more messages than its `max_tokens` plus one.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
@@ -18,6 +18,9 @@ use super::metrics::Metrics;
 use super::openai::ApiError;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
 use crate::engine::{Engine, Event, TokenLogprobs};
+use crate::kv::PageInfo;
+use crate::plugin::{BoxFuture, KvAccess};
+use warden_kernels::attention::PageEntry;
 
 /// What a request's channel receives.
 #[derive(Debug)]
@@ -60,10 +63,37 @@ pub struct Job {
     pub tx: mpsc::UnboundedSender<(usize, Update)>,
     /// Raised when the choice must end now as finished (its plugin said stop).
     pub stop: Arc<AtomicBool>,
+    /// Set to the engine's id for the request once it is admitted (its plugin's `kv` reads it).
+    pub started: Arc<OnceLock<RequestId>>,
+}
+
+/// A question a plugin asks about its own request's KV, answered on the engine thread between
+/// steps, with the tag checks of the pool.
+#[derive(Debug)]
+pub enum KvQuery {
+    /// The page table of request `id`, if it is `owner`'s and open.
+    Pages {
+        /// The request.
+        id: RequestId,
+        /// The asking tenant.
+        owner: u64,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Option<Vec<PageEntry>>>,
+    },
+    /// What `owner` may learn of page `entry`.
+    Info {
+        /// The asking tenant.
+        owner: u64,
+        /// The page and the epoch the tenant was shown.
+        entry: PageEntry,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<PageInfo, String>>,
+    },
 }
 
 enum Cmd {
     Job(Job, Instant),
+    Kv(KvQuery),
     Shutdown(Instant, oneshot::Sender<()>),
 }
 
@@ -122,6 +152,12 @@ impl EngineHandle {
         }
     }
 
+    /// Sends a KV question to the engine thread without waiting; false when the queue is full
+    /// or the thread is gone (the reply channel then closes).
+    pub fn ask(&self, q: KvQuery) -> bool {
+        self.tx.try_send(Cmd::Kv(q)).is_ok()
+    }
+
     /// Whether the engine thread is running.
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
@@ -144,6 +180,53 @@ impl EngineHandle {
             }
         }
         let _ = done_rx.await;
+    }
+}
+
+/// A plugin's access to its own request's KV, through the engine thread.
+pub struct EngineKv {
+    engine: EngineHandle,
+    owner: u64,
+    started: Arc<OnceLock<RequestId>>,
+}
+
+impl EngineKv {
+    /// Access for the request of tenant `owner` whose job reports its id into `started`.
+    pub fn new(engine: EngineHandle, owner: u64, started: Arc<OnceLock<RequestId>>) -> Self {
+        Self { engine, owner, started }
+    }
+}
+
+impl KvAccess for EngineKv {
+    fn started(&self) -> bool {
+        self.started.get().is_some()
+    }
+
+    fn pages(&self) -> BoxFuture<Option<Vec<PageEntry>>> {
+        let (reply, rx) = oneshot::channel();
+        let asked = self.started.get().is_some_and(|&id| {
+            self.engine.ask(KvQuery::Pages {
+                id,
+                owner: self.owner,
+                reply,
+            })
+        });
+        Box::pin(async move { if asked { rx.await.ok().flatten() } else { None } })
+    }
+
+    fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>> {
+        let (reply, rx) = oneshot::channel();
+        let asked = self.engine.ask(KvQuery::Info {
+            owner: self.owner,
+            entry,
+            reply,
+        });
+        Box::pin(async move {
+            if !asked {
+                return Err("the engine's queue is full; retry".into());
+            }
+            rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+        })
     }
 }
 
@@ -190,6 +273,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                     }
                     match engine.submit(job.req) {
                         Ok(id) => {
+                            let _ = job.started.set(id);
                             live.insert(
                                 id,
                                 Live {
@@ -207,6 +291,12 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                             let _ = job.tx.send((job.index, Update::Rejected(rej)));
                         }
                     }
+                }
+                Cmd::Kv(KvQuery::Pages { id, owner, reply }) => {
+                    let _ = reply.send(engine.kv_pages(id, owner));
+                }
+                Cmd::Kv(KvQuery::Info { owner, entry, reply }) => {
+                    let _ = reply.send(engine.kv_inspect(owner, entry).map_err(|e| e.to_string()));
                 }
                 Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
             }

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use super::{Resolved, failure_error};
 use crate::engine::request::{FinishReason, Outcome, Usage};
-use crate::plugin::{Input, Instance, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
+use crate::plugin::{Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
 use crate::serve::metrics::Metrics;
 use crate::serve::openai::ApiError;
 use crate::serve::worker::Update;
@@ -90,8 +90,12 @@ impl Hooks {
         Ok((out.input, out.sampling))
     }
 
-    /// The output stage for `n` choices, with each choice's stop flag.
-    pub async fn output(self, stops: &[Arc<AtomicBool>], prompt_tokens: usize) -> Result<Output, ApiError> {
+    /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
+    pub async fn output(
+        self,
+        choices_in: Vec<(Arc<AtomicBool>, Arc<dyn KvAccess>)>,
+        prompt_tokens: usize,
+    ) -> Result<Output, ApiError> {
         let Hooks {
             first,
             resolved,
@@ -100,9 +104,9 @@ impl Hooks {
             seed,
             reporter,
         } = self;
-        let mut choices = Vec::with_capacity(stops.len());
+        let mut choices = Vec::with_capacity(choices_in.len());
         let mut next = Some(first);
-        for (i, stop) in stops.iter().enumerate() {
+        for (i, (stop, kv)) in choices_in.into_iter().enumerate() {
             let mut instance = match next.take() {
                 Some(first) => first,
                 None => resolved
@@ -111,11 +115,12 @@ impl Hooks {
                     .await
                     .map_err(|f| reporter.error(&f))?,
             };
+            instance.attach_kv(kv);
             let on_token = instance.capabilities().await.map_err(|f| reporter.error(&f))?.on_token;
             choices.push(ChoiceStage {
                 instance,
                 on_token,
-                stop: stop.clone(),
+                stop,
                 tokens: 0,
                 done: false,
             });
