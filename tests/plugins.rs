@@ -303,6 +303,12 @@ fn the_redactor_holds_pii_back_across_stream_chunks_and_the_guard_stops_generati
         }
         assert!(chunks >= 2, "{sse}");
         assert_eq!(so_far, redacted, "streamed and whole replies agree");
+        // What the redactor logged reaches the tenant's plugin log, one line per call.
+        let r = call(&c, Method::GET, "/v1/plugins/pii/logs", &key, None).await;
+        let lines = r.json().unwrap()["data"].clone();
+        let lines: Vec<&str> = lines.as_array().unwrap().iter().filter_map(|l| l.as_str()).collect();
+        assert_eq!(lines.len(), 2, "one line per redacting request: {lines:?}");
+        assert!(lines.iter().all(|l| l.contains(" pii@") && l.ends_with("info: redacted 2 items")), "{lines:?}");
         // The JSON guard stops a reply that cannot be JSON at its first token.
         let body = chat(json!([{"role": "user", "content": "Say hello."}]), Some("json"), 32, false);
         let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(body)).await;

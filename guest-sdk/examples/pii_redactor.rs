@@ -12,6 +12,7 @@ const HOLD: usize = 64;
 
 thread_local! {
     static HELD: RefCell<String> = const { RefCell::new(String::new()) };
+    static REDACTED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 fn is_email_char(c: char) -> bool {
@@ -100,7 +101,12 @@ impl Plugin for PiiRedactor {
             held.push_str(&chunk.text);
             if is_final {
                 let all = std::mem::take(held);
-                return Ok(Chunk { text: redact(&all) });
+                let text = redact(&all);
+                let n = REDACTED.get() + find_pii(&all).len();
+                if n > 0 {
+                    warden_guest::log(warden_guest::log::Level::Info, &format!("redacted {n} items"));
+                }
+                return Ok(Chunk { text });
             }
             // Emit up to a split point no PII crosses, holding back the last HOLD bytes (at a
             // character boundary), which could still grow into one.
@@ -115,6 +121,7 @@ impl Plugin for PiiRedactor {
             }
             let rest = held.split_off(split);
             let ready = std::mem::replace(held, rest);
+            REDACTED.set(REDACTED.get() + find_pii(&ready).len());
             Ok(Chunk { text: redact(&ready) })
         })
     }

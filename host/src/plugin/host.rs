@@ -16,7 +16,7 @@ use crate::kv::PageInfo;
 use crate::tokenizer::Tokenizer;
 use warden_kernels::attention::PageEntry;
 
-/// Most log lines one instance keeps; further lines are dropped.
+/// Most log lines one instance may write; further lines are dropped.
 const MAX_LOG_LINES: usize = 64;
 /// Longest log line kept, bytes.
 const MAX_LOG_LINE: usize = 1024;
@@ -95,6 +95,8 @@ pub struct PluginHost {
     limiter: Limiter,
     tokenizer: Arc<Tokenizer>,
     logs: Vec<String>,
+    /// Lines logged over the instance's life (the cap counts these).
+    logged: usize,
     /// When the call in progress must end.
     deadline: Instant,
     /// The request's KV, once the serving path attaches it.
@@ -121,6 +123,7 @@ impl PluginHost {
             },
             tokenizer,
             logs: Vec::new(),
+            logged: 0,
             deadline: Instant::now(),
             kv: None,
             handles: 0,
@@ -161,8 +164,8 @@ impl PluginHost {
         self.limiter.hit
     }
 
-    pub(super) fn logs(&self) -> &[String] {
-        &self.logs
+    pub(super) fn take_logs(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.logs)
     }
 }
 
@@ -262,13 +265,28 @@ impl tokenizer::Host for PluginHost {
 
 impl log::Host for PluginHost {
     fn log(&mut self, level: log::Level, message: String) {
-        if self.logs.len() >= MAX_LOG_LINES {
+        self.logged += 1;
+        if self.logged > MAX_LOG_LINES {
+            if self.logged == MAX_LOG_LINES + 1 {
+                self.logs.push(format!(
+                    "warn: (more than {MAX_LOG_LINES} lines in one request; the rest dropped)"
+                ));
+            }
             return;
         }
         let mut end = message.len().min(MAX_LOG_LINE);
         while !message.is_char_boundary(end) {
             end -= 1;
         }
-        self.logs.push(format!("{level:?}: {}", &message[..end]));
+        // One line per call: control characters are escaped, so a plugin cannot forge lines.
+        let mut line = format!("{}: ", format!("{level:?}").to_lowercase());
+        for c in message[..end].chars() {
+            if c.is_control() {
+                line.extend(c.escape_default());
+            } else {
+                line.push(c);
+            }
+        }
+        self.logs.push(line);
     }
 }

@@ -345,9 +345,9 @@ impl Instance {
         self.store.data_mut().attach_kv(kv);
     }
 
-    /// What the plugin logged, oldest first.
-    pub fn logs(&self) -> &[String] {
-        self.store.data().logs()
+    /// What the plugin logged since the last call of this, oldest first.
+    pub fn take_logs(&mut self) -> Vec<String> {
+        self.store.data_mut().take_logs()
     }
 }
 

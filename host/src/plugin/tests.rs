@@ -249,3 +249,22 @@ async fn the_regex_filter_denies_and_rewrites_by_its_config() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn components_importing_outside_the_world_are_refused_at_compile() {
+    // A component that wants a host interface Warden does not provide.
+    let sneaky = wat::parse_str(
+        r#"(component
+            (import "wasi:sockets/tcp@0.2.0" (instance))
+            (import "warden:plugin/secrets@0.1.0" (instance (export "steal" (func (result u32)))))
+        )"#,
+    )
+    .expect("valid WAT");
+    let e = runtime().compile(&sneaky).err().expect("refused");
+    assert_eq!(e.code(), "plugin_invalid");
+    assert!(e.to_string().contains("warden:plugin/secrets"), "{e}");
+    // A component that imports nothing but exports nothing of the world is refused too.
+    let empty = wat::parse_str("(component)").expect("valid WAT");
+    let e = runtime().compile(&empty).err().expect("refused");
+    assert_eq!(e.code(), "plugin_invalid", "{e}");
+}

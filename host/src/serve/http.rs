@@ -382,6 +382,9 @@ async fn prepare(
         let reporter = Reporter {
             metrics: state.metrics.clone(),
             tenant: t.name.clone(),
+            tenant_id: t.id,
+            request: id.to_string(),
+            logs: state.plugins.logs().clone(),
         };
         let mut h = Hooks::new(
             resolved,
@@ -630,6 +633,10 @@ async fn plugin_api(
             Ok(json_response(status, &v))
         }
         ([name], &Method::DELETE) => ok(p.delete(t, name)?),
+        ([name, "logs"], &Method::GET) => {
+            p.get(t, name)?;
+            ok(json!({"data": p.logs().tail(t.id, name, 200)}))
+        }
         ([_], _) => Err(not_allowed()),
         ([name, "activate"], &Method::POST) => {
             let name = name.to_string();
@@ -646,7 +653,9 @@ async fn plugin_api(
         ([name, "default"], &Method::PUT) => ok(p.set_default(t, name)?),
         ([name, "default"], &Method::DELETE) => ok(p.clear_default(t, name)?),
         ([name, "versions", v], &Method::DELETE) => ok(p.delete_version(t, name, v)?),
-        ([_, "activate" | "rollback" | "config" | "default"], _) | ([_, "versions", _], _) => Err(not_allowed()),
+        ([_, "activate" | "rollback" | "config" | "default" | "logs"], _) | ([_, "versions", _], _) => {
+            Err(not_allowed())
+        }
         _ => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",

@@ -208,12 +208,7 @@ pub fn plugin(cfg: &super::config::ServeConfig, data_dir: &Path, tenant: &str, o
                 .ok_or_else(|| StoreError::NoTenant(tenant.into()))?;
             let g = crate::gguf::Gguf::open(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
             let tokenizer = std::sync::Arc::new(crate::tokenizer::Tokenizer::from_gguf(&g)?);
-            let p = super::plugins::Plugins::new(
-                store.clone(),
-                cfg.plugins.clone(),
-                &super::plugin_cache_dir(data_dir),
-                tokenizer,
-            )?;
+            let p = super::plugins::Plugins::new(store.clone(), cfg.plugins.clone(), data_dir, tokenizer)?;
             let r = match op {
                 PluginOp::Upload { name, file, activate } => {
                     let bytes = read(&file)?;

@@ -87,11 +87,6 @@ pub fn admin_token_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin-token")
 }
 
-/// Where a data dir keeps compiled plugins.
-pub fn plugin_cache_dir(data_dir: &Path) -> PathBuf {
-    data_dir.join("plugin-cache")
-}
-
 /// Where a data dir keeps [`ServerInfo`].
 pub fn server_info_path(data_dir: &Path) -> PathBuf {
     data_dir.join("server.json")
@@ -131,7 +126,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     let plugins = plugins::Plugins::new(
         store.clone(),
         cfg.plugins.clone(),
-        &plugin_cache_dir(&cfg.data_dir),
+        &cfg.data_dir,
         loaded.tokenizer.clone(),
     )?;
     let metrics = Arc::new(Metrics::default());

@@ -7,6 +7,7 @@
 //! share nothing.
 
 pub mod artefacts;
+pub mod logs;
 pub mod pipeline;
 pub mod records;
 
@@ -23,6 +24,7 @@ use super::store::{Store, StoreError, Tenant, valid_tenant_name};
 use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, Runtime, Sampling};
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
+use logs::TenantLogs;
 use records::{PluginRecord, version_of};
 
 /// Compiled plugins kept in memory; beyond this, one is dropped per compile.
@@ -53,6 +55,7 @@ pub struct Plugins {
     /// Serializes read-modify-write of records.
     write: Mutex<()>,
     tokenizer: Arc<Tokenizer>,
+    logs: Arc<TenantLogs>,
 }
 
 fn store_error(e: StoreError) -> ApiError {
@@ -96,13 +99,16 @@ fn record_json(rec: &PluginRecord, default: bool) -> Value {
 }
 
 impl Plugins {
-    /// The service over `store`, caching compiled artefacts in `cache_dir`.
+    /// The service over `store`, caching compiled artefacts in `data_dir/plugin-cache` and
+    /// writing the tenants' plugin logs to `data_dir/plugin-logs`.
     pub fn new(
         store: Store,
         cfg: PluginsConfig,
-        cache_dir: &std::path::Path,
+        data_dir: &std::path::Path,
         tokenizer: Arc<Tokenizer>,
     ) -> anyhow::Result<Self> {
+        let cache_dir = data_dir.join("plugin-cache");
+        let cache_dir = cache_dir.as_path();
         let runtime = Runtime::new(cfg.instances, cfg.memory_mib << 20)?;
         let key = store.secret("plugin-artefacts")?;
         let artefacts = Artefacts::new(cache_dir, key, &runtime)
@@ -115,6 +121,7 @@ impl Plugins {
             compiled: Mutex::new(HashMap::new()),
             write: Mutex::new(()),
             tokenizer,
+            logs: Arc::new(TenantLogs::new(&data_dir.join("plugin-logs"))),
         })
     }
 
@@ -135,6 +142,11 @@ impl Plugins {
     /// The largest plugin configuration.
     pub fn max_config_bytes(&self) -> usize {
         self.cfg.max_config_bytes
+    }
+
+    /// The tenants' plugin logs.
+    pub fn logs(&self) -> &Arc<TenantLogs> {
+        &self.logs
     }
 
     /// The served model's tokenizer (plugins import it).

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::mpsc;
 
+use super::logs::{Source, TenantLogs};
 use super::{Resolved, failure_error};
 use crate::engine::request::{FinishReason, Outcome, Usage};
 use crate::plugin::{Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
@@ -22,19 +23,36 @@ use crate::serve::openai::ApiError;
 use crate::serve::worker::Update;
 use crate::tokenizer::Tokenizer;
 
-/// What reports plugin failures: the tenant's metrics.
+/// Where a request's plugin reports: failures to the tenant's metrics, log lines to the
+/// tenant's plugin log.
 #[derive(Clone)]
 pub struct Reporter {
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The tenant's name.
     pub tenant: String,
+    /// The tenant's id.
+    pub tenant_id: u64,
+    /// The request's id.
+    pub request: String,
+    /// The tenants' plugin logs.
+    pub logs: Arc<TenantLogs>,
 }
 
 impl Reporter {
     fn error(&self, f: &PluginFailure) -> ApiError {
         self.metrics.plugin_failure(&self.tenant, f.code());
         failure_error(f)
+    }
+
+    fn flush_logs(&self, resolved: &Resolved, instance: &mut Instance) {
+        let src = Source {
+            tenant: self.tenant_id,
+            plugin: &resolved.name,
+            version: &resolved.version,
+            request: &self.request,
+        };
+        self.logs.write(&src, instance.take_logs());
     }
 }
 
@@ -86,7 +104,9 @@ impl Hooks {
             config: self.resolved.config.clone(),
             metadata,
         };
-        let out = self.first.preprocess(&req).await.map_err(|f| self.reporter.error(&f))?;
+        let out = self.first.preprocess(&req).await;
+        self.reporter.flush_logs(&self.resolved, &mut self.first);
+        let out = out.map_err(|f| self.reporter.error(&f))?;
         Ok((out.input, out.sampling))
     }
 
@@ -129,6 +149,7 @@ impl Hooks {
             choices,
             prompt_tokens,
             reporter,
+            resolved,
         })
     }
 }
@@ -146,6 +167,7 @@ pub struct Output {
     choices: Vec<ChoiceStage>,
     prompt_tokens: usize,
     reporter: Reporter,
+    resolved: Resolved,
 }
 
 impl Output {
@@ -156,7 +178,7 @@ impl Output {
         let (tx, out) = mpsc::unbounded_channel();
         tokio::spawn(async move {
             let mut stage = self;
-            loop {
+            'run: loop {
                 let msg = tokio::select! {
                     m = rx.recv() => m,
                     _ = tx.closed() => None,
@@ -164,12 +186,15 @@ impl Output {
                 let Some((i, u)) = msg else { break };
                 for u in stage.apply(i, u).await {
                     if tx.send((i, u)).is_err() {
-                        return;
+                        break 'run;
                     }
                 }
                 if stage.choices.iter().all(|c| c.done) {
                     break;
                 }
+            }
+            for c in &mut stage.choices {
+                stage.reporter.flush_logs(&stage.resolved, &mut c.instance);
             }
         });
         out
