@@ -15,9 +15,17 @@
 //! warden_guest::plugin!(Shout);
 //! ```
 //!
-//! Warden instantiates a plugin afresh for every request, so statics live for one request:
-//! a streaming `postprocess` may keep held-back text in one. There is no clock, network,
-//! filesystem or threads; [`kv`], [`tokenizer`] and [`log`] are the host's services.
+//! Warden instantiates a plugin afresh for every request (and each choice of an `n` > 1
+//! request), so statics live for one request: a streaming `postprocess` may keep held-back
+//! text in one, and `preprocess` may leave state there for the output calls. There is no clock,
+//! network, filesystem or threads; [`kv`], [`tokenizer`] and [`log`] are the host's services.
+//!
+//! `kv::current()` gives the request's sequence during `on_token` and `postprocess` (not in
+//! `preprocess`, before admission); its pages are handles the host checks on every call.
+//!
+//! Each call runs under the server's fuel, time and memory limits (`[plugins]` in its config):
+//! work done once per request, such as compiling the regexes of a config, is paid on every
+//! request, so keep it small.
 
 /// The bindings wit-bindgen generates for `wit/plugin.wit` (plugins use the re-exports below).
 #[doc(hidden)]
