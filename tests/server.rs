@@ -262,7 +262,11 @@ fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
         assert_eq!(baseline.status, 200, "{}", baseline.text());
         for (name, method, path, auth, body, status, code) in cases {
             let body = if body.is_empty() { None } else { Some(body) };
-            let r = c.request(method, path, auth, body).await.expect(name);
+            // The server answers 413 without reading the body. Over HTTP/1.1 the client may
+            // still be writing when the connection closes (a reset that races the response);
+            // HTTP/2 ends just the stream, so the answer always arrives.
+            let proto = if status == 413 { Proto::Http2 } else { Proto::Http1 };
+            let r = c.request_proto(proto, method, path, auth, body).await.expect(name);
             assert_eq!(r.status, status, "{name}: {}", r.text());
             let v = r.json().expect(name);
             assert_eq!(v["error"]["code"], code, "{name}: {v}");

@@ -2,8 +2,8 @@
 //! metrics and the admin API. Every failure leaves through [`ApiError`]'s JSON.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -21,9 +21,8 @@ use super::openai::{ApiError, ChatRequest, Common, CompletionRequest, Plan, Prom
 use super::plugins::pipeline::{Hooks, Reporter};
 use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
-use super::worker::{Busy, EngineKv, Job, Update};
+use super::worker::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 use crate::chat::ChatMessage;
-use crate::engine::request::RequestId;
 use crate::plugin::{Input, KvAccess, Message, Sampling};
 
 /// Response bodies: whole or streamed.
@@ -490,16 +489,16 @@ async fn generate(
         state.metrics.rejected(&t.name, rej.reason.code());
         return Err(rej.reason.into());
     }
-    let stops: Vec<Arc<AtomicBool>> = (0..plan.n).map(|_| Arc::new(AtomicBool::new(false))).collect();
-    let started: Vec<Arc<OnceLock<RequestId>>> = (0..plan.n).map(|_| Arc::new(OnceLock::new())).collect();
+    let stops: Vec<Arc<EndFlag>> = (0..plan.n).map(|_| Arc::new(EndFlag::default())).collect();
+    let slots: Vec<Arc<SeqSlot>> = (0..plan.n).map(|_| Arc::new(SeqSlot::default())).collect();
     // Every choice's plugin instance exists before anything is queued.
     let output = match hooks {
         Some(h) => {
             let choices = stops
                 .iter()
-                .zip(&started)
-                .map(|(stop, id)| {
-                    let kv: Arc<dyn KvAccess> = Arc::new(EngineKv::new(state.engine.clone(), t.id, id.clone()));
+                .zip(&slots)
+                .map(|(stop, slot)| {
+                    let kv: Arc<dyn KvAccess> = Arc::new(EngineKv::new(state.engine.clone(), t.id, slot.clone()));
                     (stop.clone(), kv)
                 })
                 .collect();
@@ -508,7 +507,7 @@ async fn generate(
         None => None,
     };
     let (tx, rx) = mpsc::unbounded_channel::<(usize, Update)>();
-    for (i, (stop, started)) in stops.iter().zip(&started).enumerate() {
+    for (i, (stop, slot)) in stops.iter().zip(&slots).enumerate() {
         let mut req = plan.req.clone();
         req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
         let job = Job {
@@ -517,7 +516,7 @@ async fn generate(
             index: i,
             tx: tx.clone(),
             stop: stop.clone(),
-            started: started.clone(),
+            slot: slot.clone(),
         };
         if let Err(Busy) = state.engine.submit(job) {
             state.metrics.rejected(&t.name, "queue_full");

@@ -51,6 +51,29 @@ pub enum Update {
     ShuttingDown,
 }
 
+/// How the HTTP side asks the engine thread to end one choice early.
+#[derive(Debug, Default)]
+pub struct EndFlag(std::sync::atomic::AtomicU8);
+
+const END_STOP: u8 = 1;
+const END_CANCEL: u8 = 2;
+
+impl EndFlag {
+    /// End it as finished (`stop`), e.g. when its plugin says so.
+    pub fn stop(&self) {
+        let _ = self.0.compare_exchange(0, END_STOP, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// End it as cancelled, e.g. when its plugin failed.
+    pub fn cancel(&self) {
+        self.0.store(END_CANCEL, Ordering::SeqCst);
+    }
+
+    fn get(&self) -> u8 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// One request for the engine.
 pub struct Job {
     /// The request (its owner is the tenant's id).
@@ -61,10 +84,11 @@ pub struct Job {
     pub index: usize,
     /// Where its updates go, tagged with `index`; the request's choices share the channel.
     pub tx: mpsc::UnboundedSender<(usize, Update)>,
-    /// Raised when the choice must end now as finished (its plugin said stop).
-    pub stop: Arc<AtomicBool>,
-    /// Set to the engine's id for the request once it is admitted (its plugin's `kv` reads it).
-    pub started: Arc<OnceLock<RequestId>>,
+    /// Raised when the choice must end now (its plugin said stop, or failed).
+    pub stop: Arc<EndFlag>,
+    /// The engine's id for the request once it is admitted, and whether it has ended (its
+    /// plugin's `kv` reads both).
+    pub slot: Arc<SeqSlot>,
 }
 
 /// A question a plugin asks about its own request's KV, answered on the engine thread between
@@ -93,8 +117,18 @@ pub enum KvQuery {
 
 enum Cmd {
     Job(Job, Instant),
-    Kv(KvQuery),
     Shutdown(Instant, oneshot::Sender<()>),
+}
+
+/// KV questions waiting at most; beyond, a plugin's call fails (it never delays jobs, which
+/// have their own queue).
+const KV_QUEUE: usize = 1024;
+
+/// A choice's place in the engine, as its plugin's `kv` sees it.
+#[derive(Debug, Default)]
+pub struct SeqSlot {
+    id: OnceLock<RequestId>,
+    ended: AtomicBool,
 }
 
 /// The queue is full: the caller answers 503.
@@ -105,13 +139,15 @@ pub struct Busy;
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: SyncSender<Cmd>,
+    kv: SyncSender<KvQuery>,
     alive: Arc<AtomicBool>,
 }
 
 struct Live {
     index: usize,
     tx: mpsc::UnboundedSender<(usize, Update)>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<EndFlag>,
+    slot: Arc<SeqSlot>,
     tenant: String,
     submitted: Instant,
     last: Option<Instant>,
@@ -121,6 +157,7 @@ impl EngineHandle {
     /// Starts the engine thread with a queue of `queue` jobs.
     pub fn start(engine: Engine, queue: usize, metrics: Arc<Metrics>) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::sync_channel(queue);
+        let (kv, kv_rx) = std::sync::mpsc::sync_channel(KV_QUEUE);
         let alive = Arc::new(AtomicBool::new(true));
         let flag = alive.clone();
         std::thread::Builder::new()
@@ -134,9 +171,9 @@ impl EngineHandle {
                     }
                 }
                 let _alive = Alive(flag);
-                run(engine, rx, &metrics);
+                run(engine, rx, kv_rx, &metrics);
             })?;
-        Ok(Self { tx, alive })
+        Ok(Self { tx, kv, alive })
     }
 
     /// Queues a job without waiting; [`Busy`] when the queue is full.
@@ -155,7 +192,7 @@ impl EngineHandle {
     /// Sends a KV question to the engine thread without waiting; false when the queue is full
     /// or the thread is gone (the reply channel then closes).
     pub fn ask(&self, q: KvQuery) -> bool {
-        self.tx.try_send(Cmd::Kv(q)).is_ok()
+        self.kv.try_send(q).is_ok()
     }
 
     /// Whether the engine thread is running.
@@ -187,34 +224,40 @@ impl EngineHandle {
 pub struct EngineKv {
     engine: EngineHandle,
     owner: u64,
-    started: Arc<OnceLock<RequestId>>,
+    slot: Arc<SeqSlot>,
 }
 
 impl EngineKv {
-    /// Access for the request of tenant `owner` whose job reports its id into `started`.
-    pub fn new(engine: EngineHandle, owner: u64, started: Arc<OnceLock<RequestId>>) -> Self {
-        Self { engine, owner, started }
+    /// Access for the request of tenant `owner` whose job is `slot`.
+    pub fn new(engine: EngineHandle, owner: u64, slot: Arc<SeqSlot>) -> Self {
+        Self { engine, owner, slot }
     }
 }
 
 impl KvAccess for EngineKv {
     fn started(&self) -> bool {
-        self.started.get().is_some()
+        self.slot.id.get().is_some()
     }
 
     fn pages(&self) -> BoxFuture<Option<Vec<PageEntry>>> {
         let (reply, rx) = oneshot::channel();
-        let asked = self.started.get().is_some_and(|&id| {
-            self.engine.ask(KvQuery::Pages {
-                id,
-                owner: self.owner,
-                reply,
-            })
-        });
+        // An ended request has no pages: answered here, without the engine thread.
+        let live = !self.slot.ended.load(Ordering::SeqCst);
+        let asked = live
+            && self.slot.id.get().is_some_and(|&id| {
+                self.engine.ask(KvQuery::Pages {
+                    id,
+                    owner: self.owner,
+                    reply,
+                })
+            });
         Box::pin(async move { if asked { rx.await.ok().flatten() } else { None } })
     }
 
     fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>> {
+        if self.slot.ended.load(Ordering::SeqCst) {
+            return Box::pin(async { Err("the request has ended; its pages are gone".to_string()) });
+        }
         let (reply, rx) = oneshot::channel();
         let asked = self.engine.ask(KvQuery::Info {
             owner: self.owner,
@@ -240,7 +283,7 @@ fn outcome_label(o: &Outcome) -> &'static str {
     }
 }
 
-fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
+fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &Metrics) {
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
     let publish = |engine: &Engine| {
@@ -273,13 +316,14 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                     }
                     match engine.submit(job.req) {
                         Ok(id) => {
-                            let _ = job.started.set(id);
+                            let _ = job.slot.id.set(id);
                             live.insert(
                                 id,
                                 Live {
                                     index: job.index,
                                     tx: job.tx,
                                     stop: job.stop,
+                                    slot: job.slot,
                                     tenant: job.tenant,
                                     submitted,
                                     last: None,
@@ -292,13 +336,18 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                         }
                     }
                 }
-                Cmd::Kv(KvQuery::Pages { id, owner, reply }) => {
+                Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
+            }
+        }
+        // Plugins' questions about their own KV, between steps.
+        for q in kv.try_iter() {
+            match q {
+                KvQuery::Pages { id, owner, reply } => {
                     let _ = reply.send(engine.kv_pages(id, owner));
                 }
-                Cmd::Kv(KvQuery::Info { owner, entry, reply }) => {
+                KvQuery::Info { owner, entry, reply } => {
                     let _ = reply.send(engine.kv_inspect(owner, entry).map_err(|e| e.to_string()));
                 }
-                Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
             }
         }
         // Clients that went away: cancel through the retirement path.
@@ -310,14 +359,18 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
         for id in gone {
             engine.cancel(id);
         }
-        // Choices their plugin stopped: finished, through the same path.
-        let stopped: Vec<RequestId> = live
+        // Choices their plugin ended: finished or cancelled, through the same path.
+        let ended: Vec<(RequestId, u8)> = live
             .iter()
-            .filter(|(_, l)| l.stop.load(Ordering::Relaxed))
-            .map(|(id, _)| *id)
+            .map(|(id, l)| (*id, l.stop.get()))
+            .filter(|(_, e)| *e != 0)
             .collect();
-        for id in stopped {
-            engine.stop(id);
+        for (id, e) in ended {
+            if e == END_STOP {
+                engine.stop(id);
+            } else {
+                engine.cancel(id);
+            }
         }
         let events = match &shutdown {
             Some((deadline, _)) if Instant::now() >= *deadline => engine.abort_all(),
@@ -348,6 +401,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, metrics: &Metrics) {
                     usage,
                 } => {
                     if let Some(l) = live.remove(&id) {
+                        l.slot.ended.store(true, Ordering::SeqCst);
                         metrics.request_done(
                             &l.tenant,
                             outcome_label(&outcome),

@@ -242,14 +242,7 @@ impl Plugins {
         let existing = self.store.plugins().get(t.id, name).map_err(store_error)?;
         if existing.is_none() && self.store.plugins().list(t.id).map_err(store_error)?.len() >= self.cfg.max_per_tenant
         {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "too_many_plugins",
-                format!(
-                    "tenant {:?} has {} plugins, the most allowed; delete one first",
-                    t.name, self.cfg.max_per_tenant
-                ),
-            ));
+            return Err(too_many(t, self.cfg.max_per_tenant));
         }
         let (version, sha) = version_of(&bytes);
         let config = existing.as_ref().map(|r| r.config.clone()).unwrap_or_default();
@@ -267,18 +260,18 @@ impl Plugins {
             self.remember(t.id, &version.sha256, &plugin);
         }
         let _g = self.lock();
-        let mut rec = self
-            .store
-            .plugins()
-            .get(t.id, name)
-            .map_err(store_error)?
-            .unwrap_or_else(|| PluginRecord {
-                name: name.into(),
-                versions: vec![],
-                active: None,
-                history: vec![],
-                config,
-            });
+        let current = self.store.plugins().get(t.id, name).map_err(store_error)?;
+        // Checked again under the lock: another upload may have added a plugin meanwhile.
+        if current.is_none() && self.store.plugins().list(t.id).map_err(store_error)?.len() >= self.cfg.max_per_tenant {
+            return Err(too_many(t, self.cfg.max_per_tenant));
+        }
+        let mut rec = current.unwrap_or_else(|| PluginRecord {
+            name: name.into(),
+            versions: vec![],
+            active: None,
+            history: vec![],
+            config,
+        });
         if !rec.versions.iter().any(|v| v.sha256 == version.sha256) {
             rec.versions.push(version.clone());
         }
@@ -497,6 +490,17 @@ fn set_active(rec: &mut PluginRecord, sha: &str) {
             rec.history.remove(0);
         }
     }
+}
+
+fn too_many(t: &Tenant, max: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::CONFLICT,
+        "too_many_plugins",
+        format!(
+            "tenant {:?} has {max} plugins, the most allowed; delete one first",
+            t.name
+        ),
+    )
 }
 
 fn too_large(got: usize, limit: usize) -> ApiError {

@@ -5,12 +5,12 @@
 //! choice (`n` > 1) gets its own fresh instance, so held-back text never mixes across choices.
 //! The output stage is a task between the engine's channel and the responder's: it forwards
 //! each update with its text postprocessed, and when `on-token` says stop it ends the choice
-//! (finish reason `stop`, the stopping token included) and raises the choice's stop flag, which
-//! the engine thread turns into the sequence's retirement. Guest calls are futures that yield
+//! (finish reason `stop`, the stopping token included) and raises the choice's end flag, which
+//! the engine thread turns into the sequence's retirement (as cancelled, when the plugin
+//! failed instead). Guest calls are futures that yield
 //! every epoch tick, so a slow plugin delays only its own request.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use tokio::sync::mpsc;
 
@@ -20,7 +20,7 @@ use crate::engine::request::{FinishReason, Outcome, Usage};
 use crate::plugin::{Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
 use crate::serve::metrics::Metrics;
 use crate::serve::openai::ApiError;
-use crate::serve::worker::Update;
+use crate::serve::worker::{EndFlag, Update};
 use crate::tokenizer::Tokenizer;
 
 /// Where a request's plugin reports: failures to the tenant's metrics, log lines to the
@@ -113,7 +113,7 @@ impl Hooks {
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
     pub async fn output(
         self,
-        choices_in: Vec<(Arc<AtomicBool>, Arc<dyn KvAccess>)>,
+        choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>,
         prompt_tokens: usize,
     ) -> Result<Output, ApiError> {
         let Hooks {
@@ -157,7 +157,7 @@ impl Hooks {
 struct ChoiceStage {
     instance: Instance,
     on_token: bool,
-    stop: Arc<AtomicBool>,
+    stop: Arc<EndFlag>,
     tokens: u32,
     done: bool,
 }
@@ -231,7 +231,7 @@ impl Output {
                 };
                 let mut out = vec![Update::Token { text, token, logprobs }];
                 if stop {
-                    c.stop.store(true, Ordering::SeqCst);
+                    c.stop.stop();
                     c.done = true;
                     match c.instance.postprocess("", true).await {
                         Ok(rest) => out.push(Update::Done {
@@ -272,7 +272,7 @@ impl Output {
 impl ChoiceStage {
     fn fail(&mut self, e: ApiError) -> Vec<Update> {
         self.done = true;
-        self.stop.store(true, Ordering::SeqCst);
+        self.stop.cancel();
         vec![Update::Failed(e)]
     }
 }
