@@ -102,11 +102,7 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         if methods.contains(&method) {
             Ok(())
         } else {
-            Err(ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method_not_allowed",
-                format!("{method} is not allowed on {path}"),
-            ))
+            Err(method_not_allowed(&method, &path))
         }
     };
     match segments.as_slice() {
@@ -174,6 +170,14 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             format!("no route for {method} {path}"),
         )),
     }
+}
+
+fn method_not_allowed(method: &Method, path: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        format!("{method} is not allowed on {path}"),
+    )
 }
 
 fn model_card(state: &State) -> Value {
@@ -607,13 +611,8 @@ async fn plugin_api(
     rest: &[&str],
 ) -> Result<Response<Body>, ApiError> {
     let p = &state.plugins;
-    let not_allowed = || {
-        ApiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method_not_allowed",
-            format!("{method} is not allowed on {}", req.uri().path()),
-        )
-    };
+    let path = req.uri().path().to_string();
+    let not_allowed = || method_not_allowed(method, &path);
     let ok = |v: Value| Ok(json_response(StatusCode::OK, &v));
     match (rest, method) {
         ([], &Method::GET) => ok(p.list(t)?),
@@ -658,7 +657,7 @@ async fn plugin_api(
         _ => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
-            format!("no plugin route {}", req.uri().path()),
+            format!("no plugin route {path}"),
         )),
     }
 }
@@ -676,13 +675,8 @@ async fn admin_api(
     rest: &[&str],
 ) -> Result<Response<Body>, ApiError> {
     admin(state, &req)?;
-    let not_allowed = || {
-        ApiError::new(
-            StatusCode::METHOD_NOT_ALLOWED,
-            "method_not_allowed",
-            format!("{method} is not allowed on {}", req.uri().path()),
-        )
-    };
+    let path = req.uri().path().to_string();
+    let not_allowed = || method_not_allowed(method, &path);
     let ok = |v: Value| Ok(json_response(StatusCode::OK, &v));
     match (rest, method) {
         (["tenants"], &Method::GET) => ok(json!({"data": state.store.tenants().map_err(store_error)?})),
@@ -721,7 +715,7 @@ async fn admin_api(
         _ => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             "not_found",
-            format!("no admin route {}", req.uri().path()),
+            format!("no admin route {path}"),
         )),
     }
 }

@@ -350,16 +350,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                 }
             }
         }
-        // Clients that went away: cancel through the retirement path.
-        let gone: Vec<RequestId> = live
-            .iter()
-            .filter(|(_, l)| l.tx.is_closed())
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            engine.cancel(id);
-        }
-        // Choices their plugin ended: finished or cancelled, through the same path.
+        // Choices their plugin ended: finished or cancelled, through the same path. First, so a
+        // plugin's stop counts as `stop` even when its output stage has already let go.
         let ended: Vec<(RequestId, u8)> = live
             .iter()
             .map(|(id, l)| (*id, l.stop.get()))
@@ -371,6 +363,15 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
             } else {
                 engine.cancel(id);
             }
+        }
+        // Clients that went away: cancel through the retirement path.
+        let gone: Vec<RequestId> = live
+            .iter()
+            .filter(|(_, l)| l.tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            engine.cancel(id);
         }
         let events = match &shutdown {
             Some((deadline, _)) if Instant::now() >= *deadline => engine.abort_all(),

@@ -319,11 +319,7 @@ impl Plugins {
     pub fn activate(&self, t: &Tenant, name: &str, version: &str) -> Result<Value, ApiError> {
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
-        let sha = rec
-            .find(version)
-            .ok_or_else(|| version_not_found(name, version))?
-            .sha256
-            .clone();
+        let sha = version_id(&rec, version)?;
         set_active(&mut rec, &sha);
         self.store.plugins().put(t.id, &rec).map_err(store_error)?;
         Ok(record_json(&rec, self.is_default(t, name)?))
@@ -360,11 +356,7 @@ impl Plugins {
     pub fn delete_version(&self, t: &Tenant, name: &str, version: &str) -> Result<Value, ApiError> {
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
-        let sha = rec
-            .find(version)
-            .ok_or_else(|| version_not_found(name, version))?
-            .sha256
-            .clone();
+        let sha = version_id(&rec, version)?;
         if rec.active.as_deref() == Some(sha.as_str()) {
             return Err(ApiError::new(
                 StatusCode::CONFLICT,
@@ -513,6 +505,13 @@ fn too_large(got: usize, limit: usize) -> ApiError {
 
 fn upload_error(f: &PluginFailure) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, "plugin_invalid", f.to_string())
+}
+
+/// The full id of `rec`'s version `v` (an id or an unambiguous prefix).
+fn version_id(rec: &PluginRecord, v: &str) -> Result<String, ApiError> {
+    rec.find(v)
+        .map(|x| x.sha256.clone())
+        .ok_or_else(|| version_not_found(&rec.name, v))
 }
 
 fn version_not_found(name: &str, v: &str) -> ApiError {
