@@ -10,15 +10,7 @@ use serde_json::{Value, json};
 use sha2::Digest;
 use warden::serve::client::{Client, Proto, Reply};
 
-use common::{MODEL, Server, content, root, sse_content};
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
+use common::{MODEL, Server, content, root, rt, sse_content};
 
 fn example(name: &str) -> Vec<u8> {
     let p = root()

@@ -10,15 +10,7 @@ use hyper::Method;
 use serde_json::json;
 use warden::serve::client::Proto;
 
-use common::{MODEL, Server, chat_body, content, sse_content};
-
-fn rt() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime")
-}
+use common::{MODEL, Server, chat_body, content, rt, sse_content};
 
 /// (name, method, path, bearer, body, status, error code).
 type Case<'a> = (&'a str, Method, &'a str, Option<&'a str>, Vec<u8>, u16, &'a str);

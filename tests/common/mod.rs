@@ -12,6 +12,15 @@ use std::time::{Duration, Instant};
 use hyper::Method;
 use warden::serve::client::{Client, Reply};
 
+/// A two-thread runtime for a test's client side.
+pub fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// The checkout's root.
 pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
