@@ -517,3 +517,103 @@ fn kv_handles_show_a_plugin_only_its_own_pages_and_forged_ones_trap() {
         assert_eq!(s.metric("warden_kv_pages{state=\"used\"}").await, 0.0);
     });
 }
+
+/// A long shared system prompt: several KV pages of tokens.
+const ASSISTANT: &str = "You are the support assistant of Northwind Outfitters, a shop for hiking, camping and climbing gear. \
+Answer in one short sentence. Be friendly and precise. Never promise delivery dates, prices or discounts; point the \
+customer to the order page for those. If a question is about safety in the mountains, remind the customer to check \
+the weather forecast and to tell someone where they are going. Do not discuss competitors.";
+
+#[test]
+fn the_prefix_pinning_plugin_pins_its_tenants_prompt_and_only_that_tenant_hits_it() {
+    let s = Server::start("plugpin", "");
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let other = s.tenant_with_key("other").await;
+        for k in [&key, &other] {
+            assert_eq!(upload(&c, k, "pin", example("prefix_pin")).await.status, 201);
+            let r = call(
+                &c,
+                Method::PUT,
+                "/v1/plugins/pin/config",
+                k,
+                Some(ASSISTANT.as_bytes().to_vec()),
+            )
+            .await;
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        let ask = |k: String, q: &str| {
+            let body = chat(json!([{"role": "user", "content": q}]), Some("pin"), 8, false);
+            let c = c.clone();
+            async move {
+                let r = call(&c, Method::POST, "/v1/chat/completions", &k, Some(body)).await;
+                assert_eq!(r.status, 200, "{}", r.text());
+                let v = r.json().unwrap();
+                (
+                    content(&r),
+                    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+                )
+            }
+        };
+        let logs = |k: String| {
+            let c = c.clone();
+            async move {
+                let r = call(&c, Method::GET, "/v1/plugins/pin/logs", &k, None).await;
+                r.json().unwrap()["data"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|l| l.as_str().unwrap().to_string())
+                    .collect::<Vec<_>>()
+            }
+        };
+        let (_, cached) = ask(key.clone(), "Do you sell tents?").await;
+        assert_eq!(cached, 0, "nothing is cached yet");
+        let pinned_line = logs(key.clone()).await.pop().unwrap_or_default();
+        let pinned: u64 = pinned_line
+            .rsplit("pinned ")
+            .next()
+            .and_then(|r| r.strip_suffix(" tokens"))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("the plugin logs what it pinned: {pinned_line:?}"));
+        assert!(pinned >= 64 && pinned % 16 == 0, "{pinned}");
+        assert_eq!(s.metric("warden_kv_pinned_pages").await, (pinned / 16) as f64);
+        // The tenant's next request starts with the pinned prompt and skips computing it.
+        let (warm, cached) = ask(key.clone(), "Where is my order?").await;
+        assert!(cached >= pinned, "{cached} cached tokens, {pinned} pinned");
+        // Another tenant with the same plugin, config and question shares nothing (invariant 5):
+        // it computes everything itself, and gets the same answer.
+        let (cold, cached) = ask(other.clone(), "Where is my order?").await;
+        assert_eq!(cached, 0, "another tenant's prefix cache is never read");
+        assert_eq!(cold, warm, "cached KV gives the same greedy output");
+        assert_eq!(s.metric("warden_kv_pinned_pages").await, (2 * pinned / 16) as f64);
+        assert!(s.metric("warden_prefix_cache_hit_tokens_total").await >= pinned as f64);
+        // The unpin config releases the tenant's pin, and only its own.
+        let unpin = format!("#unpin\n{ASSISTANT}");
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/pin/config",
+            &key,
+            Some(unpin.into_bytes()),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        ask(key.clone(), "Do you sell ropes?").await;
+        let line = logs(key.clone()).await.pop().unwrap_or_default();
+        assert!(
+            line.ends_with(&format!("info: unpinned {} pages", pinned / 16)),
+            "{line:?}"
+        );
+        assert_eq!(s.metric("warden_kv_pinned_pages").await, (pinned / 16) as f64);
+        // Deleting a tenant drops its prefix cache, pins included.
+        let r = c
+            .request(Method::DELETE, "/admin/v1/tenants/other", Some(&s.admin), None)
+            .await
+            .expect("delete");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(s.metric("warden_kv_pinned_pages").await, 0.0);
+        assert_eq!(s.metric("warden_isolation_violations_total").await, 0.0);
+    });
+}

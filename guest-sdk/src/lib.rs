@@ -21,7 +21,10 @@
 //! network, filesystem or threads; [`kv`], [`tokenizer`] and [`log`] are the host's services.
 //!
 //! `kv::current()` gives the request's sequence during `on_token` and `postprocess` (not in
-//! `preprocess`, before admission); its pages are handles the host checks on every call.
+//! `preprocess`, before admission); its pages are handles the host checks on every call. Its
+//! `pin_prefix(tokens)` keeps the sequence's first tokens in the tenant's own prefix cache, safe
+//! from eviction, so later requests that start the same way skip computing them (see
+//! `examples/prefix_pin.rs`); `unpin_prefix()` lets them go.
 //!
 //! Each call runs under the server's fuel, time and memory limits (`[plugins]` in its config):
 //! work done once per request, such as compiling the regexes of a config, is paid on every

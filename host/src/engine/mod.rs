@@ -45,6 +45,11 @@ pub struct EngineConfig {
     pub kv_memory_bytes: usize,
     /// Tag checks; [`TagCheck::SkipForBenchmark`] only in `warden bench`.
     pub tag_check: TagCheck,
+    /// The tenant-private prefix cache: a request adopts the KV pages of an earlier request of the
+    /// same tenant that began with the same tokens. Default on.
+    pub prefix_cache: bool,
+    /// KV pages each tenant may pin in its prefix cache. Default 64.
+    pub max_pinned_pages: usize,
 }
 
 impl EngineConfig {
@@ -58,6 +63,8 @@ impl EngineConfig {
             page_size: 16,
             kv_memory_bytes: 512 << 20,
             tag_check: TagCheck::Enforce,
+            prefix_cache: true,
+            max_pinned_pages: 64,
         }
     }
 }
@@ -128,6 +135,8 @@ struct Seq {
     tokens: Vec<u32>,
     prompt_len: usize,
     computed: usize,
+    /// Prompt tokens the prefix cache served.
+    cached: usize,
     max_tokens: usize,
     ignore_eos: bool,
     sampler: Sampler,
@@ -217,6 +226,35 @@ impl Engine {
         self.pool.inspect(owner, e)
     }
 
+    /// Pins the first `tokens` tokens of request `id` (if it is open and `owner`'s) in the
+    /// owner's prefix cache, in whole computed pages; returns the tokens pinned.
+    pub fn kv_pin(&mut self, id: RequestId, owner: u64, tokens: usize) -> Result<usize, KvError> {
+        self.owned(id, owner)?;
+        self.pool.pin_prefix(id, tokens, self.cfg.max_pinned_pages)
+    }
+
+    /// Unpins the pinned prefixes within request `id`'s cached prefix (if it is open and
+    /// `owner`'s); returns the pages unpinned.
+    pub fn kv_unpin(&mut self, id: RequestId, owner: u64) -> Result<usize, KvError> {
+        self.owned(id, owner)?;
+        self.pool.unpin_prefix(id)
+    }
+
+    /// Drops everything `owner` has in the prefix cache (the tenant was deleted).
+    pub fn forget_owner(&mut self, owner: u64) {
+        self.pool.forget_owner(owner);
+    }
+
+    fn owned(&self, id: RequestId, owner: u64) -> Result<(), KvError> {
+        if !self.cfg.prefix_cache {
+            return Err(KvError::PrefixCacheOff);
+        }
+        match self.pool.table(id) {
+            Ok((o, _)) if o == owner => Ok(()),
+            _ => Err(KvError::NoSuchSequence(id)),
+        }
+    }
+
     /// The KV pool (tests and the admin API set budgets through it).
     pub fn pool_mut(&mut self) -> &mut KvPool {
         &mut self.pool
@@ -280,6 +318,7 @@ impl Engine {
             prompt_len: r.prompt.len(),
             tokens: r.prompt,
             computed: 0,
+            cached: 0,
             max_tokens: r.max_tokens,
             ignore_eos: r.ignore_eos,
             sampler: Sampler::new(r.sampling),
@@ -336,7 +375,7 @@ impl Engine {
         let usage = Usage {
             prompt_tokens: seq.prompt_len,
             completion_tokens: seq.output_len(),
-            cached_tokens: 0,
+            cached_tokens: seq.cached,
         };
         self.events.push(Event::Done {
             id: seq.id,
@@ -353,11 +392,23 @@ impl Engine {
         let mut i = 0;
         while i < self.waiting.len() && self.running.len() < self.cfg.max_running {
             let s = &self.waiting[i];
+            if self.follows_a_prefill(s) {
+                i += 1;
+                continue;
+            }
             let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
-            match self.pool.open(s.id, s.owner, pages) {
-                Ok(()) => {
+            // The last prompt token is always computed: its logits give the first output token.
+            let reusable = if self.cfg.prefix_cache {
+                &s.tokens[..s.prompt_len.saturating_sub(1)]
+            } else {
+                &[]
+            };
+            match self.pool.open(s.id, s.owner, pages, reusable) {
+                Ok(cached) => {
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     seq.opened = true;
+                    seq.computed = cached;
+                    seq.cached = cached;
                     self.running.push(seq);
                 }
                 Err(KvError::OwnerBudget { .. }) => i += 1,
@@ -369,6 +420,22 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// Whether `s` should wait for a running sequence of its owner whose prompt begins with the
+    /// same page of tokens and is still being computed (the choices of an `n` > 1 request, or a
+    /// burst of requests with one system prompt): once it is, `s` adopts those pages from the
+    /// prefix cache instead of computing them a second time. The wait is bounded by that one
+    /// prefill, and other requests are admitted past `s` meanwhile.
+    fn follows_a_prefill(&self, s: &Seq) -> bool {
+        let ps = self.cfg.page_size;
+        if !self.cfg.prefix_cache || s.prompt_len <= ps {
+            return false;
+        }
+        let first = &s.tokens[..ps];
+        self.running
+            .iter()
+            .any(|r| r.owner == s.owner && r.computed < r.prompt_len && r.tokens.get(..ps) == Some(first))
     }
 
     /// Plans a step: one token for every decoding sequence, then prefill chunks in arrival order
@@ -436,6 +503,14 @@ impl Engine {
                     Ok(logits) => {
                         s.computed += n;
                         to_sample[i] = logits;
+                        if self.cfg.prefix_cache
+                            && let Err(e) = self.pool.cache_computed(s.id, &s.tokens[..s.computed])
+                        {
+                            ends[i] = Some(match e {
+                                KvError::Isolation(v) => Outcome::Aborted(AbortReason::Isolation(v)),
+                                e => Outcome::Aborted(AbortReason::Kv(e)),
+                            });
+                        }
                     }
                 }
             }

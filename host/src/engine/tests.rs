@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use warden_kernels::attention::{IsolationViolation, TagCheck};
 
-use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, RequestId};
+use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, RequestId, Usage};
 use super::{Engine, EngineConfig, Event};
-use crate::kv::KvPool;
+use crate::kv::{KvError, KvPool};
 use crate::model::{Scratch, StepSeq};
 use crate::testutil::{IdDetok, model, oracle};
 
@@ -21,6 +21,8 @@ fn config(max_context: usize, max_batch_tokens: usize) -> EngineConfig {
         page_size: 16,
         kv_memory_bytes: 96 << 20,
         tag_check: TagCheck::Enforce,
+        prefix_cache: true,
+        max_pinned_pages: 64,
     }
 }
 
@@ -33,6 +35,7 @@ fn engine(max_batch_tokens: usize) -> Engine {
 struct Runs {
     tokens: HashMap<RequestId, Vec<u32>>,
     outcomes: HashMap<RequestId, Outcome>,
+    usage: HashMap<RequestId, Usage>,
 }
 
 impl Runs {
@@ -43,8 +46,9 @@ impl Runs {
                     assert!(!self.outcomes.contains_key(&id), "token after Done for {id}");
                     self.tokens.entry(id).or_default().push(token);
                 }
-                Event::Done { id, outcome, .. } => {
+                Event::Done { id, outcome, usage, .. } => {
                     assert!(self.outcomes.insert(id, outcome).is_none(), "two Done events for {id}");
+                    self.usage.insert(id, usage);
                 }
             }
         }
@@ -56,6 +60,26 @@ impl Runs {
             self.absorb(ev);
         }
     }
+}
+
+/// At quiescence no sequence holds a page and nothing is reserved; once `owners` are forgotten
+/// (their prefix caches dropped), every page is free.
+fn assert_quiescent(e: &mut Engine, owners: &[u64]) {
+    let c = e.kv_counters();
+    assert_eq!(
+        (c.pages_used, c.pages_awaiting_release, c.pages_reserved),
+        (0, 0, 0),
+        "{c:?}"
+    );
+    assert_eq!(c.pages_free + c.pages_cached, c.pages_total, "{c:?}");
+    for &o in owners {
+        e.forget_owner(o);
+    }
+    let c = e.kv_counters();
+    assert_eq!(
+        c.pages_free, c.pages_total,
+        "every page is free once the caches are dropped: {c:?}"
+    );
 }
 
 fn solo(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
@@ -90,7 +114,7 @@ fn first_position_logits_match_llama_cpp() {
     for p in &prompts {
         let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
         let n = p.prompt_tokens.len();
-        pool.open(1, 1, pool.pages_for(n)).expect("open");
+        pool.open(1, 1, pool.pages_for(n), &[]).expect("open");
         pool.ensure(1, n).expect("ensure");
         pool.commit_slots(1, n).expect("commit");
         let step = [StepSeq {
@@ -176,8 +200,7 @@ fn a_batch_of_sixteen_with_chunked_prefill_yields_what_each_yields_alone() {
             prompts[i].len()
         );
     }
-    let c = e.kv_counters();
-    assert_eq!(c.pages_free, c.pages_total, "every page is free at quiescence: {c:?}");
+    assert_quiescent(&mut e, &[1, 2, 3]);
 }
 
 /// Steps until request `id` has produced a token (so its prompt is in its pages).
@@ -238,16 +261,17 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
         c.tag_mismatches > mismatches_before,
         "the counters show the violation: {c:?}"
     );
-    assert_eq!(
-        c.pages_free, c.pages_total,
-        "A's close freed its own pages and not B's: {c:?}"
-    );
+    // A's close released its own pages and not B's.
+    assert_quiescent(&mut e, &[7, 8]);
 }
 
 #[test]
 fn a_freed_and_reused_page_is_a_stale_epoch() {
     let prompts = sixteen_prompts();
-    let mut e = engine(512);
+    // Without the prefix cache, so that X's pages are freed, not kept.
+    let mut cfg = config(2048, 512);
+    cfg.prefix_cache = false;
+    let mut e = Engine::new(model(), Arc::new(IdDetok), cfg).expect("engine starts");
     // X runs to completion; a copy of its page table outlives it.
     let x = e
         .submit(GenerateRequest::greedy(5, prompts[2].clone(), 2))
@@ -282,7 +306,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
     }
     let c = e.kv_counters();
     assert!(c.tag_mismatches > 0);
-    assert_eq!(c.pages_free, c.pages_total, "{c:?}");
+    assert_quiescent(&mut e, &[]);
 }
 
 /// The 2026 shape at the model's own boundary: reserve 8 pages, fill 1, attend over 8.
@@ -290,7 +314,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
 fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
     let m = model();
     let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
-    pool.open(1, 3, 8).expect("open");
+    pool.open(1, 3, 8, &[]).expect("open");
     pool.ensure(1, 8 * 16).expect("eight pages");
     let prompt: Vec<u32> = sixteen_prompts()[2][..16].to_vec();
     pool.commit_slots(1, 16).expect("commit the first page");
@@ -408,8 +432,7 @@ fn cancellation_goes_through_retirement_and_returns_pages() {
     assert!(!e.cancel(a), "a request is cancelled once");
     runs.absorb(e.step());
     assert!(matches!(runs.outcomes[&a], Outcome::Aborted(AbortReason::Cancelled)));
-    let c = e.kv_counters();
-    assert_eq!((c.pages_free, c.pages_reserved), (c.pages_total, 0), "{c:?}");
+    assert_quiescent(&mut e, &[1]);
 }
 
 #[test]
@@ -440,4 +463,93 @@ fn token_logprobs_are_log_softmax_with_the_top_alternatives_in_order() {
     assert_eq!(ids, [1, 2, 0]);
     assert!((lp.top[0].1 - (3.0 - lse)).abs() < 1e-5);
     assert!(super::TokenLogprobs::of(&logits, 1, 0).top.is_empty());
+}
+
+#[test]
+fn a_repeated_prompt_reuses_only_its_owners_cached_prefix_with_the_same_output() {
+    let prompt = sixteen_prompts()[2].clone();
+    assert!(prompt.len() > 33, "a prompt of several pages: {}", prompt.len());
+    let whole_pages = (prompt.len() - 1) / 16 * 16;
+    let alone = solo(&prompt, 10);
+    let mut e = engine(512);
+    let mut runs = Runs::default();
+    let mut run = |e: &mut Engine, owner: u64| {
+        let id = e
+            .submit(GenerateRequest::greedy(owner, prompt.clone(), 10))
+            .expect("admitted");
+        runs.drain(e);
+        (runs.tokens[&id].clone(), runs.usage[&id])
+    };
+    let (first, u1) = run(&mut e, 1);
+    let (again, u2) = run(&mut e, 1);
+    let (other, u3) = run(&mut e, 2);
+    assert_eq!(u1.cached_tokens, 0);
+    assert_eq!(
+        u2.cached_tokens, whole_pages,
+        "the owner's second request adopts every whole prompt page"
+    );
+    assert_eq!(u3.cached_tokens, 0, "another owner never hits");
+    assert_eq!(first, alone);
+    assert_eq!(again, alone, "cached KV gives the same greedy output");
+    assert_eq!(other, alone);
+    assert_eq!(e.kv_counters().prefix_hit_tokens, whole_pages as u64);
+    assert_quiescent(&mut e, &[1, 2]);
+}
+
+#[test]
+fn pins_are_the_owners_and_hold_against_pressure() {
+    let prompt = sixteen_prompts()[2].clone();
+    let mut e = engine(512);
+    let id = e
+        .submit(GenerateRequest::greedy(4, prompt.clone(), 4))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    step_until_decoding(&mut e, &mut runs, &[id]);
+    assert!(
+        matches!(e.kv_pin(id, 9, 32), Err(KvError::NoSuchSequence(_))),
+        "another owner cannot pin this request's prefix"
+    );
+    assert_eq!(e.kv_pin(id, 4, 33).expect("pinned"), 32);
+    runs.drain(&mut e);
+    assert_eq!(e.kv_counters().pages_pinned, 2);
+    // Evict everything evictable: the pinned pages stay.
+    let total = e.kv_counters().pages_total;
+    let pool = e.pool_mut();
+    pool.open(999, 5, total - 2, &[]).expect("all but the pinned pages");
+    pool.ensure(999, (total - 2) * 16).expect("allocated");
+    pool.close(999).expect("closed");
+    let again = e
+        .submit(GenerateRequest::greedy(4, prompt.clone(), 4))
+        .expect("admitted");
+    runs.drain(&mut e);
+    assert_eq!(runs.usage[&again].cached_tokens, 32);
+    assert_eq!(runs.tokens[&again], runs.tokens[&id]);
+    assert_quiescent(&mut e, &[4]);
+}
+
+#[test]
+fn the_choices_of_one_prompt_compute_it_once() {
+    let prompt = sixteen_prompts()[2].clone();
+    let whole_pages = (prompt.len() - 1) / 16 * 16;
+    let alone = solo(&prompt, 6);
+    // A 32-token step budget: the first choice's prefill takes several steps.
+    let mut e = engine(32);
+    let ids: Vec<RequestId> = (0..4)
+        .map(|_| {
+            e.submit(GenerateRequest::greedy(3, prompt.clone(), 6))
+                .expect("admitted")
+        })
+        .collect();
+    let mut runs = Runs::default();
+    runs.drain(&mut e);
+    let cached: Vec<usize> = ids.iter().map(|id| runs.usage[id].cached_tokens).collect();
+    assert_eq!(
+        cached,
+        [0, whole_pages, whole_pages, whole_pages],
+        "the others adopt the first's pages"
+    );
+    for id in &ids {
+        assert_eq!(runs.tokens[id], alone);
+    }
+    assert_quiescent(&mut e, &[3]);
 }

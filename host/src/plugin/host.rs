@@ -45,6 +45,10 @@ pub trait KvAccess: Send + Sync + 'static {
     fn pages(&self) -> BoxFuture<Option<Vec<PageEntry>>>;
     /// What the request's tenant may learn of `entry`, after the tag check.
     fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>>;
+    /// Pins the request's first `tokens` tokens in its tenant's prefix cache; the tokens pinned.
+    fn pin(&self, tokens: usize) -> BoxFuture<Result<usize, String>>;
+    /// Unpins the pinned prefixes within the request's cached prefix; the pages unpinned.
+    fn unpin(&self) -> BoxFuture<Result<usize, String>>;
 }
 
 /// Caps memory growth, remembering that it did so the failure can be named.
@@ -236,14 +240,22 @@ impl kv::HostSequence for PluginHost {
         Ok(out)
     }
 
-    fn pin_prefix(&mut self, seq: Resource<Sequence>, _tokens: u32) -> Result<(), String> {
+    async fn pin_prefix(&mut self, seq: Resource<Sequence>, tokens: u32) -> Result<u32, String> {
         self.table.get(&seq).map_err(|_| no_such_handle())?;
-        Err("this server has no prefix cache, so there is nothing to pin into".into())
+        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
+        let pinned = tokio::time::timeout(self.budget(), kv.pin(tokens as usize))
+            .await
+            .map_err(|_| timed_out())??;
+        Ok(u32::try_from(pinned).unwrap_or(u32::MAX))
     }
 
-    fn unpin_prefix(&mut self, seq: Resource<Sequence>) -> Result<(), String> {
+    async fn unpin_prefix(&mut self, seq: Resource<Sequence>) -> Result<u32, String> {
         self.table.get(&seq).map_err(|_| no_such_handle())?;
-        Err("this server has no prefix cache, so there is nothing to unpin".into())
+        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
+        let pages = tokio::time::timeout(self.budget(), kv.unpin())
+            .await
+            .map_err(|_| timed_out())??;
+        Ok(u32::try_from(pages).unwrap_or(u32::MAX))
     }
 
     fn drop(&mut self, seq: Resource<Sequence>) -> wasmtime::Result<()> {

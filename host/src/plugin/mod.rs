@@ -40,7 +40,12 @@ mod bindings {
         // holds a runtime thread for longer than one tick. Host imports stay synchronous.
         exports: { default: async },
         // KV questions go to the engine thread and wait for its answer.
-        imports: { "warden:plugin/kv.[method]sequence.pages": async, "warden:plugin/kv.[method]kv-page.info": async },
+        imports: {
+            "warden:plugin/kv.[method]sequence.pages": async,
+            "warden:plugin/kv.[method]sequence.pin-prefix": async,
+            "warden:plugin/kv.[method]sequence.unpin-prefix": async,
+            "warden:plugin/kv.[method]kv-page.info": async,
+        },
         with: {
             "warden:plugin/kv.kv-page": super::host::KvPage,
             "warden:plugin/kv.sequence": super::host::Sequence,

@@ -65,6 +65,11 @@ pub struct KvConfig {
     pub memory_mib: usize,
     /// Token slots per page. Default 16.
     pub page_size: usize,
+    /// The tenant-private prefix cache: a request reuses the KV of an earlier request of the same
+    /// tenant that began with the same tokens, whole pages at a time. Default true.
+    pub prefix_cache: bool,
+    /// KV pages each tenant's plugins may pin in its prefix cache. Default 64.
+    pub max_pinned_pages_per_tenant: usize,
 }
 
 impl Default for KvConfig {
@@ -72,6 +77,8 @@ impl Default for KvConfig {
         Self {
             memory_mib: 512,
             page_size: 16,
+            prefix_cache: true,
+            max_pinned_pages_per_tenant: 64,
         }
     }
 }

@@ -688,7 +688,10 @@ async fn admin_api(
         }
         (["tenants"], _) => Err(not_allowed()),
         (["tenants", name], &Method::DELETE) => {
-            state.store.delete_tenant(name).map_err(store_error)?;
+            let id = state.store.delete_tenant(name).map_err(store_error)?;
+            // Its prefix cache goes too (its ids are never reused, so this frees memory; it is
+            // not what keeps tenants apart).
+            state.engine.forget_tenant(id).await;
             ok(json!({"deleted": name}))
         }
         (["tenants", _], _) => Err(not_allowed()),

@@ -183,15 +183,34 @@ impl Metrics {
                 "# HELP warden_isolation_violations_total KV reads or writes refused by a tag check.\n# TYPE warden_isolation_violations_total counter\nwarden_isolation_violations_total {}",
                 m.kv.tag_mismatches
             );
-            let _ = writeln!(o, "# HELP warden_kv_pages KV pages by state.\n# TYPE warden_kv_pages gauge");
+            let _ = writeln!(
+                o,
+                "# HELP warden_kv_pages KV pages by state (used, free, cached and awaiting_release add up to the total; reserved pages are free pages promised to running sequences).\n# TYPE warden_kv_pages gauge"
+            );
             for (state, n) in [
                 ("used", m.kv.pages_used),
                 ("free", m.kv.pages_free),
+                ("cached", m.kv.pages_cached),
                 ("awaiting_release", m.kv.pages_awaiting_release),
                 ("reserved", m.kv.pages_reserved),
             ] {
                 let _ = writeln!(o, "warden_kv_pages{{state=\"{state}\"}} {n}");
             }
+            let _ = writeln!(
+                o,
+                "# HELP warden_kv_pinned_pages KV pages in tenants' pinned prefixes.\n# TYPE warden_kv_pinned_pages gauge\nwarden_kv_pinned_pages {}",
+                m.kv.pages_pinned
+            );
+            let _ = writeln!(
+                o,
+                "# HELP warden_prefix_cache_hit_tokens_total Prompt tokens served from tenants' prefix caches.\n# TYPE warden_prefix_cache_hit_tokens_total counter\nwarden_prefix_cache_hit_tokens_total {}",
+                m.kv.prefix_hit_tokens
+            );
+            let _ = writeln!(
+                o,
+                "# HELP warden_prefix_cache_evictions_total Cached KV pages evicted to make room.\n# TYPE warden_prefix_cache_evictions_total counter\nwarden_prefix_cache_evictions_total {}",
+                m.kv.prefix_evictions
+            );
             let _ = writeln!(
                 o,
                 "# HELP warden_kv_pages_total KV pages in the pool.\n# TYPE warden_kv_pages_total gauge\nwarden_kv_pages_total {}",

@@ -118,6 +118,8 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     ec.max_waiting = cfg.limits.queue;
     ec.page_size = cfg.kv.page_size;
     ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
+    ec.prefix_cache = cfg.kv.prefix_cache;
+    ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
     let engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
         .context("starting the engine (see [kv] and [limits] in the config)")?;
     let admission = engine.limits();

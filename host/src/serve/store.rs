@@ -202,8 +202,8 @@ impl Store {
             .collect()
     }
 
-    /// Deletes tenant `name`, every key of it and its plugins.
-    pub fn delete_tenant(&self, name: &str) -> Result<(), StoreError> {
+    /// Deletes tenant `name`, every key of it and its plugins; returns its id.
+    pub fn delete_tenant(&self, name: &str) -> Result<u64, StoreError> {
         let t = self.tenant(name)?.ok_or_else(|| StoreError::NoTenant(name.into()))?;
         self.tenants.remove(name)?;
         for k in self.keys(Some(name))? {
@@ -211,7 +211,7 @@ impl Store {
         }
         self.plugins.forget_tenant(t.id)?;
         self.db.flush()?;
-        Ok(())
+        Ok(t.id)
     }
 
     /// Creates an API key for `tenant`; returns its record and the key, which is never stored

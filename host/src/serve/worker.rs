@@ -113,10 +113,32 @@ pub enum KvQuery {
         /// Where the answer goes.
         reply: oneshot::Sender<Result<PageInfo, String>>,
     },
+    /// Pin request `id`'s first `tokens` tokens in `owner`'s prefix cache.
+    Pin {
+        /// The request.
+        id: RequestId,
+        /// The asking tenant.
+        owner: u64,
+        /// Tokens to pin.
+        tokens: usize,
+        /// The tokens pinned.
+        reply: oneshot::Sender<Result<usize, String>>,
+    },
+    /// Unpin the pinned prefixes within request `id`'s cached prefix.
+    Unpin {
+        /// The request.
+        id: RequestId,
+        /// The asking tenant.
+        owner: u64,
+        /// The pages unpinned.
+        reply: oneshot::Sender<Result<usize, String>>,
+    },
 }
 
 enum Cmd {
     Job(Job, Instant),
+    /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
+    Forget(u64, oneshot::Sender<()>),
     Shutdown(Instant, oneshot::Sender<()>),
 }
 
@@ -195,6 +217,27 @@ impl EngineHandle {
         self.kv.try_send(q).is_ok()
     }
 
+    /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
+    pub async fn forget_tenant(&self, owner: u64) {
+        let (done, rx) = oneshot::channel();
+        self.send_waiting(Cmd::Forget(owner, done)).await;
+        let _ = rx.await;
+    }
+
+    /// Offers a command until the queue takes it or the thread is gone.
+    async fn send_waiting(&self, mut cmd: Cmd) {
+        loop {
+            match self.tx.try_send(cmd) {
+                Ok(()) => return,
+                Err(TrySendError::Full(c)) => {
+                    cmd = c;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err(TrySendError::Disconnected(_)) => return,
+            }
+        }
+    }
+
     /// Whether the engine thread is running.
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
@@ -205,17 +248,7 @@ impl EngineHandle {
     pub async fn shutdown(&self, deadline: Instant) {
         let (done_tx, done_rx) = oneshot::channel();
         // The queue may be full: keep offering the command until it fits or the thread is gone.
-        let mut cmd = Cmd::Shutdown(deadline, done_tx);
-        loop {
-            match self.tx.try_send(cmd) {
-                Ok(()) => break,
-                Err(TrySendError::Full(c)) => {
-                    cmd = c;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err(TrySendError::Disconnected(_)) => return,
-            }
-        }
+        self.send_waiting(Cmd::Shutdown(deadline, done_tx)).await;
         let _ = done_rx.await;
     }
 }
@@ -231,6 +264,27 @@ impl EngineKv {
     /// Access for the request of tenant `owner` whose job is `slot`.
     pub fn new(engine: EngineHandle, owner: u64, slot: Arc<SeqSlot>) -> Self {
         Self { engine, owner, slot }
+    }
+}
+
+impl EngineKv {
+    /// Asks the engine about this request's own sequence; `ask` builds the question from the
+    /// request's id and a reply channel. An ended or not yet admitted request is answered here.
+    fn ask_own<T: Send + 'static>(
+        &self,
+        ask: impl FnOnce(RequestId, oneshot::Sender<Result<T, String>>) -> KvQuery,
+    ) -> BoxFuture<Result<T, String>> {
+        if self.slot.ended.load(Ordering::SeqCst) {
+            return Box::pin(async { Err("the request has ended; its pages are gone".to_string()) });
+        }
+        let Some(&id) = self.slot.id.get() else {
+            return Box::pin(async { Err("the request has no sequence yet".to_string()) });
+        };
+        let (reply, rx) = oneshot::channel();
+        if !self.engine.ask(ask(id, reply)) {
+            return Box::pin(async { Err("the engine's queue is full; retry".to_string()) });
+        }
+        Box::pin(async move { rx.await.unwrap_or_else(|_| Err("the engine stopped".into())) })
     }
 }
 
@@ -255,21 +309,23 @@ impl KvAccess for EngineKv {
     }
 
     fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>> {
-        if self.slot.ended.load(Ordering::SeqCst) {
-            return Box::pin(async { Err("the request has ended; its pages are gone".to_string()) });
-        }
-        let (reply, rx) = oneshot::channel();
-        let asked = self.engine.ask(KvQuery::Info {
-            owner: self.owner,
-            entry,
+        let owner = self.owner;
+        self.ask_own(|_, reply| KvQuery::Info { owner, entry, reply })
+    }
+
+    fn pin(&self, tokens: usize) -> BoxFuture<Result<usize, String>> {
+        let owner = self.owner;
+        self.ask_own(|id, reply| KvQuery::Pin {
+            id,
+            owner,
+            tokens,
             reply,
-        });
-        Box::pin(async move {
-            if !asked {
-                return Err("the engine's queue is full; retry".into());
-            }
-            rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
         })
+    }
+
+    fn unpin(&self) -> BoxFuture<Result<usize, String>> {
+        let owner = self.owner;
+        self.ask_own(|id, reply| KvQuery::Unpin { id, owner, reply })
     }
 }
 
@@ -336,6 +392,11 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         }
                     }
                 }
+                Cmd::Forget(owner, done) => {
+                    engine.forget_owner(owner);
+                    publish(&engine);
+                    let _ = done.send(());
+                }
                 Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
             }
         }
@@ -347,6 +408,17 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                 }
                 KvQuery::Info { owner, entry, reply } => {
                     let _ = reply.send(engine.kv_inspect(owner, entry).map_err(|e| e.to_string()));
+                }
+                KvQuery::Pin {
+                    id,
+                    owner,
+                    tokens,
+                    reply,
+                } => {
+                    let _ = reply.send(engine.kv_pin(id, owner, tokens).map_err(|e| e.to_string()));
+                }
+                KvQuery::Unpin { id, owner, reply } => {
+                    let _ = reply.send(engine.kv_unpin(id, owner).map_err(|e| e.to_string()));
                 }
             }
         }

@@ -9,7 +9,17 @@
 //!   step, transfer or guest still holds ([`KvPool::retain`]) waits in "awaiting release" and
 //!   returns to the free list only when the last holder lets go (invariant 3). On free its epoch is
 //!   bumped and its tag cleared, so any stale entry fails the tag check (invariant 2).
-//! * Counters record free, used and awaiting pages, allocations, and tag mismatches.
+//! * The tenant-private prefix cache ([`prefix`]): a sequence's fully computed pages are offered
+//!   to its owner's cache ([`KvPool::cache_computed`]), which holds a reference on each; a later
+//!   sequence of the same owner whose prompt starts with the same tokens adopts those pages at
+//!   [`KvPool::open`] instead of computing them again. Shared pages are full, so nobody writes
+//!   them again; their tag keeps the owner, so only that owner's sequences can read them. Pages
+//!   only the cache holds are evictable (least recently idle first) and count as available;
+//!   pinned prefixes ([`KvPool::pin_prefix`]) are not, within a per-owner cap.
+//! * Counters record free, used, cached, pinned and awaiting pages, allocations, cache hits and
+//!   evictions, and tag mismatches.
+
+mod prefix;
 
 use std::collections::HashMap;
 
@@ -75,6 +85,31 @@ pub enum KvError {
         /// Pages reserved.
         reserved: usize,
     },
+    /// Pinning would take the owner past its cap of pinned pages.
+    #[error("pinning {wanted} more pages would exceed the tenant's limit of {limit} pinned KV pages ({pinned} pinned)")]
+    PinLimit {
+        /// Pages the pin would add.
+        wanted: usize,
+        /// Pages the owner has pinned.
+        pinned: usize,
+        /// The cap.
+        limit: usize,
+    },
+    /// Nothing of the asked prefix is a whole, computed page in the cache.
+    #[error(
+        "nothing to pin: the first {tokens} tokens hold no whole computed page ({page_size} tokens a page, {cached} tokens of this sequence cached)"
+    )]
+    NothingToPin {
+        /// Tokens asked for.
+        tokens: usize,
+        /// Slots per page.
+        page_size: usize,
+        /// Tokens of the sequence in the cache.
+        cached: usize,
+    },
+    /// Pinning needs the prefix cache, which this server runs without.
+    #[error("the prefix cache is off on this server (kv.prefix_cache = false), so nothing can be pinned")]
+    PrefixCacheOff,
     /// A tag check failed.
     #[error(transparent)]
     Isolation(#[from] IsolationViolation),
@@ -133,8 +168,16 @@ pub struct KvCounters {
     pub pages_free: usize,
     /// Pages owned by an open sequence.
     pub pages_used: usize,
-    /// Pages released by their sequence but still held by someone.
+    /// Pages released by their sequence but still held by someone (not the prefix cache).
     pub pages_awaiting_release: usize,
+    /// Pages only the prefix cache holds (pinned or evictable).
+    pub pages_cached: usize,
+    /// Pages in pinned prefixes (whether or not a sequence also uses them).
+    pub pages_pinned: usize,
+    /// Prompt tokens served from the prefix cache since start.
+    pub prefix_hit_tokens: u64,
+    /// Cached pages evicted to make room since start.
+    pub prefix_evictions: u64,
     /// Pages reserved for open sequences and not yet allocated.
     pub pages_reserved: usize,
     /// Page allocations since start.
@@ -145,18 +188,14 @@ pub struct KvCounters {
     pub tag_mismatches: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum PageState {
-    Free,
-    Owned,
-    AwaitingRelease,
-}
-
 #[derive(Debug)]
 struct SeqKv {
     owner: u64,
     pages: Vec<PageEntry>,
     reserved: usize,
+    /// The cache nodes of this sequence's leading pages, as far as its computed tokens are
+    /// cached (its own pages, or equal ones cached before).
+    chain: Vec<prefix::NodeId>,
 }
 
 /// The pool.
@@ -167,10 +206,15 @@ pub struct KvPool {
     k: Vec<f16>,
     v: Vec<f16>,
     tags: Vec<PageTag>,
+    /// Holders of each page: open sequences, the prefix cache, and retains.
     refs: Vec<u32>,
-    state: Vec<PageState>,
+    /// Open sequences whose table holds each page.
+    seq_refs: Vec<u32>,
+    /// The cache node holding each page, if any.
+    cached: Vec<Option<prefix::NodeId>>,
     free: Vec<u32>,
     seqs: HashMap<SeqId, SeqKv>,
+    prefix: prefix::PrefixIndex,
     /// Pages reserved or used per owner.
     owner_pages: HashMap<u64, usize>,
     budgets: HashMap<u64, usize>,
@@ -217,10 +261,12 @@ impl KvPool {
             v: vec![f16::ZERO; elems],
             tags: vec![PageTag::default(); n_pages],
             refs: vec![0; n_pages],
-            state: vec![PageState::Free; n_pages],
+            seq_refs: vec![0; n_pages],
+            cached: vec![None; n_pages],
             // Pop from the end: page 0 first.
             free: (0..n_pages as u32).rev().collect(),
             seqs: HashMap::new(),
+            prefix: prefix::PrefixIndex::default(),
             owner_pages: HashMap::new(),
             budgets: HashMap::new(),
             reserved_total: 0,
@@ -269,18 +315,41 @@ impl KvPool {
         self.budgets.get(&owner).copied()
     }
 
-    /// Free pages not promised to any open sequence.
+    /// Free or evictable pages not promised to any open sequence.
     pub fn available_pages(&self) -> usize {
-        self.free.len() - self.reserved_total.min(self.free.len())
+        let have = self.free.len() + self.prefix.idle_count();
+        have - self.reserved_total.min(have)
     }
 
-    /// Opens a sequence for `owner` and reserves `pages` pages for it, or refuses without changing
-    /// anything.
-    pub fn open(&mut self, seq: SeqId, owner: u64, pages: usize) -> Result<(), KvError> {
+    /// Opens a sequence for `owner` with `pages` pages in all, or refuses without changing
+    /// anything. Its leading pages come from the owner's prefix cache as far as whole pages of
+    /// `reusable` (the prompt tokens it may take from the cache; pass none to compute all) match;
+    /// the rest are reserved. Returns how many tokens the cache served.
+    pub fn open(&mut self, seq: SeqId, owner: u64, pages: usize, reusable: &[u32]) -> Result<usize, KvError> {
         assert_ne!(owner, 0, "owner 0 marks free pages");
         if self.seqs.contains_key(&seq) {
             return Err(KvError::AlreadyOpen(seq));
         }
+        let ps = self.shape.page_size;
+        let mut chain = Vec::new();
+        for tokens in reusable.chunks_exact(ps).take(pages) {
+            let parent = chain.last().copied().unwrap_or(prefix::ROOT);
+            let Some(id) = self.prefix.find(owner, parent, tokens) else {
+                break;
+            };
+            // The cache holds only full pages of this owner; check the tag all the same, and
+            // treat anything else as a miss (invariant 2).
+            let e = self.prefix.entry(id).expect("a found node exists");
+            let tag = self.tags[e.page as usize];
+            if tag.check_holder(owner, e).is_err() || tag.written as usize != ps {
+                self.counters.tag_mismatches += 1;
+                break;
+            }
+            chain.push(id);
+        }
+        // Adopting an idle page takes it out of what is available.
+        let adopted_idle = chain.iter().filter(|&&id| self.prefix.is_idle(id)).count();
+        let reserve = pages - chain.len();
         let in_use = self.owner_pages.get(&owner).copied().unwrap_or(0);
         if let Some(&budget) = self.budgets.get(&owner)
             && in_use + pages > budget
@@ -292,23 +361,172 @@ impl KvPool {
                 budget,
             });
         }
-        if pages > self.available_pages() {
+        if reserve + adopted_idle > self.available_pages() {
             return Err(KvError::PoolExhausted {
-                wanted: pages,
+                wanted: reserve + adopted_idle,
                 available: self.available_pages(),
             });
         }
-        self.reserved_total += pages;
+        let mut table = Vec::with_capacity(pages);
+        for &id in &chain {
+            let e = self.prefix.entry(id).expect("a found node exists");
+            self.refs[e.page as usize] += 1;
+            self.seq_refs[e.page as usize] += 1;
+            self.settle(e.page);
+            table.push(e);
+        }
+        self.reserved_total += reserve;
         *self.owner_pages.entry(owner).or_insert(0) += pages;
+        let hit = chain.len() * ps;
+        self.counters.prefix_hit_tokens += hit as u64;
         self.seqs.insert(
             seq,
             SeqKv {
                 owner,
-                pages: Vec::new(),
-                reserved: pages,
+                pages: table,
+                reserved: reserve,
+                chain,
             },
         );
+        Ok(hit)
+    }
+
+    /// Puts page `page` into the eviction order if only the cache holds it and nothing pinned
+    /// depends on it, and takes it out otherwise.
+    fn settle(&mut self, page: u32) {
+        let i = page as usize;
+        if let Some(id) = self.cached[i] {
+            let idle = self.refs[i] == 1 && !self.prefix.is_pinned(id);
+            self.prefix.set_idle(id, idle);
+        }
+    }
+
+    /// A page off the free list, evicting the longest-idle cached prefix if the list is empty.
+    fn take_free_page(&mut self) -> Option<u32> {
+        if self.free.is_empty()
+            && let Some(id) = self.prefix.oldest_idle()
+        {
+            self.counters.prefix_evictions += self.uncache(id);
+        }
+        self.free.pop()
+    }
+
+    /// Removes cache node `id` and its subtree, dropping the cache's reference on their pages;
+    /// returns how many pages it dropped.
+    fn uncache(&mut self, id: prefix::NodeId) -> u64 {
+        let mut dropped = 0;
+        for e in self.prefix.remove_subtree(id) {
+            let i = e.page as usize;
+            if self.cached[i].is_some() && self.tags[i].epoch == e.epoch {
+                self.cached[i] = None;
+                dropped += 1;
+                self.unref(e.page);
+            }
+        }
+        dropped
+    }
+
+    /// The cache's nodes for the sequence's leading pages, trimmed to those still cached.
+    fn live_chain(&mut self, seq: SeqId) -> Result<&mut SeqKv, KvError> {
+        let s = self.seqs.get_mut(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        // Evicting a node removes its subtree, so the first missing node ends what is valid.
+        let valid = s.chain.iter().take_while(|&&id| self.prefix.contains(id)).count();
+        s.chain.truncate(valid);
+        Ok(s)
+    }
+
+    /// Offers the sequence's whole computed pages to its owner's prefix cache: `computed` are the
+    /// tokens (from position 0) whose K and V the sequence has written. A page whose tokens are
+    /// cached already is not cached twice.
+    pub fn cache_computed(&mut self, seq: SeqId, computed: &[u32]) -> Result<(), KvError> {
+        let ps = self.shape.page_size;
+        let s = self.live_chain(seq)?;
+        let (owner, full) = (s.owner, (computed.len() / ps).min(s.pages.len()));
+        let mut chain = std::mem::take(&mut s.chain);
+        let pages = s.pages[chain.len()..full].to_vec();
+        for (j, e) in (chain.len()..full).zip(pages) {
+            let tokens = &computed[j * ps..(j + 1) * ps];
+            let parent = chain.last().copied().unwrap_or(prefix::ROOT);
+            let id = match self.prefix.find(owner, parent, tokens) {
+                Some(id) => id,
+                None => {
+                    let i = e.page as usize;
+                    let tag = self.tags[i];
+                    if let Err(v) = tag.check_holder(owner, e) {
+                        self.counters.tag_mismatches += 1;
+                        self.seqs.get_mut(&seq).expect("open").chain = chain;
+                        return Err(v.into());
+                    }
+                    if tag.written as usize != ps || self.cached[i].is_some() {
+                        break;
+                    }
+                    let id = self.prefix.insert(owner, parent, tokens, e);
+                    self.cached[i] = Some(id);
+                    self.refs[i] += 1;
+                    id
+                }
+            };
+            chain.push(id);
+        }
+        self.seqs.get_mut(&seq).expect("open").chain = chain;
         Ok(())
+    }
+
+    /// Pins the first `tokens` tokens of the sequence's prefix in its owner's cache, in whole
+    /// pages as far as they are cached, so eviction cannot take them: a later request of the
+    /// owner that starts with them skips their prefill. An owner may pin at most `limit` pages.
+    /// Returns the tokens pinned (a multiple of the page size).
+    pub fn pin_prefix(&mut self, seq: SeqId, tokens: usize, limit: usize) -> Result<usize, KvError> {
+        let ps = self.shape.page_size;
+        let s = self.live_chain(seq)?;
+        let owner = s.owner;
+        let path: Vec<prefix::NodeId> = s.chain.iter().take(tokens / ps).copied().collect();
+        if path.is_empty() {
+            return Err(KvError::NothingToPin {
+                tokens,
+                page_size: ps,
+                cached: s.chain.len() * ps,
+            });
+        }
+        let wanted = self.prefix.unpinned_on(&path);
+        let pinned = self.prefix.pinned_pages(owner);
+        if pinned + wanted > limit {
+            return Err(KvError::PinLimit { wanted, pinned, limit });
+        }
+        // Pinning an idle page takes it out of what is available.
+        let idle = path.iter().filter(|&&id| self.prefix.is_idle(id)).count();
+        if idle > self.available_pages() {
+            return Err(KvError::PoolExhausted {
+                wanted: idle,
+                available: self.available_pages(),
+            });
+        }
+        for id in self.prefix.pin(owner, &path) {
+            let e = self.prefix.entry(id).expect("a pinned node exists");
+            self.settle(e.page);
+        }
+        Ok(path.len() * ps)
+    }
+
+    /// Unpins every pinned prefix that ends within the sequence's cached prefix; its pages become
+    /// evictable once nothing else holds or pins them. Returns how many pages that unpinned.
+    pub fn unpin_prefix(&mut self, seq: SeqId) -> Result<usize, KvError> {
+        let s = self.live_chain(seq)?;
+        let (owner, path) = (s.owner, s.chain.clone());
+        let freed = self.prefix.unpin(owner, &path);
+        for &id in &freed {
+            let e = self.prefix.entry(id).expect("an unpinned node exists");
+            self.settle(e.page);
+        }
+        Ok(freed.len())
+    }
+
+    /// Drops everything `owner` has in the prefix cache, pinned or not (e.g. when the tenant is
+    /// deleted). Pages its open sequences use stay with them.
+    pub fn forget_owner(&mut self, owner: u64) {
+        for id in self.prefix.roots_of(owner) {
+            self.uncache(id);
+        }
     }
 
     /// Allocates pages from the sequence's reservation until it covers `positions` tokens.
@@ -322,18 +540,21 @@ impl KvPool {
                 reserved: s.pages.len() + s.reserved,
             });
         }
-        while s.pages.len() < need {
-            // Reserved pages are always on the free list: `open` checks `available_pages`.
-            let page = self.free.pop().expect("a reserved page is free");
+        let (owner, have) = (s.owner, s.pages.len());
+        for _ in have..need {
+            // Reserved pages are free or evictable: `open` checks `available_pages`, and every
+            // change that takes pages out of that set checks it too.
+            let page = self.take_free_page().expect("a reserved page is free or evictable");
             let i = page as usize;
-            debug_assert_eq!(self.state[i], PageState::Free);
-            self.state[i] = PageState::Owned;
+            debug_assert_eq!(self.refs[i], 0);
             self.refs[i] = 1;
+            self.seq_refs[i] = 1;
             self.tags[i] = PageTag {
-                owner: s.owner,
+                owner,
                 epoch: self.tags[i].epoch,
                 written: 0,
             };
+            let s = self.seqs.get_mut(&seq).expect("open");
             s.pages.push(PageEntry {
                 page,
                 epoch: self.tags[i].epoch,
@@ -454,12 +675,20 @@ impl KvPool {
     }
 
     /// Takes an extra reference on a page (for a step, transfer or guest that must outlive the
-    /// sequence's own hold). Fails if the entry is stale.
+    /// sequence's own hold). Fails if the entry is stale, or if it would take an evictable page
+    /// out of a pool that has no page to spare.
     pub fn retain(&mut self, e: PageEntry) -> Result<(), KvError> {
         let i = e.page as usize;
         match self.tags.get(i) {
-            Some(t) if t.epoch == e.epoch && self.state[i] != PageState::Free => {
+            Some(t) if t.epoch == e.epoch && self.refs[i] > 0 => {
+                if self.cached[i].is_some_and(|id| self.prefix.is_idle(id)) && self.available_pages() == 0 {
+                    return Err(KvError::PoolExhausted {
+                        wanted: 1,
+                        available: 0,
+                    });
+                }
                 self.refs[i] += 1;
+                self.settle(e.page);
                 Ok(())
             }
             Some(t) => {
@@ -483,8 +712,9 @@ impl KvPool {
     pub fn release(&mut self, e: PageEntry) -> Result<(), KvError> {
         let i = e.page as usize;
         match self.tags.get(i) {
-            Some(t) if t.epoch == e.epoch && self.refs[i] > 0 => {
+            Some(t) if t.epoch == e.epoch && self.refs[i] > self.seq_refs[i] + u32::from(self.cached[i].is_some()) => {
                 self.unref(e.page);
+                self.settle(e.page);
                 Ok(())
             }
             Some(t) => Err(IsolationViolation::StaleEpoch {
@@ -512,7 +742,6 @@ impl KvPool {
                 epoch: t.epoch.wrapping_add(1),
                 written: 0,
             };
-            self.state[i] = PageState::Free;
             self.free.push(page);
             self.counters.frees += 1;
         }
@@ -529,9 +758,10 @@ impl KvPool {
             // Release only what the tags say this sequence holds: an entry that names another
             // owner's page or a stale epoch (a corrupted table) must not free someone else's page.
             match self.tags.get(i) {
-                Some(t) if t.owner == s.owner && t.epoch == e.epoch && self.refs[i] > 0 => {
-                    self.state[i] = PageState::AwaitingRelease;
+                Some(t) if t.owner == s.owner && t.epoch == e.epoch && self.seq_refs[i] > 0 => {
+                    self.seq_refs[i] -= 1;
                     self.unref(e.page);
+                    self.settle(e.page);
                     held += 1;
                 }
                 _ => self.counters.tag_mismatches += 1,
@@ -557,8 +787,14 @@ impl KvPool {
     pub fn counters(&self) -> KvCounters {
         let mut c = self.counters;
         c.pages_free = self.free.len();
-        c.pages_used = self.state.iter().filter(|s| **s == PageState::Owned).count();
-        c.pages_awaiting_release = self.state.iter().filter(|s| **s == PageState::AwaitingRelease).count();
+        c.pages_used = self.seq_refs.iter().filter(|&&n| n > 0).count();
+        c.pages_cached = (0..self.n_pages)
+            .filter(|&i| self.seq_refs[i] == 0 && self.cached[i].is_some())
+            .count();
+        c.pages_awaiting_release = (0..self.n_pages)
+            .filter(|&i| self.refs[i] > 0 && self.seq_refs[i] == 0 && self.cached[i].is_none())
+            .count();
+        c.pages_pinned = self.prefix.pinned_total();
         c.pages_reserved = self.reserved_total;
         c
     }
@@ -591,7 +827,7 @@ mod tests {
     #[test]
     fn free_bumps_epoch_and_clears_tag() {
         let mut p = pool(2);
-        p.open(1, 5, 1).unwrap();
+        p.open(1, 5, 1, &[]).unwrap();
         p.ensure(1, 3).unwrap();
         let e = p.table(1).unwrap().1[0];
         p.commit_slots(1, 3).unwrap();
@@ -621,7 +857,7 @@ mod tests {
     #[test]
     fn release_is_deferred_while_held() {
         let mut p = pool(2);
-        p.open(1, 5, 2).unwrap();
+        p.open(1, 5, 2, &[]).unwrap();
         p.ensure(1, 5).unwrap();
         let held = p.table(1).unwrap().1[1];
         p.retain(held).unwrap(); // e.g. a transfer in flight
@@ -637,11 +873,11 @@ mod tests {
     fn budgets_and_exhaustion_refuse_without_side_effects() {
         let mut p = pool(4);
         p.set_owner_budget(7, 2);
-        assert!(matches!(p.open(1, 7, 3), Err(KvError::OwnerBudget { .. })));
-        p.open(1, 7, 2).unwrap();
-        assert!(matches!(p.open(2, 7, 1), Err(KvError::OwnerBudget { .. })));
-        p.open(3, 8, 2).unwrap();
-        assert!(matches!(p.open(4, 9, 1), Err(KvError::PoolExhausted { .. })));
+        assert!(matches!(p.open(1, 7, 3, &[]), Err(KvError::OwnerBudget { .. })));
+        p.open(1, 7, 2, &[]).unwrap();
+        assert!(matches!(p.open(2, 7, 1, &[]), Err(KvError::OwnerBudget { .. })));
+        p.open(3, 8, 2, &[]).unwrap();
+        assert!(matches!(p.open(4, 9, 1, &[]), Err(KvError::PoolExhausted { .. })));
         assert_eq!(p.counters().allocations, 0);
         assert!(matches!(p.ensure(1, 9), Err(KvError::ReservationExceeded { .. })));
     }
@@ -649,8 +885,8 @@ mod tests {
     #[test]
     fn writes_to_foreign_pages_are_refused() {
         let mut p = pool(2);
-        p.open(1, 5, 1).unwrap();
-        p.open(2, 6, 1).unwrap();
+        p.open(1, 5, 1, &[]).unwrap();
+        p.open(2, 6, 1, &[]).unwrap();
         p.ensure(1, 1).unwrap();
         p.ensure(2, 1).unwrap();
         let theirs = p.table(2).unwrap().1.to_vec();
@@ -658,35 +894,190 @@ mod tests {
         assert!(matches!(e, KvError::Isolation(IsolationViolation::ForeignOwner { .. })));
     }
 
+    /// Opens `seq` for `owner`, writes `tokens.len()` positions and offers them to the cache.
+    fn computed(p: &mut KvPool, seq: SeqId, owner: u64, pages: usize, tokens: &[u32]) -> usize {
+        let hit = p.open(seq, owner, pages, tokens).unwrap();
+        p.ensure(seq, tokens.len()).unwrap();
+        p.commit_slots(seq, tokens.len()).unwrap();
+        p.cache_computed(seq, tokens).unwrap();
+        hit
+    }
+
+    const TOKS: [u32; 16] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16];
+
+    #[test]
+    fn the_prefix_cache_serves_its_owner_only() {
+        let mut p = pool(12);
+        assert_eq!(computed(&mut p, 1, 5, 3, &TOKS[..10]), 0);
+        p.close(1).unwrap();
+        let c = p.counters();
+        assert_eq!(
+            (c.pages_cached, c.pages_free, c.pages_used),
+            (2, 10, 0),
+            "two whole pages cached"
+        );
+        assert_eq!(p.available_pages(), 12, "idle cached pages count as available");
+        // The same owner adopts both whole pages; the partial third was never cached.
+        assert_eq!(p.open(2, 5, 3, &TOKS[..11]).unwrap(), 8);
+        let first = p.table(2).unwrap().1.to_vec();
+        assert_eq!(first.len(), 2);
+        // Another owner with the same tokens computes everything.
+        assert_eq!(p.open(3, 6, 3, &TOKS[..11]).unwrap(), 0);
+        assert!(p.table(3).unwrap().1.is_empty());
+        // A different first page misses even if the second matches.
+        let mut other = TOKS;
+        other[0] = 99;
+        assert_eq!(p.open(4, 5, 3, &other[..11]).unwrap(), 0);
+        assert_eq!(p.counters().prefix_hit_tokens, 8);
+        // Shared pages are used once, however many sequences hold them.
+        assert_eq!(p.open(5, 5, 2, &TOKS[..8]).unwrap(), 8);
+        assert_eq!(p.table(5).unwrap().1, &first[..]);
+        let c = p.counters();
+        assert_eq!((c.pages_used, c.pages_cached), (2, 0));
+        for s in 2..=5 {
+            p.close(s).unwrap();
+        }
+        p.forget_owner(5);
+        let c = p.counters();
+        assert_eq!((c.pages_free, c.pages_cached, c.pages_reserved), (12, 0, 0));
+    }
+
+    #[test]
+    fn eviction_frees_idle_prefixes_oldest_first_and_bumps_epochs() {
+        let mut p = pool(4);
+        computed(&mut p, 1, 5, 1, &TOKS[..4]);
+        p.close(1).unwrap();
+        computed(&mut p, 2, 5, 1, &TOKS[4..8]);
+        p.close(2).unwrap();
+        let old = p
+            .prefix
+            .entry(p.prefix.find(5, prefix::ROOT, &TOKS[..4]).unwrap())
+            .unwrap();
+        // Another owner takes three pages: two free, then the longest idle is evicted.
+        p.open(3, 6, 3, &[]).unwrap();
+        p.ensure(3, 12).unwrap();
+        let c = p.counters();
+        assert_eq!((c.prefix_evictions, c.pages_cached), (1, 1));
+        assert_ne!(
+            p.tags()[old.page as usize].epoch,
+            old.epoch,
+            "an evicted page gets a new epoch"
+        );
+        assert_eq!(p.open(4, 5, 1, &TOKS[..4]).unwrap(), 0, "the evicted prefix is gone");
+        p.close(4).unwrap();
+        assert_eq!(
+            p.open(4, 5, 1, &TOKS[4..8]).unwrap(),
+            4,
+            "the younger one is still cached"
+        );
+    }
+
+    #[test]
+    fn pinned_prefixes_survive_pressure_within_the_owners_cap() {
+        let mut p = pool(4);
+        computed(&mut p, 1, 5, 3, &TOKS[..12]);
+        let e = p.pin_prefix(1, 12, 2).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvError::PinLimit {
+                    wanted: 3,
+                    pinned: 0,
+                    limit: 2
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(p.pin_prefix(1, 9, 2).unwrap(), 8, "whole pages only");
+        assert!(
+            p.pin_prefix(1, 3, 2)
+                .unwrap_err()
+                .to_string()
+                .contains("no whole computed page")
+        );
+        p.close(1).unwrap();
+        let c = p.counters();
+        assert_eq!((c.pages_pinned, c.pages_cached), (2, 3));
+        assert_eq!(p.available_pages(), 2, "pinned pages are not available");
+        assert!(matches!(p.open(2, 6, 3, &[]), Err(KvError::PoolExhausted { .. })));
+        p.open(2, 6, 2, &[]).unwrap();
+        p.ensure(2, 8).unwrap();
+        assert_eq!(p.counters().prefix_evictions, 1, "only the unpinned page went");
+        p.close(2).unwrap();
+        assert_eq!(p.open(3, 5, 3, &TOKS[..12]).unwrap(), 8);
+        assert_eq!(p.unpin_prefix(3).unwrap(), 2);
+        p.close(3).unwrap();
+        let c = p.counters();
+        assert_eq!((c.pages_pinned, c.pages_cached), (0, 2));
+        assert_eq!(p.available_pages(), 4);
+        p.forget_owner(5);
+        assert_eq!(p.counters().pages_free, 4);
+    }
+
+    #[test]
+    fn forgetting_an_owner_leaves_its_open_sequences_their_pages() {
+        let mut p = pool(4);
+        computed(&mut p, 1, 5, 2, &TOKS[..8]);
+        p.pin_prefix(1, 8, 4).unwrap();
+        p.forget_owner(5);
+        let c = p.counters();
+        assert_eq!((c.pages_used, c.pages_cached, c.pages_pinned), (2, 0, 0));
+        p.close(1).unwrap();
+        assert_eq!(p.counters().pages_free, 4);
+    }
+
     proptest! {
-        /// Random open/grow/retain/close/release sequences: pages are conserved, no page is free
-        /// while referenced, and at quiescence every page is free again.
+        /// Random open/grow/cache/pin/retain/close/release/forget sequences over owners that share
+        /// the same tokens: pages are conserved, no page is free while referenced, every page in a
+        /// table is its owner's, reservations are always backed, and at quiescence every page is
+        /// free again.
         #[test]
-        fn pool_state_machine_conserves_pages(ops in proptest::collection::vec((0u8..5, 0u64..6, 1usize..12), 1..80)) {
+        fn pool_state_machine_conserves_pages(ops in proptest::collection::vec((0u8..9, 0u64..6, 1usize..17), 1..120)) {
             let mut p = pool(8);
             let mut held: Vec<PageEntry> = Vec::new();
+            let mut written: HashMap<SeqId, usize> = HashMap::new();
+            let owner = |seq: SeqId| seq % 3 + 1;
             for (op, seq, n) in ops {
                 match op {
-                    0 => { let _ = p.open(seq, seq % 3 + 1, n.min(4)); }
-                    1 => { let _ = p.ensure(seq, n); }
+                    0 => if let Ok(hit) = p.open(seq, owner(seq), n.min(16).div_ceil(4), &TOKS[..n % 16]) {
+                        written.insert(seq, hit);
+                    },
+                    1 => if p.ensure(seq, n).is_ok() {
+                        p.commit_slots(seq, n).unwrap();
+                        let w = written.entry(seq).or_insert(0);
+                        *w = (*w).max(n);
+                    },
                     2 => if let Ok((_, t)) = p.table(seq) && let Some(&e) = t.first() {
                         p.retain(e).unwrap();
                         held.push(e);
                     },
-                    3 => { let _ = p.close(seq); }
-                    _ => if let Some(e) = held.pop() { p.release(e).unwrap(); },
+                    3 => { let _ = p.close(seq); written.remove(&seq); }
+                    4 => if let Some(e) = held.pop() { p.release(e).unwrap(); },
+                    5 => if let Some(&w) = written.get(&seq) { p.cache_computed(seq, &TOKS[..w]).unwrap(); },
+                    6 => { let _ = p.pin_prefix(seq, n, 3); }
+                    7 => { let _ = p.unpin_prefix(seq); }
+                    _ => p.forget_owner(owner(seq)),
                 }
                 let c = p.counters();
-                prop_assert_eq!(c.pages_free + c.pages_used + c.pages_awaiting_release, 8);
-                prop_assert!(c.pages_reserved <= c.pages_free);
+                prop_assert_eq!(c.pages_free + c.pages_used + c.pages_cached + c.pages_awaiting_release, 8);
+                prop_assert!(c.pages_reserved <= p.free.len() + p.prefix.idle_count());
+                prop_assert!(c.pages_pinned <= 9);
+                prop_assert_eq!(c.tag_mismatches, 0);
                 for e in &held {
-                    prop_assert!(p.state[e.page as usize] != PageState::Free);
+                    prop_assert!(p.refs[e.page as usize] > 0);
+                }
+                for (seq, s) in &p.seqs {
+                    prop_assert_eq!(s.owner, owner(*seq));
+                    for e in &s.pages {
+                        prop_assert_eq!(p.tags[e.page as usize].owner, s.owner);
+                    }
                 }
             }
             for s in 0..6 { let _ = p.close(s); }
             for e in held { p.release(e).unwrap(); }
+            for o in 1..=3 { p.forget_owner(o); }
             let c = p.counters();
-            prop_assert_eq!((c.pages_free, c.pages_reserved), (8, 0));
+            prop_assert_eq!((c.pages_free, c.pages_reserved, c.pages_pinned), (8, 0, 0));
         }
     }
 }
