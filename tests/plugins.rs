@@ -577,7 +577,7 @@ fn the_prefix_pinning_plugin_pins_its_tenants_prompt_and_only_that_tenant_hits_i
             .and_then(|r| r.strip_suffix(" tokens"))
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("the plugin logs what it pinned: {pinned_line:?}"));
-        assert!(pinned >= 64 && pinned % 16 == 0, "{pinned}");
+        assert!(pinned >= 64 && pinned.is_multiple_of(16), "{pinned}");
         assert_eq!(s.metric("warden_kv_pinned_pages").await, (pinned / 16) as f64);
         // The tenant's next request starts with the pinned prompt and skips computing it.
         let (warm, cached) = ask(key.clone(), "Where is my order?").await;

@@ -32,6 +32,7 @@
 
 /// The bindings wit-bindgen generates for `wit/plugin.wit` (plugins use the re-exports below).
 #[doc(hidden)]
+#[allow(clippy::too_many_arguments)] // generated code
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../wit",

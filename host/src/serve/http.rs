@@ -506,7 +506,7 @@ async fn generate(
                     (stop.clone(), kv)
                 })
                 .collect();
-            Some(h.output(choices, plan.req.prompt.len()).await?)
+            Some(h.output(choices).await?)
         }
         None => None,
     };

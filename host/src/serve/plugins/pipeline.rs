@@ -111,11 +111,7 @@ impl Hooks {
     }
 
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
-    pub async fn output(
-        self,
-        choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>,
-        prompt_tokens: usize,
-    ) -> Result<Output, ApiError> {
+    pub async fn output(self, choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>) -> Result<Output, ApiError> {
         let Hooks {
             first,
             resolved,
@@ -142,12 +138,12 @@ impl Hooks {
                 on_token,
                 stop,
                 tokens: 0,
+                stopping: false,
                 done: false,
             });
         }
         Ok(Output {
             choices,
-            prompt_tokens,
             reporter,
             resolved,
         })
@@ -159,13 +155,15 @@ struct ChoiceStage {
     on_token: bool,
     stop: Arc<EndFlag>,
     tokens: u32,
+    /// Its plugin said stop: tokens already in flight are dropped, and the engine's `Done`
+    /// (with the sequence's real usage) ends the choice as `stop`.
+    stopping: bool,
     done: bool,
 }
 
 /// The output stage of a request.
 pub struct Output {
     choices: Vec<ChoiceStage>,
-    prompt_tokens: usize,
     reporter: Reporter,
     resolved: Resolved,
 }
@@ -201,7 +199,6 @@ impl Output {
     }
 
     async fn apply(&mut self, i: usize, u: Update) -> Vec<Update> {
-        let prompt_tokens = self.prompt_tokens;
         let Some(c) = self.choices.get_mut(i) else {
             return vec![];
         };
@@ -210,6 +207,7 @@ impl Output {
         }
         let r = &self.reporter;
         match u {
+            Update::Token { .. } if c.stopping => vec![],
             Update::Token { text, token, logprobs } => {
                 c.tokens += 1;
                 let mut stop = false;
@@ -229,24 +227,32 @@ impl Output {
                     Ok(t) => t,
                     Err(f) => return c.fail(r.error(&f)),
                 };
-                let mut out = vec![Update::Token { text, token, logprobs }];
                 if stop {
+                    // The engine ends the sequence between steps and answers with its `Done`.
                     c.stop.stop();
-                    c.done = true;
-                    match c.instance.postprocess("", true).await {
-                        Ok(rest) => out.push(Update::Done {
-                            outcome: Outcome::Finished(FinishReason::Stop),
-                            text: rest,
-                            usage: Usage {
-                                prompt_tokens,
-                                completion_tokens: c.tokens as usize,
-                                cached_tokens: 0,
-                            },
-                        }),
-                        Err(f) => out.push(Update::Failed(r.error(&f))),
-                    }
+                    c.stopping = true;
                 }
-                out
+                vec![Update::Token { text, token, logprobs }]
+            }
+            Update::Done {
+                outcome: Outcome::Finished(_),
+                usage,
+                ..
+            } if c.stopping => {
+                // What the engine generated after the plugin's stop was never shown: neither its
+                // text nor its tokens count.
+                c.done = true;
+                match c.instance.postprocess("", true).await {
+                    Ok(text) => vec![Update::Done {
+                        outcome: Outcome::Finished(FinishReason::Stop),
+                        text,
+                        usage: Usage {
+                            completion_tokens: c.tokens as usize,
+                            ..usage
+                        },
+                    }],
+                    Err(f) => vec![Update::Failed(r.error(&f))],
+                }
             }
             Update::Done {
                 outcome: outcome @ Outcome::Finished(_),
