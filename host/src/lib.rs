@@ -14,6 +14,7 @@ pub mod kv;
 pub mod loaded;
 pub mod model;
 pub mod plugin;
+pub mod policy;
 pub mod serve;
 pub mod tokenizer;
 

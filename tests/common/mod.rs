@@ -73,14 +73,25 @@ pub struct Server {
 impl Server {
     /// Starts a server on a new data dir with `extra` TOML appended to its config.
     pub fn start(tag: &str, extra: &str) -> Server {
+        Self::start_with_policies(tag, extra, &[])
+    }
+
+    /// Starts a server whose policy directory holds `policies` (path under it, contents).
+    pub fn start_with_policies(tag: &str, extra: &str, policies: &[(&str, &str)]) -> Server {
         let data_dir = temp_dir(tag);
+        for (name, text) in policies {
+            let p = data_dir.join("policies").join(name);
+            std::fs::create_dir_all(p.parent().expect("a parent")).expect("policy dir");
+            std::fs::write(p, text).expect("write policy");
+        }
         let config = data_dir.join("warden.toml");
         std::fs::write(
             &config,
             format!(
-                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\n{extra}\n",
+                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\npolicies = {:?}\n{extra}\n",
                 data_dir.join("data"),
-                model()
+                model(),
+                data_dir.join("policies")
             ),
         )
         .expect("write config");
@@ -203,6 +214,14 @@ impl Server {
     /// The server's process id.
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map_or(0, |c| c.id())
+    }
+
+    /// Kills the process with SIGKILL (`kill -9`: no shutdown path runs) and waits for it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
     }
 
     /// Sends SIGTERM and waits for the process to exit; returns its exit status success.

@@ -12,7 +12,7 @@ pub mod request;
 pub mod sampling;
 pub mod text;
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -67,6 +67,19 @@ impl EngineConfig {
             max_pinned_pages: 64,
         }
     }
+}
+
+/// A tenant's KV settings, from its policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantKv {
+    /// Pages its sequences may hold at once (`None`: no cap beyond the pool).
+    pub max_pages: Option<usize>,
+    /// Pages kept for it whatever other tenants do.
+    pub min_pages: usize,
+    /// Whether its requests reuse its own cached prefixes.
+    pub prefix_cache: bool,
+    /// Pages its plugins may pin.
+    pub max_pinned_pages: usize,
 }
 
 /// What a step produced for a request.
@@ -160,6 +173,8 @@ pub struct Engine {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     next_id: RequestId,
+    /// Per-tenant KV settings; tenants absent use the engine's.
+    tenant_kv: HashMap<u64, TenantKv>,
     scratch: Scratch,
     events: Vec<Event>,
 }
@@ -195,6 +210,7 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 1,
+            tenant_kv: HashMap::new(),
             scratch: Scratch::default(),
             events: Vec::new(),
         })
@@ -230,7 +246,11 @@ impl Engine {
     /// owner's prefix cache, in whole computed pages; returns the tokens pinned.
     pub fn kv_pin(&mut self, id: RequestId, owner: u64, tokens: usize) -> Result<usize, KvError> {
         self.owned(id, owner)?;
-        self.pool.pin_prefix(id, tokens, self.cfg.max_pinned_pages)
+        let limit = self
+            .tenant_kv
+            .get(&owner)
+            .map_or(self.cfg.max_pinned_pages, |k| k.max_pinned_pages);
+        self.pool.pin_prefix(id, tokens, limit)
     }
 
     /// Unpins the pinned prefixes within request `id`'s cached prefix (if it is open and
@@ -245,8 +265,27 @@ impl Engine {
         self.pool.forget_owner(owner);
     }
 
+    /// Applies tenant `owner`'s KV settings: its page cap and floor in the pool, whether it
+    /// reuses prefixes (turning that off drops its cache) and its pin cap.
+    pub fn set_tenant_kv(&mut self, owner: u64, kv: TenantKv) {
+        if self.tenant_kv.get(&owner) == Some(&kv) {
+            return;
+        }
+        self.pool.set_owner_budget(owner, kv.max_pages);
+        self.pool.set_owner_floor(owner, kv.min_pages);
+        if !kv.prefix_cache {
+            self.pool.forget_owner(owner);
+        }
+        self.tenant_kv.insert(owner, kv);
+    }
+
+    /// Whether `owner`'s requests use the prefix cache.
+    fn prefix_cache_for(&self, owner: u64) -> bool {
+        self.cfg.prefix_cache && self.tenant_kv.get(&owner).is_none_or(|k| k.prefix_cache)
+    }
+
     fn owned(&self, id: RequestId, owner: u64) -> Result<(), KvError> {
-        if !self.cfg.prefix_cache {
+        if !self.prefix_cache_for(owner) {
             return Err(KvError::PrefixCacheOff);
         }
         match self.pool.table(id) {
@@ -398,7 +437,7 @@ impl Engine {
             }
             let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
             // The last prompt token is always computed: its logits give the first output token.
-            let reusable = if self.cfg.prefix_cache {
+            let reusable = if self.prefix_cache_for(s.owner) {
                 &s.tokens[..s.prompt_len.saturating_sub(1)]
             } else {
                 &[]
@@ -412,6 +451,8 @@ impl Engine {
                     self.running.push(seq);
                 }
                 Err(KvError::OwnerBudget { .. }) => i += 1,
+                // Refused only for other owners' guaranteed floors: the next owner may fit.
+                Err(KvError::PoolExhausted { available, .. }) if available < self.pool.available_pages() => i += 1,
                 // Wait for running sequences to finish and free pages.
                 Err(KvError::PoolExhausted { .. }) => break,
                 Err(e) => {
@@ -429,7 +470,7 @@ impl Engine {
     /// prefill, and other requests are admitted past `s` meanwhile.
     fn follows_a_prefill(&self, s: &Seq) -> bool {
         let ps = self.cfg.page_size;
-        if !self.cfg.prefix_cache || s.prompt_len <= ps {
+        if !self.prefix_cache_for(s.owner) || s.prompt_len <= ps {
             return false;
         }
         let first = &s.tokens[..ps];
@@ -504,6 +545,7 @@ impl Engine {
                         s.computed += n;
                         to_sample[i] = logits;
                         if self.cfg.prefix_cache
+                            && self.tenant_kv.get(&s.owner).is_none_or(|k| k.prefix_cache)
                             && let Err(e) = self.pool.cache_computed(s.id, &s.tokens[..s.computed])
                         {
                             ends[i] = Some(match e {

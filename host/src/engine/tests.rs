@@ -396,7 +396,7 @@ fn malformed_requests_are_rejected_with_their_reason() {
 #[test]
 fn a_request_over_its_owners_kv_budget_is_rejected_and_within_it_waits() {
     let mut e = engine(512);
-    e.pool_mut().set_owner_budget(9, 2);
+    e.pool_mut().set_owner_budget(9, Some(2));
     let r = e
         .submit(GenerateRequest::greedy(9, vec![500; 40], 8))
         .expect_err("3 pages > budget of 2");

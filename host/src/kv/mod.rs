@@ -108,7 +108,9 @@ pub enum KvError {
         cached: usize,
     },
     /// Pinning needs the prefix cache, which this server runs without.
-    #[error("the prefix cache is off on this server (kv.prefix_cache = false), so nothing can be pinned")]
+    #[error(
+        "the prefix cache is off for this tenant (its policy says kv.prefix_cache = \"off\", or the server has kv.prefix_cache = false), so nothing can be pinned"
+    )]
     PrefixCacheOff,
     /// A tag check failed.
     #[error(transparent)]
@@ -218,6 +220,8 @@ pub struct KvPool {
     /// Pages reserved or used per owner.
     owner_pages: HashMap<u64, usize>,
     budgets: HashMap<u64, usize>,
+    /// Pages guaranteed per owner.
+    floors: HashMap<u64, usize>,
     reserved_total: usize,
     counters: KvCounters,
 }
@@ -269,6 +273,7 @@ impl KvPool {
             prefix: prefix::PrefixIndex::default(),
             owner_pages: HashMap::new(),
             budgets: HashMap::new(),
+            floors: HashMap::new(),
             reserved_total: 0,
             counters: KvCounters {
                 pages_total: n_pages,
@@ -305,9 +310,31 @@ impl KvPool {
         tokens.div_ceil(self.shape.page_size)
     }
 
-    /// Caps the pages (reserved plus used) that `owner` may hold.
-    pub fn set_owner_budget(&mut self, owner: u64, pages: usize) {
-        self.budgets.insert(owner, pages);
+    /// Caps the pages (reserved plus used) that `owner` may hold; `None` lifts the cap.
+    pub fn set_owner_budget(&mut self, owner: u64, pages: Option<usize>) {
+        match pages {
+            Some(p) => self.budgets.insert(owner, p),
+            None => self.budgets.remove(&owner),
+        };
+    }
+
+    /// Guarantees `owner` a floor of `pages` pages: other owners' sequences may not take the
+    /// pages it would need to reach it. 0 removes the floor.
+    pub fn set_owner_floor(&mut self, owner: u64, pages: usize) {
+        if pages == 0 {
+            self.floors.remove(&owner);
+        } else {
+            self.floors.insert(owner, pages);
+        }
+    }
+
+    /// Pages other owners' floors still claim: what `owner` may not take.
+    fn floors_of_others(&self, owner: u64) -> usize {
+        self.floors
+            .iter()
+            .filter(|(o, _)| **o != owner)
+            .map(|(o, f)| f.saturating_sub(self.owner_pages.get(o).copied().unwrap_or(0)))
+            .sum()
     }
 
     /// The page budget of `owner`, if one is set.
@@ -361,10 +388,12 @@ impl KvPool {
                 budget,
             });
         }
-        if reserve + adopted_idle > self.available_pages() {
+        // Other owners' guaranteed floors are not available to this one.
+        let available = self.available_pages().saturating_sub(self.floors_of_others(owner));
+        if reserve + adopted_idle > available {
             return Err(KvError::PoolExhausted {
                 wanted: reserve + adopted_idle,
-                available: self.available_pages(),
+                available,
             });
         }
         let mut table = Vec::with_capacity(pages);
@@ -872,7 +901,7 @@ mod tests {
     #[test]
     fn budgets_and_exhaustion_refuse_without_side_effects() {
         let mut p = pool(4);
-        p.set_owner_budget(7, 2);
+        p.set_owner_budget(7, Some(2));
         assert!(matches!(p.open(1, 7, 3, &[]), Err(KvError::OwnerBudget { .. })));
         p.open(1, 7, 2, &[]).unwrap();
         assert!(matches!(p.open(2, 7, 1, &[]), Err(KvError::OwnerBudget { .. })));
@@ -1024,6 +1053,31 @@ mod tests {
         assert_eq!((c.pages_used, c.pages_cached, c.pages_pinned), (2, 0, 0));
         p.close(1).unwrap();
         assert_eq!(p.counters().pages_free, 4);
+    }
+
+    #[test]
+    fn floors_keep_pages_for_their_owner() {
+        let mut p = pool(8);
+        p.set_owner_floor(5, 3);
+        let e = p.open(1, 6, 6, &[]).unwrap_err();
+        assert_eq!(
+            e,
+            KvError::PoolExhausted {
+                wanted: 6,
+                available: 5
+            }
+        );
+        p.open(1, 6, 5, &[]).unwrap();
+        p.open(2, 5, 3, &[]).expect("the floor is there");
+        p.close(2).unwrap();
+        // Using part of its floor leaves only the rest claimed.
+        p.open(3, 5, 2, &[]).unwrap();
+        p.close(1).unwrap();
+        assert!(p.open(4, 6, 6, &[]).is_err());
+        p.open(4, 6, 5, &[]).unwrap();
+        p.set_owner_floor(5, 0);
+        p.close(4).unwrap();
+        p.open(5, 6, 6, &[]).expect("no floor left");
     }
 
     proptest! {

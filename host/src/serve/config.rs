@@ -29,6 +29,9 @@ pub struct ServeConfig {
     pub timeouts: TimeoutsConfig,
     /// Tenant plugins.
     pub plugins: PluginsConfig,
+    /// The per-tenant policy directory (`default.toml`, `tenants/<tenant>.toml`), reloaded on
+    /// change and on SIGHUP. Default `policies`.
+    pub policies: PathBuf,
 }
 
 impl Default for ServeConfig {
@@ -42,6 +45,7 @@ impl Default for ServeConfig {
             limits: LimitsConfig::default(),
             timeouts: TimeoutsConfig::default(),
             plugins: PluginsConfig::default(),
+            policies: PathBuf::from("policies"),
         }
     }
 }

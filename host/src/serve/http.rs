@@ -19,11 +19,14 @@ use tokio::sync::mpsc;
 use super::State;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest, Plan, Prompt, RequestLimits, Stop, parse_body};
 use super::plugins::pipeline::{Hooks, Reporter};
+use super::quota::Grant;
 use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
 use super::worker::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 use crate::chat::ChatMessage;
+use crate::engine::TenantKv;
 use crate::plugin::{Input, KvAccess, Message, Sampling};
+use crate::policy::Policy;
 
 /// Response bodies: whole or streamed.
 pub type Body = BoxBody<Bytes, std::convert::Infallible>;
@@ -42,8 +45,14 @@ fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
 
 fn error_response(e: &ApiError) -> Response<Body> {
     let mut r = json_response(e.status, &e.body());
-    if e.status == StatusCode::SERVICE_UNAVAILABLE {
-        r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+    match e.retry_after {
+        Some(s) => {
+            r.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        None if e.status == StatusCode::SERVICE_UNAVAILABLE => {
+            r.headers_mut().insert("retry-after", HeaderValue::from_static("1"));
+        }
+        None => {}
     }
     r
 }
@@ -151,13 +160,21 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             allow(&[Method::POST])?;
             let t = tenant(state, &req)?;
             let body = read_body(state, req).await?;
-            chat(state, t, &body).await
+            counted(state, &t, chat(state, t.clone(), &body).await)
         }
         ["v1", "completions"] => {
             allow(&[Method::POST])?;
             let t = tenant(state, &req)?;
             let body = read_body(state, req).await?;
-            completions(state, t, &body).await
+            counted(state, &t, completions(state, t.clone(), &body).await)
+        }
+        ["v1", "usage"] => {
+            allow(&[Method::GET])?;
+            let t = tenant(state, &req)?;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!(state.quotas.usage.of(t.id, &t.name)),
+            ))
         }
         ["v1", "plugins", rest @ ..] => {
             let t = tenant(state, &req)?;
@@ -170,6 +187,17 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
             format!("no route for {method} {path}"),
         )),
     }
+}
+
+/// Counts a refused request in its tenant's usage, by error code.
+fn counted(state: &State, t: &Tenant, r: Result<Response<Body>, ApiError>) -> Result<Response<Body>, ApiError> {
+    if let Err(e) = &r {
+        state.quotas.usage.reject(t.id, &t.name, e.code);
+        if e.status == StatusCode::TOO_MANY_REQUESTS || e.status == StatusCode::FORBIDDEN {
+            state.metrics.rejected(&t.name, e.code);
+        }
+    }
+    r
 }
 
 fn method_not_allowed(method: &Method, path: &str) -> ApiError {
@@ -190,6 +218,7 @@ fn model_not_found(id: &str) -> ApiError {
         code: "model_not_found",
         message: format!("the model {id:?} does not exist"),
         param: Some("model".into()),
+        retry_after: None,
     }
 }
 
@@ -305,11 +334,71 @@ enum Asked {
     Tokens(Vec<u32>),
 }
 
+/// What the tenant's policy allows a request before anything of it runs: the model (403), its
+/// concurrency and requests per minute (429). Returns the policy, the request's hold on the
+/// tenant's quotas, and the request limits under the policy.
+fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Grant, RequestLimits), ApiError> {
+    if model != state.model_id {
+        return Err(model_not_found(model));
+    }
+    let policy = state.quotas.set().of(&t.name).clone();
+    if !policy.allows_model(model) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "model_not_allowed",
+            format!(
+                "tenant {:?} may not use model {model:?} (its policy's allowed_models)",
+                t.name
+            ),
+        ));
+    }
+    let grant = state.quotas.admit(t, &policy)?;
+    let mut lim = state.request_limits;
+    if let Some(m) = policy.max_tokens.get() {
+        // A request that names no max_tokens gets the policy's, if that is lower.
+        lim.default_max_tokens = lim.default_max_tokens.min(m as usize);
+    }
+    Ok((policy, grant, lim))
+}
+
+/// The policy's limits on a planned request (400), then its tokens against the tenant's rates
+/// and quotas (429): all before anything is queued.
+fn limit(t: &Tenant, policy: &Policy, grant: &mut Grant, plan: &Plan) -> Result<(), ApiError> {
+    let (prompt, max_tokens) = (plan.req.prompt.len() as u64, plan.req.max_tokens as u64);
+    if let Some(m) = policy.max_tokens.get()
+        && max_tokens > m
+    {
+        return Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            code: "max_tokens_over_policy",
+            message: format!(
+                "max_tokens is {max_tokens}, more than tenant {:?}'s policy allows ({m})",
+                t.name
+            ),
+            param: Some("max_tokens".into()),
+            retry_after: None,
+        });
+    }
+    if let Some(m) = policy.max_context.get()
+        && prompt + max_tokens > m
+    {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "context_over_policy",
+            format!(
+                "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) is {} tokens, more than tenant {:?}'s policy allows ({m})",
+                prompt + max_tokens,
+                t.name
+            ),
+        ));
+    }
+    grant.reserve(prompt + max_tokens * plan.n as u64, policy)
+}
+
 async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
-    if r.common.model != state.model_id {
-        return Err(model_not_found(&r.common.model));
-    }
+    let (policy, mut grant, lim) = admit(state, &t, &r.common.model)?;
+    let lim = &lim;
     let messages = r
         .chat_messages()?
         .into_iter()
@@ -320,17 +409,18 @@ async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Bod
         .collect();
     let logprobs = r.logprobs()?;
     let id = request_id("chatcmpl");
-    let (prompt, common, hooks) = prepare(state, &t, Asked::Input(Input::Chat(messages)), r.common, &id).await?;
-    let mut plan = common.plan(t.id, prompt, &state.request_limits)?;
+    let asked = Asked::Input(Input::Chat(messages));
+    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, asked, r.common, &id).await?;
+    let mut plan = common.plan(t.id, prompt, lim)?;
     plan.req.logprobs = logprobs;
-    generate(state, &t, plan, Api::Chat, id, hooks).await
+    limit(&t, &policy, &mut grant, &plan)?;
+    generate(state, &t, plan, Api::Chat, id, hooks, grant, policy.tenant_kv()).await
 }
 
 async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
-    if r.common.model != state.model_id {
-        return Err(model_not_found(&r.common.model));
-    }
+    let (policy, mut grant, lim) = admit(state, &t, &r.common.model)?;
+    let lim = &lim;
     let one = |what: usize| {
         ApiError::field(
             "prompt",
@@ -346,9 +436,10 @@ async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Respo
         Prompt::TokensList(v) => return Err(one(v.len())),
     };
     let id = request_id("cmpl");
-    let (prompt, common, hooks) = prepare(state, &t, asked, r.common, &id).await?;
-    let plan = common.plan(t.id, prompt, &state.request_limits)?;
-    generate(state, &t, plan, Api::Completion, id, hooks).await
+    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, asked, r.common, &id).await?;
+    let plan = common.plan(t.id, prompt, lim)?;
+    limit(&t, &policy, &mut grant, &plan)?;
+    generate(state, &t, plan, Api::Completion, id, hooks, grant, policy.tenant_kv()).await
 }
 
 /// The sampling fields as a plugin sees them.
@@ -372,15 +463,32 @@ fn sampling_of(c: &Common, lim: &RequestLimits) -> Sampling {
 async fn prepare(
     state: &Arc<State>,
     t: &Tenant,
+    policy: &Policy,
+    lim: &RequestLimits,
     mut asked: Asked,
     mut common: Common,
     id: &str,
 ) -> Result<(Vec<u32>, Common, Option<Hooks>), ApiError> {
-    let resolved = state.plugins.resolve(t, common.plugin.as_deref()).await?;
+    let resolved = match state.plugins.chosen(t, common.plugin.as_deref())? {
+        Some(name) if !policy.allows_plugin(&name) => {
+            return Err(ApiError {
+                status: StatusCode::FORBIDDEN,
+                code: "plugin_not_allowed",
+                message: format!(
+                    "tenant {:?} may not run plugin {name:?} (its policy's allowed_plugins)",
+                    t.name
+                ),
+                param: Some("plugin".into()),
+                retry_after: None,
+            });
+        }
+        Some(name) => Some(state.plugins.resolve(t, name).await?),
+        None => None,
+    };
     let mut hooks = None;
     if let Some(resolved) = resolved {
         // The client's own values are checked before the plugin sees them.
-        common.plan(t.id, vec![], &state.request_limits)?;
+        common.plan(t.id, vec![], lim)?;
         let seed = common.seed.map(|s| s as u64).unwrap_or_else(rand::random);
         let reporter = Reporter {
             metrics: state.metrics.clone(),
@@ -391,7 +499,7 @@ async fn prepare(
         };
         let mut h = Hooks::new(
             resolved,
-            state.plugins.limits(),
+            state.plugins.limits_for(policy),
             state.tokenizer.clone(),
             seed,
             reporter,
@@ -415,9 +523,7 @@ async fn prepare(
             ("request-id".into(), id.to_string()),
             ("model".into(), state.model_id.clone()),
         ];
-        let (input, sampling) = h
-            .preprocess(input, sampling_of(&common, &state.request_limits), metadata)
-            .await?;
+        let (input, sampling) = h.preprocess(input, sampling_of(&common, lim), metadata).await?;
         common.temperature = Some(sampling.temperature);
         common.top_p = Some(sampling.top_p);
         common.max_tokens = None;
@@ -425,7 +531,7 @@ async fn prepare(
         common.seed = sampling.seed.map(|s| s as i64);
         common.stop = Some(Stop::Many(sampling.stop));
         // The plugin's values go through the same checks, named as the plugin's.
-        common.plan(t.id, vec![], &state.request_limits).map_err(|mut e| {
+        common.plan(t.id, vec![], lim).map_err(|mut e| {
             e.message = format!("after the plugin's preprocess: {}", e.message);
             e
         })?;
@@ -472,6 +578,7 @@ async fn prepare(
 
 /// Admits, submits and answers a planned request: a JSON body, or an SSE stream that starts once
 /// every choice is admitted (so a rejection is an error status, never a 200).
+#[allow(clippy::too_many_arguments)]
 async fn generate(
     state: &Arc<State>,
     t: &Tenant,
@@ -479,7 +586,10 @@ async fn generate(
     api: Api,
     id: String,
     hooks: Option<Hooks>,
+    grant: Grant,
+    kv: TenantKv,
 ) -> Result<Response<Body>, ApiError> {
+    let grant = Arc::new(grant);
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -521,6 +631,8 @@ async fn generate(
             tx: tx.clone(),
             stop: stop.clone(),
             slot: slot.clone(),
+            kv,
+            grant: Some(grant.clone()),
         };
         if let Err(Busy) = state.engine.submit(job) {
             state.metrics.rejected(&t.name, "queue_full");
@@ -621,7 +733,12 @@ async fn plugin_api(
         ([name], &Method::PUT) => {
             let activate = !no_activate(&req);
             let name = name.to_string();
-            let bytes = read_body_up_to(state, req, p.max_component_bytes(), "component_too_large").await?;
+            // The tenant's policy may allow less than the server; checked before reading.
+            let max = match state.quotas.set().of(&t.name).plugin_max_component_mib {
+                Some(mib) => p.max_component_bytes().min((mib as usize) << 20),
+                None => p.max_component_bytes(),
+            };
+            let bytes = read_body_up_to(state, req, max, "component_too_large").await?;
             let v = p.upload(t, &name, bytes.to_vec(), activate).await?;
             let status = if v["new"].as_bool() == Some(true) {
                 StatusCode::CREATED
@@ -679,6 +796,10 @@ async fn admin_api(
     let not_allowed = || method_not_allowed(method, &path);
     let ok = |v: Value| Ok(json_response(StatusCode::OK, &v));
     match (rest, method) {
+        (["usage"], &Method::GET) => ok(json!({"data": state.quotas.usage.all()})),
+        (["usage"], _) => Err(not_allowed()),
+        (["policies"], &Method::GET) => ok(json!({"version": state.quotas.set().version})),
+        (["policies"], _) => Err(not_allowed()),
         (["tenants"], &Method::GET) => ok(json!({"data": state.store.tenants().map_err(store_error)?})),
         (["tenants"], &Method::POST) => {
             let body = read_body(state, req).await?;
@@ -689,6 +810,7 @@ async fn admin_api(
         (["tenants"], _) => Err(not_allowed()),
         (["tenants", name], &Method::DELETE) => {
             let id = state.store.delete_tenant(name).map_err(store_error)?;
+            state.quotas.usage.forget(id).map_err(store_error)?;
             // Its prefix cache goes too (its ids are never reused, so this frees memory; it is
             // not what keeps tenants apart).
             state.engine.forget_tenant(id).await;

@@ -60,6 +60,8 @@ struct Inner {
     kv: KvCounters,
     waiting: usize,
     running: usize,
+    policy_version: String,
+    policy_reload_failures: u64,
 }
 
 /// The metrics registry.
@@ -119,6 +121,14 @@ impl Metrics {
     /// Time between two tokens of one request.
     pub fn inter_token(&self, d: Duration) {
         self.with(|m| m.itl.observe(d))
+    }
+
+    /// The policy set in force, and reloads refused since start.
+    pub fn policy(&self, version: &str, reload_failures: u64) {
+        self.with(|m| {
+            m.policy_version = version.to_string();
+            m.policy_reload_failures = reload_failures;
+        });
     }
 
     /// The engine's current pool counters and queue.
@@ -225,6 +235,16 @@ impl Metrics {
                 o,
                 "# HELP warden_running_sequences Sequences being prefilled or decoded.\n# TYPE warden_running_sequences gauge\nwarden_running_sequences {}",
                 m.running
+            );
+            let _ = writeln!(
+                o,
+                "# HELP warden_policy_info The tenant policy set in force (its version: a digest of the files).\n# TYPE warden_policy_info gauge\nwarden_policy_info{{version=\"{}\"}} 1",
+                escape(&m.policy_version)
+            );
+            let _ = writeln!(
+                o,
+                "# HELP warden_policy_reload_failures_total Policy reloads refused (a bad file; the previous set stayed in force).\n# TYPE warden_policy_reload_failures_total counter\nwarden_policy_reload_failures_total {}",
+                m.policy_reload_failures
             );
             m.ttft.render(
                 &mut o,

@@ -14,9 +14,11 @@ pub mod manage;
 pub mod metrics;
 pub mod openai;
 pub mod plugins;
+pub mod quota;
 pub mod store;
 pub mod stream;
 pub mod tls;
+pub mod usage;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -68,6 +70,8 @@ pub struct State {
     pub started: u64,
     /// Set once shutdown begins: new requests get 503.
     pub shutting_down: AtomicBool,
+    /// Tenants' policies, their limiters and their usage.
+    pub quotas: Arc<quota::Quotas>,
 }
 
 /// What a running server writes to `data_dir/server.json`, so the CLI can reach its admin API
@@ -120,11 +124,26 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
     ec.prefix_cache = cfg.kv.prefix_cache;
     ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
-    let engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
+    let mut engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
         .context("starting the engine (see [kv] and [limits] in the config)")?;
     let admission = engine.limits();
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
+    let bounds = crate::policy::Bounds {
+        kv_pages: engine.kv_counters().pages_total as u64,
+    };
+    let quotas = Arc::new(
+        quota::Quotas::new(cfg.policies.clone(), bounds, usage::UsageBook::open(&store)?)
+            .context("loading the tenants' policies (see `policies` in the config)")?,
+    );
+    for t in store.tenants()? {
+        engine.set_tenant_kv(t.id, quotas.set().of(&t.name).tenant_kv());
+    }
+    println!(
+        "policies from {}: version {}",
+        cfg.policies.display(),
+        quotas.set().version
+    );
     let plugins = plugins::Plugins::new(
         store.clone(),
         cfg.plugins.clone(),
@@ -164,6 +183,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
             .map(|d| d.as_secs())
             .unwrap_or(0),
         shutting_down: AtomicBool::new(false),
+        quotas,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -196,6 +216,69 @@ fn first_start(store: &Store, data_dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes usage counters to disk every [`usage::FLUSH_EVERY`].
+async fn flush_usage(state: Arc<State>) {
+    loop {
+        tokio::time::sleep(usage::FLUSH_EVERY).await;
+        let s = state.clone();
+        match tokio::task::spawn_blocking(move || s.quotas.usage.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => eprintln!("usage: writing counters: {e}"),
+            Err(e) => eprintln!("usage: the flush task failed: {e}"),
+        }
+    }
+}
+
+/// Reloads the policies every second and on SIGHUP; a good set takes effect at once (and its
+/// KV settings reach the engine), a bad one is reported and the set in force stays.
+async fn watch_policies(state: Arc<State>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup()).ok();
+    let mut last_error = String::new();
+    loop {
+        let tick = tokio::time::sleep(Duration::from_secs(1));
+        match &mut hup {
+            Some(h) => {
+                tokio::select! {
+                    _ = tick => {}
+                    _ = h.recv() => {}
+                }
+            }
+            None => tick.await,
+        }
+        let s = state.clone();
+        let Ok(result) = tokio::task::spawn_blocking(move || s.quotas.reload()).await else {
+            continue;
+        };
+        state
+            .metrics
+            .policy(&state.quotas.set().version, state.quotas.reload_failures());
+        match result {
+            Ok(true) => {
+                last_error.clear();
+                let set = state.quotas.set();
+                println!("policies: version {} in force", set.version);
+                if let Ok(tenants) = state.store.tenants() {
+                    for t in tenants {
+                        state.engine.set_tenant_kv(t.id, set.of(&t.name).tenant_kv()).await;
+                    }
+                }
+            }
+            Ok(false) => last_error.clear(),
+            Err(e) => {
+                let msg = e.to_string();
+                if msg != last_error {
+                    eprintln!(
+                        "policies: refused ({msg}); version {} stays in force",
+                        state.quotas.set().version
+                    );
+                    last_error = msg;
+                }
+            }
+        }
+    }
+}
+
 async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
@@ -222,6 +305,11 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
     };
     std::fs::write(server_info_path(&cfg.data_dir), serde_json::to_vec_pretty(&info)?)?;
     println!("serving {} on {}", state.model_id, info.url);
+    state
+        .metrics
+        .policy(&state.quotas.set().version, state.quotas.reload_failures());
+    tokio::spawn(flush_usage(state.clone()));
+    tokio::spawn(watch_policies(state.clone()));
     let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
     // The protocol comes from ALPN (plain HTTP is HTTP/1.1 only), so no connection sits in
     // protocol detection, where no timeout would apply.
@@ -290,6 +378,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
     state.engine.shutdown(deadline).await;
     // Streams have ended; give connections a moment to send their last bytes.
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
+    state.quotas.usage.flush()?;
     state.store.flush()?;
     let _ = std::fs::remove_file(server_info_path(&cfg.data_dir));
     println!("stopped");

@@ -20,6 +20,8 @@ pub struct ApiError {
     pub message: String,
     /// The request field at fault, if one is.
     pub param: Option<String>,
+    /// Seconds after which a retry may succeed (`Retry-After`), for rate and usage limits.
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -30,6 +32,7 @@ impl ApiError {
             code,
             message: message.into(),
             param: None,
+            retry_after: None,
         }
     }
 
@@ -40,6 +43,7 @@ impl ApiError {
             code: "invalid_parameter",
             message: message.into(),
             param: Some(field.into()),
+            retry_after: None,
         }
     }
 
@@ -78,6 +82,7 @@ impl From<RejectReason> for ApiError {
             code: r.code(),
             message: r.to_string(),
             param,
+            retry_after: None,
         }
     }
 }

@@ -141,6 +141,11 @@ impl Store {
         })
     }
 
+    /// A tree of its own for another part of the server (e.g. usage counters).
+    pub(crate) fn tree(&self, name: &str) -> Result<sled::Tree, StoreError> {
+        Ok(self.db.open_tree(name)?)
+    }
+
     /// Whether the store has never had a tenant (a first start).
     pub fn is_new(&self) -> Result<bool, StoreError> {
         Ok(self.meta.get(NEXT_TENANT_ID)?.is_none())

@@ -16,8 +16,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::metrics::Metrics;
 use super::openai::ApiError;
+use super::quota::Grant;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
-use crate::engine::{Engine, Event, TokenLogprobs};
+use crate::engine::{Engine, Event, TenantKv, TokenLogprobs};
 use crate::kv::PageInfo;
 use crate::plugin::{BoxFuture, KvAccess};
 use warden_kernels::attention::PageEntry;
@@ -89,6 +90,10 @@ pub struct Job {
     /// The engine's id for the request once it is admitted, and whether it has ended (its
     /// plugin's `kv` reads both).
     pub slot: Arc<SeqSlot>,
+    /// The tenant's KV policy, applied before the job is submitted.
+    pub kv: TenantKv,
+    /// The request's hold on its tenant's quotas; each choice records its usage in it.
+    pub grant: Option<Arc<Grant>>,
 }
 
 /// A question a plugin asks about its own request's KV, answered on the engine thread between
@@ -137,6 +142,8 @@ pub enum KvQuery {
 
 enum Cmd {
     Job(Job, Instant),
+    /// Apply a tenant's KV policy.
+    TenantKv(u64, TenantKv),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
     Forget(u64, oneshot::Sender<()>),
     Shutdown(Instant, oneshot::Sender<()>),
@@ -170,6 +177,7 @@ struct Live {
     tx: mpsc::UnboundedSender<(usize, Update)>,
     stop: Arc<EndFlag>,
     slot: Arc<SeqSlot>,
+    grant: Option<Arc<Grant>>,
     tenant: String,
     submitted: Instant,
     last: Option<Instant>,
@@ -215,6 +223,11 @@ impl EngineHandle {
     /// or the thread is gone (the reply channel then closes).
     pub fn ask(&self, q: KvQuery) -> bool {
         self.kv.try_send(q).is_ok()
+    }
+
+    /// Applies tenant `owner`'s KV policy (page cap and floor, prefix cache, pins).
+    pub async fn set_tenant_kv(&self, owner: u64, kv: TenantKv) {
+        self.send_waiting(Cmd::TenantKv(owner, kv)).await;
     }
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
@@ -370,6 +383,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = job.tx.send((job.index, Update::ShuttingDown));
                         continue;
                     }
+                    engine.set_tenant_kv(job.req.owner, job.kv);
                     match engine.submit(job.req) {
                         Ok(id) => {
                             let _ = job.slot.id.set(id);
@@ -380,6 +394,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                                     tx: job.tx,
                                     stop: job.stop,
                                     slot: job.slot,
+                                    grant: job.grant,
                                     tenant: job.tenant,
                                     submitted,
                                     last: None,
@@ -392,6 +407,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         }
                     }
                 }
+                Cmd::TenantKv(owner, kv) => engine.set_tenant_kv(owner, kv),
                 Cmd::Forget(owner, done) => {
                     engine.forget_owner(owner);
                     publish(&engine);
@@ -475,6 +491,9 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                 } => {
                     if let Some(l) = live.remove(&id) {
                         l.slot.ended.store(true, Ordering::SeqCst);
+                        if let Some(g) = &l.grant {
+                            g.record(&usage);
+                        }
                         metrics.request_done(
                             &l.tenant,
                             outcome_label(&outcome),

@@ -68,6 +68,7 @@ fn not_found(name: &str) -> ApiError {
         code: "plugin_not_found",
         message: format!("no plugin {name:?}"),
         param: Some("plugin".into()),
+        retry_after: None,
     }
 }
 
@@ -132,6 +133,22 @@ impl Plugins {
             memory_bytes: self.cfg.memory_mib << 20,
             call_timeout: Duration::from_millis(self.cfg.call_timeout_ms),
         }
+    }
+
+    /// Limits for a plugin of a tenant under `policy`: its fuel, memory and time where it sets
+    /// them, the server's otherwise; memory never beyond the server's (an instance slot's size).
+    pub fn limits_for(&self, policy: &crate::policy::Policy) -> PluginLimits {
+        let mut l = self.limits();
+        if let Some(f) = policy.plugin_fuel_per_call {
+            l.fuel_per_call = f;
+        }
+        if let Some(m) = policy.plugin_memory_mib {
+            l.memory_bytes = l.memory_bytes.min((m as usize) << 20);
+        }
+        if let Some(ms) = policy.plugin_call_timeout_ms {
+            l.call_timeout = Duration::from_millis(ms);
+        }
+        l
     }
 
     /// The largest component an upload may carry.
@@ -417,14 +434,15 @@ impl Plugins {
     }
 
     /// The plugin a request of `t` runs: the one it names, else the tenant's default, else none.
-    pub async fn resolve(&self, t: &Tenant, requested: Option<&str>) -> Result<Option<Resolved>, ApiError> {
-        let name = match requested {
-            Some(n) => n.to_string(),
-            None => match self.store.plugins().default(t.id).map_err(store_error)? {
-                Some(n) => n,
-                None => return Ok(None),
-            },
-        };
+    pub fn chosen(&self, t: &Tenant, requested: Option<&str>) -> Result<Option<String>, ApiError> {
+        match requested {
+            Some(n) => Ok(Some(n.to_string())),
+            None => self.store.plugins().default(t.id).map_err(store_error),
+        }
+    }
+
+    /// Plugin `name` of `t`, compiled and ready to instantiate.
+    pub async fn resolve(&self, t: &Tenant, name: String) -> Result<Resolved, ApiError> {
         let rec = self.record(t, &name)?;
         let Some(version) = rec.active.clone() else {
             return Err(ApiError {
@@ -432,6 +450,7 @@ impl Plugins {
                 code: "plugin_inactive",
                 message: format!("plugin {name:?} has no active version; activate one"),
                 param: Some("plugin".into()),
+                retry_after: None,
             });
         };
         let plugin = match self.cached(t.id, &version) {
@@ -455,12 +474,12 @@ impl Plugins {
                 plugin
             }
         };
-        Ok(Some(Resolved {
+        Ok(Resolved {
             name,
             version,
             config: rec.config,
             plugin,
-        }))
+        })
     }
 }
 

@@ -1,0 +1,627 @@
+//! Per-tenant quota policies: the files in `policies/` and what they resolve to.
+//!
+//! * `policies/default.toml` applies to every tenant; `policies/tenants/<tenant>.toml` overrides
+//!   any of its keys for that tenant. Every key is optional; a key set in neither takes the
+//!   built-in default (unlimited for rates and quotas, the server's own limits otherwise).
+//! * A file is checked whole before anything takes effect: unknown keys, wrong types and
+//!   impossible values are errors naming the file, the line and the key. A set with any bad file
+//!   is refused as a whole, so the previous set stays in force ([`PolicySet::load`]).
+//! * A loaded set has a version (a digest of every file's name and bytes), which the metrics show.
+//!
+//! Enforcement lives with the server (`serve::quota`); this module only says what the limits are.
+
+pub mod rate;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use sha2::Digest;
+
+/// A limit that may be absent: a number, or `"unlimited"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// No limit.
+    Unlimited,
+    /// At most this many.
+    At(u64),
+}
+
+impl Limit {
+    /// The number, if limited.
+    pub fn get(self) -> Option<u64> {
+        match self {
+            Limit::Unlimited => None,
+            Limit::At(n) => Some(n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Limit {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Limit;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a non-negative integer or \"unlimited\"")
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Limit, E> {
+                u64::try_from(v)
+                    .map(Limit::At)
+                    .map_err(|_| E::custom(format!("{v} is negative; use a non-negative integer or \"unlimited\"")))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Limit, E> {
+                Ok(Limit::At(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Limit, E> {
+                if v == "unlimited" {
+                    Ok(Limit::Unlimited)
+                } else {
+                    Err(E::custom(format!(
+                        "\"{v}\" is not a limit; use a non-negative integer or \"unlimited\""
+                    )))
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Whether a tenant's KV may be reused across its requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefixSharing {
+    /// The tenant's own prefix cache: its requests reuse its own pages, never another tenant's
+    /// (invariant 5).
+    Private,
+    /// No prefix cache: every request computes its whole prompt.
+    Off,
+}
+
+/// One policy file as written: every key optional.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    requests_per_minute: Option<Limit>,
+    tokens_per_minute: Option<Limit>,
+    tokens_per_day: Option<Limit>,
+    tokens_per_month: Option<Limit>,
+    concurrent_requests: Option<Limit>,
+    max_context: Option<Limit>,
+    max_tokens: Option<Limit>,
+    allowed_models: Option<Vec<String>>,
+    allowed_plugins: Option<Vec<String>>,
+    weight: Option<u32>,
+    kv: Option<KvFile>,
+    plugins: Option<PluginsFile>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KvFile {
+    max_pages: Option<Limit>,
+    min_pages: Option<u64>,
+    prefix_cache: Option<PrefixSharing>,
+    max_pinned_pages: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PluginsFile {
+    fuel_per_call: Option<u64>,
+    memory_mib: Option<u64>,
+    call_timeout_ms: Option<u64>,
+    max_component_mib: Option<u64>,
+}
+
+/// A tenant's policy, resolved: what the server enforces.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Policy {
+    /// Requests admitted per minute (a token bucket holding one minute's worth).
+    pub requests_per_minute: Limit,
+    /// Prompt plus completion tokens per minute; a request reserves its prompt plus
+    /// `max_tokens` (times `n`) at admission and gets back what it did not use.
+    pub tokens_per_minute: Limit,
+    /// Tokens per UTC day.
+    pub tokens_per_day: Limit,
+    /// Tokens per UTC calendar month.
+    pub tokens_per_month: Limit,
+    /// Requests in flight at once.
+    pub concurrent_requests: Limit,
+    /// Prompt plus completion tokens of one request (the server's own limit applies too).
+    pub max_context: Limit,
+    /// The largest `max_tokens` a request may ask for.
+    pub max_tokens: Limit,
+    /// Models the tenant may use (`"*"`: any).
+    pub allowed_models: Vec<String>,
+    /// Plugins the tenant may run, by name (`"*"`: any).
+    pub allowed_plugins: Vec<String>,
+    /// The tenant's share when tenants contend for the engine (default 1).
+    pub weight: u32,
+    /// KV pages the tenant's running requests may hold at once.
+    pub kv_max_pages: Limit,
+    /// KV pages kept available for the tenant whatever others do (its guaranteed floor).
+    pub kv_min_pages: u64,
+    /// Prefix-cache reuse.
+    pub prefix_cache: PrefixSharing,
+    /// KV pages its plugins may pin in its prefix cache.
+    pub kv_max_pinned_pages: u64,
+    /// Plugin limits; `None` takes the server's `[plugins]` value.
+    pub plugin_fuel_per_call: Option<u64>,
+    /// Plugin linear memory, MiB.
+    pub plugin_memory_mib: Option<u64>,
+    /// Plugin wall time per call, milliseconds.
+    pub plugin_call_timeout_ms: Option<u64>,
+    /// Largest plugin component, MiB.
+    pub plugin_max_component_mib: Option<u64>,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            requests_per_minute: Limit::Unlimited,
+            tokens_per_minute: Limit::Unlimited,
+            tokens_per_day: Limit::Unlimited,
+            tokens_per_month: Limit::Unlimited,
+            concurrent_requests: Limit::Unlimited,
+            max_context: Limit::Unlimited,
+            max_tokens: Limit::Unlimited,
+            allowed_models: vec!["*".into()],
+            allowed_plugins: vec!["*".into()],
+            weight: 1,
+            kv_max_pages: Limit::Unlimited,
+            kv_min_pages: 0,
+            prefix_cache: PrefixSharing::Private,
+            kv_max_pinned_pages: 64,
+            plugin_fuel_per_call: None,
+            plugin_memory_mib: None,
+            plugin_call_timeout_ms: None,
+            plugin_max_component_mib: None,
+        }
+    }
+}
+
+impl Policy {
+    /// Whether `model` is allowed.
+    pub fn allows_model(&self, model: &str) -> bool {
+        self.allowed_models.iter().any(|m| m == "*" || m == model)
+    }
+
+    /// Whether plugin `name` is allowed.
+    pub fn allows_plugin(&self, name: &str) -> bool {
+        self.allowed_plugins.iter().any(|p| p == "*" || p == name)
+    }
+
+    /// The engine's view of the KV part.
+    pub fn tenant_kv(&self) -> crate::engine::TenantKv {
+        crate::engine::TenantKv {
+            max_pages: self.kv_max_pages.get().map(|p| p as usize),
+            min_pages: self.kv_min_pages as usize,
+            prefix_cache: self.prefix_cache == PrefixSharing::Private,
+            max_pinned_pages: self.kv_max_pinned_pages as usize,
+        }
+    }
+
+    /// This policy with `f`'s keys laid over it.
+    fn overlay(mut self, f: &PolicyFile) -> Self {
+        macro_rules! set {
+            ($($field:ident),*) => { $( if let Some(v) = &f.$field { self.$field = v.clone(); } )* };
+        }
+        set!(
+            requests_per_minute,
+            tokens_per_minute,
+            tokens_per_day,
+            tokens_per_month,
+            concurrent_requests,
+            max_context,
+            max_tokens,
+            allowed_models,
+            allowed_plugins,
+            weight
+        );
+        if let Some(kv) = &f.kv {
+            if let Some(v) = kv.max_pages {
+                self.kv_max_pages = v;
+            }
+            if let Some(v) = kv.min_pages {
+                self.kv_min_pages = v;
+            }
+            if let Some(v) = kv.prefix_cache {
+                self.prefix_cache = v;
+            }
+            if let Some(v) = kv.max_pinned_pages {
+                self.kv_max_pinned_pages = v;
+            }
+        }
+        if let Some(p) = &f.plugins {
+            self.plugin_fuel_per_call = p.fuel_per_call.or(self.plugin_fuel_per_call);
+            self.plugin_memory_mib = p.memory_mib.or(self.plugin_memory_mib);
+            self.plugin_call_timeout_ms = p.call_timeout_ms.or(self.plugin_call_timeout_ms);
+            self.plugin_max_component_mib = p.max_component_mib.or(self.plugin_max_component_mib);
+        }
+        self
+    }
+}
+
+/// A policy file that cannot take effect.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{}: {message}", file.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+pub struct PolicyError {
+    /// The file.
+    pub file: PathBuf,
+    /// The line, when the error has one.
+    pub line: Option<usize>,
+    /// What is wrong, naming the key.
+    pub message: String,
+}
+
+/// What the server knows of itself, to refuse impossible policies.
+#[derive(Debug, Clone, Copy)]
+pub struct Bounds {
+    /// KV pages in the pool.
+    pub kv_pages: u64,
+}
+
+/// Every tenant's policy, as loaded from one directory at one moment.
+#[derive(Debug, Clone, Default)]
+pub struct PolicySet {
+    /// A digest of the files (name and bytes): the version in force.
+    pub version: String,
+    default: Policy,
+    tenants: HashMap<String, Policy>,
+}
+
+impl PolicySet {
+    /// The policies of `dir`: `default.toml` (optional; absent means the built-in defaults) and
+    /// `tenants/*.toml`. Any bad file refuses the whole set.
+    pub fn load(dir: &Path, bounds: Bounds) -> Result<Self, PolicyError> {
+        let mut files: BTreeMap<String, (PathBuf, String)> = BTreeMap::new();
+        let read = |p: &Path| {
+            std::fs::read_to_string(p).map_err(|e| PolicyError {
+                file: p.into(),
+                line: None,
+                message: format!("cannot read it: {e}"),
+            })
+        };
+        let default_path = dir.join("default.toml");
+        if default_path.exists() {
+            files.insert("default.toml".into(), (default_path.clone(), read(&default_path)?));
+        }
+        let tenants_dir = dir.join("tenants");
+        if tenants_dir.exists() {
+            let entries = std::fs::read_dir(&tenants_dir).map_err(|e| PolicyError {
+                file: tenants_dir.clone(),
+                line: None,
+                message: format!("cannot list it: {e}"),
+            })?;
+            for entry in entries {
+                let p = entry
+                    .map_err(|e| PolicyError {
+                        file: tenants_dir.clone(),
+                        line: None,
+                        message: format!("cannot list it: {e}"),
+                    })?
+                    .path();
+                let Some(name) = p.file_name().and_then(|n| n.to_str()) else {
+                    continue;
+                };
+                // Editors' swap and backup files are not policies.
+                if name.starts_with('.') || !name.ends_with(".toml") {
+                    continue;
+                }
+                files.insert(format!("tenants/{name}"), (p.clone(), read(&p)?));
+            }
+        }
+        let mut digest = sha2::Sha256::new();
+        for (name, (_, text)) in &files {
+            digest.update((name.len() as u64).to_le_bytes());
+            digest.update(name.as_bytes());
+            digest.update((text.len() as u64).to_le_bytes());
+            digest.update(text.as_bytes());
+        }
+        let version: String = digest.finalize()[..6].iter().map(|b| format!("{b:02x}")).collect();
+        let mut set = PolicySet {
+            version,
+            default: Policy::default(),
+            tenants: HashMap::new(),
+        };
+        if let Some((path, text)) = files.get("default.toml") {
+            let f = parse(path, text)?;
+            set.default = Policy::default().overlay(&f);
+            check(path, text, &set.default, bounds, true)?;
+        }
+        let mut floors = 0u64;
+        for (name, (path, text)) in files.range("tenants/".to_string()..) {
+            let tenant = name.trim_start_matches("tenants/").trim_end_matches(".toml");
+            if !crate::serve::store::valid_tenant_name(tenant) {
+                return Err(PolicyError {
+                    file: path.clone(),
+                    line: None,
+                    message: format!("\"{tenant}\" is not a tenant name (the file is tenants/<tenant>.toml)"),
+                });
+            }
+            let f = parse(path, text)?;
+            let p = set.default.clone().overlay(&f);
+            check(path, text, &p, bounds, false)?;
+            floors += p.kv_min_pages;
+            if floors > bounds.kv_pages {
+                return Err(PolicyError {
+                    file: path.clone(),
+                    line: line_of(text, Some("kv"), "min_pages"),
+                    message: format!(
+                        "kv.min_pages: the tenants' guaranteed KV pages add up to {floors}, more than the pool's {} pages",
+                        bounds.kv_pages
+                    ),
+                });
+            }
+            set.tenants.insert(tenant.to_string(), p);
+        }
+        Ok(set)
+    }
+
+    /// The policy of tenant `name`.
+    pub fn of(&self, name: &str) -> &Policy {
+        self.tenants.get(name).unwrap_or(&self.default)
+    }
+
+    /// Tenants with a file of their own.
+    pub fn tenants(&self) -> impl Iterator<Item = (&str, &Policy)> {
+        self.tenants.iter().map(|(n, p)| (n.as_str(), p))
+    }
+}
+
+fn parse(path: &Path, text: &str) -> Result<PolicyFile, PolicyError> {
+    toml::from_str(text).map_err(|e| {
+        let line = e.span().map(|s| {
+            text.as_bytes()[..s.start.min(text.len())]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count()
+                + 1
+        });
+        PolicyError {
+            file: path.into(),
+            line,
+            message: e.message().trim_end().to_string(),
+        }
+    })
+}
+
+/// The line where `key` is set in `[table]` (or at the top, with `None`).
+fn line_of(text: &str, table: Option<&str>, key: &str) -> Option<usize> {
+    let mut current: Option<String> = None;
+    for (i, l) in text.lines().enumerate() {
+        let t = l.trim();
+        if let Some(h) = t.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+            current = Some(h.trim().to_string());
+            continue;
+        }
+        let Some((k, _)) = t.split_once('=') else { continue };
+        let k = k.trim();
+        let full = match &current {
+            Some(c) => format!("{c}.{k}"),
+            None => k.to_string(),
+        };
+        let want = match table {
+            Some(tb) => format!("{tb}.{key}"),
+            None => key.to_string(),
+        };
+        if full == want {
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
+/// Values no type can rule out.
+fn check(path: &Path, text: &str, p: &Policy, bounds: Bounds, is_default: bool) -> Result<(), PolicyError> {
+    let err = |table: Option<&str>, key: &str, message: String| PolicyError {
+        file: path.into(),
+        line: line_of(text, table, key),
+        message,
+    };
+    for (key, l) in [
+        ("requests_per_minute", p.requests_per_minute),
+        ("tokens_per_minute", p.tokens_per_minute),
+        ("concurrent_requests", p.concurrent_requests),
+        ("max_context", p.max_context),
+        ("max_tokens", p.max_tokens),
+    ] {
+        if l == Limit::At(0) {
+            return Err(err(
+                None,
+                key,
+                format!(
+                    "{key} = 0 would refuse every request; remove the tenant's key, or set allowed_models = [] to lock it out"
+                ),
+            ));
+        }
+    }
+    if p.weight == 0 || p.weight > 1000 {
+        return Err(err(None, "weight", format!("weight = {}: must be 1 to 1000", p.weight)));
+    }
+    if let (Some(day), Some(month)) = (p.tokens_per_day.get(), p.tokens_per_month.get())
+        && day > month
+    {
+        return Err(err(
+            None,
+            "tokens_per_day",
+            format!("tokens_per_day = {day} is more than tokens_per_month = {month}"),
+        ));
+    }
+    if let Some(max) = p.kv_max_pages.get() {
+        if max == 0 || max > bounds.kv_pages {
+            return Err(err(
+                Some("kv"),
+                "max_pages",
+                format!(
+                    "kv.max_pages = {max}: must be 1 to the pool's {} pages",
+                    bounds.kv_pages
+                ),
+            ));
+        }
+        if p.kv_min_pages > max {
+            return Err(err(
+                Some("kv"),
+                "min_pages",
+                format!("kv.min_pages = {} is more than kv.max_pages = {max}", p.kv_min_pages),
+            ));
+        }
+    }
+    if is_default && p.kv_min_pages > 0 {
+        return Err(err(
+            Some("kv"),
+            "min_pages",
+            "kv.min_pages guarantees pages to one tenant; set it in tenants/<tenant>.toml, not for every tenant".into(),
+        ));
+    }
+    if p.kv_max_pinned_pages > bounds.kv_pages {
+        return Err(err(
+            Some("kv"),
+            "max_pinned_pages",
+            format!(
+                "kv.max_pinned_pages = {}: more than the pool's {} pages",
+                p.kv_max_pinned_pages, bounds.kv_pages
+            ),
+        ));
+    }
+    for (key, v, max) in [
+        ("fuel_per_call", p.plugin_fuel_per_call, u64::MAX),
+        ("memory_mib", p.plugin_memory_mib, 4096),
+        ("call_timeout_ms", p.plugin_call_timeout_ms, 600_000),
+        ("max_component_mib", p.plugin_max_component_mib, 1024),
+    ] {
+        if let Some(v) = v
+            && (v == 0 || v > max)
+        {
+            return Err(err(
+                Some("plugins"),
+                key,
+                format!("plugins.{key} = {v}: must be 1 to {max}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BOUNDS: Bounds = Bounds { kv_pages: 1000 };
+
+    fn dir(tag: &str, files: &[(&str, &str)]) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("warden-policy-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(d.join("tenants")).unwrap();
+        for (name, text) in files {
+            std::fs::write(d.join(name), text).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn tenant_files_override_the_default_key_by_key() {
+        let d = dir(
+            "overlay",
+            &[
+                (
+                    "default.toml",
+                    "requests_per_minute = 60\ntokens_per_day = 1000\n[kv]\nmax_pages = 100\n",
+                ),
+                (
+                    "tenants/acme.toml",
+                    "requests_per_minute = \"unlimited\"\n[kv]\nmin_pages = 10\nprefix_cache = \"off\"\n",
+                ),
+            ],
+        );
+        let s = PolicySet::load(&d, BOUNDS).unwrap();
+        let acme = s.of("acme");
+        assert_eq!(acme.requests_per_minute, Limit::Unlimited);
+        assert_eq!(acme.tokens_per_day, Limit::At(1000), "inherited");
+        assert_eq!((acme.kv_max_pages, acme.kv_min_pages), (Limit::At(100), 10));
+        assert_eq!(acme.prefix_cache, PrefixSharing::Off);
+        let other = s.of("other");
+        assert_eq!(other.requests_per_minute, Limit::At(60));
+        assert_eq!(other.prefix_cache, PrefixSharing::Private, "private by default");
+        assert_eq!(s.version.len(), 12);
+    }
+
+    #[test]
+    fn bad_files_name_file_line_and_key() {
+        let cases: [(&str, &str, &str); 7] = [
+            (
+                "tenants/a.toml",
+                "weight = 2\ntokens_per_minut = 5\n",
+                ":2: unknown field `tokens_per_minut`",
+            ),
+            (
+                "tenants/a.toml",
+                "\n\nrequests_per_minute = \"lots\"\n",
+                ":3: \"lots\" is not a limit",
+            ),
+            ("tenants/a.toml", "concurrent_requests = -1\n", ":1: -1 is negative"),
+            (
+                "tenants/a.toml",
+                "[kv]\nmax_pages = 5\nmin_pages = 6\n",
+                ":3: kv.min_pages = 6 is more than kv.max_pages = 5",
+            ),
+            (
+                "tenants/a.toml",
+                "[kv]\nmax_pages = 5000\n",
+                ":2: kv.max_pages = 5000: must be 1 to the pool's 1000 pages",
+            ),
+            (
+                "default.toml",
+                "tokens_per_day = 10\ntokens_per_month = 5\n",
+                ":1: tokens_per_day = 10 is more than",
+            ),
+            (
+                "tenants/a.toml",
+                "[plugins]\nmemory_mib = 0\n",
+                ":2: plugins.memory_mib = 0: must be 1 to 4096",
+            ),
+        ];
+        for (i, (name, text, want)) in cases.iter().enumerate() {
+            let d = dir(&format!("bad{i}"), &[(name, text)]);
+            let e = PolicySet::load(&d, BOUNDS).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains(want), "case {i}: {e}");
+        }
+    }
+
+    #[test]
+    fn floors_cannot_promise_more_than_the_pool() {
+        let d = dir(
+            "floors",
+            &[
+                ("tenants/a.toml", "[kv]\nmin_pages = 600\n"),
+                ("tenants/b.toml", "[kv]\nmin_pages = 600\n"),
+            ],
+        );
+        let e = PolicySet::load(&d, BOUNDS).unwrap_err().to_string();
+        assert!(e.contains("add up to 1200") && e.contains("tenants/b.toml:2"), "{e}");
+        let d = dir("floordefault", &[("default.toml", "[kv]\nmin_pages = 1\n")]);
+        assert!(
+            PolicySet::load(&d, BOUNDS)
+                .unwrap_err()
+                .to_string()
+                .contains("tenants/<tenant>.toml")
+        );
+    }
+
+    #[test]
+    fn the_shipped_default_is_the_built_in_default() {
+        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
+        let s = PolicySet::load(&d, BOUNDS).unwrap();
+        assert_eq!(s.of("anyone"), &Policy::default());
+    }
+
+    #[test]
+    fn no_files_means_the_built_in_defaults() {
+        let d = dir("empty", &[]);
+        let s = PolicySet::load(&d, BOUNDS).unwrap();
+        assert_eq!(s.of("anyone"), &Policy::default());
+        assert!(s.of("anyone").allows_model("m") && s.of("anyone").allows_plugin("p"));
+    }
+}

@@ -1,0 +1,295 @@
+//! Enforcing tenants' policies, each limit before the work it limits.
+//!
+//! * Static limits (allowed models and plugins, `max_tokens`, context) are refused with 400 or
+//!   403 and a code naming the limit.
+//! * Requests per minute and concurrent requests are checked when a request arrives, before its
+//!   plugin runs or its prompt is tokenized ([`Quotas::admit`]): one GCRA limiter per tenant, and
+//!   a count of requests in flight.
+//! * Tokens are checked once the prompt is known, before anything is queued
+//!   ([`Grant::reserve`]): the request reserves its prompt plus `max_tokens` for each choice
+//!   against the tenant's tokens per minute, day and month; when it ends, what it did not use
+//!   goes back and what it used is recorded ([`UsageBook`]).
+//! * Rates and usage are refused with 429 and `Retry-After`.
+//!
+//! Policies are swapped whole ([`Quotas::reload`]): a request reads one set and keeps it.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use hyper::StatusCode;
+
+use super::openai::ApiError;
+use super::store::Tenant;
+use super::usage::{UsageBook, Used, periods};
+use crate::engine::request::Usage;
+use crate::policy::rate::{Denied, Gcra};
+use crate::policy::{Bounds, Policy, PolicyError, PolicySet};
+
+/// A tenant's live limiters.
+#[derive(Default)]
+struct Live {
+    /// Requests per minute: the limit it was built for, and the limiter.
+    rpm: Option<(u64, Gcra)>,
+    /// Tokens per minute.
+    tpm: Option<(u64, Gcra)>,
+    /// Requests in flight.
+    in_flight: u64,
+    /// Tokens reserved by requests in flight (not yet in the usage book).
+    reserved: u64,
+}
+
+/// Limiter for `limit` per minute, rebuilt if the limit changed.
+fn limiter(slot: &mut Option<(u64, Gcra)>, limit: Option<u64>, now: Instant) -> Option<&mut Gcra> {
+    match limit {
+        None => {
+            *slot = None;
+            None
+        }
+        Some(l) => {
+            if slot.as_ref().is_none_or(|(had, _)| *had != l) {
+                *slot = Some((l, Gcra::per_minute(l, now)));
+            }
+            slot.as_mut().map(|(_, g)| g)
+        }
+    }
+}
+
+fn too_many(code: &'static str, message: String, retry: Duration) -> ApiError {
+    let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, message);
+    e.retry_after = Some(retry.as_secs_f64().ceil().max(1.0) as u64);
+    e
+}
+
+/// The policies in force and every tenant's limiters.
+pub struct Quotas {
+    dir: PathBuf,
+    bounds: Bounds,
+    set: RwLock<Arc<PolicySet>>,
+    live: Mutex<HashMap<u64, Live>>,
+    /// Usage counters, persisted.
+    pub usage: UsageBook,
+    reload_failures: AtomicU64,
+    last_failure: Mutex<String>,
+}
+
+impl Quotas {
+    /// Loads the policies in `dir`; a bad file refuses to start.
+    pub fn new(dir: PathBuf, bounds: Bounds, usage: UsageBook) -> Result<Self, PolicyError> {
+        let set = PolicySet::load(&dir, bounds)?;
+        Ok(Self {
+            dir,
+            bounds,
+            set: RwLock::new(Arc::new(set)),
+            live: Mutex::new(HashMap::new()),
+            usage,
+            reload_failures: AtomicU64::new(0),
+            last_failure: Mutex::new(String::new()),
+        })
+    }
+
+    /// The set in force.
+    pub fn set(&self) -> Arc<PolicySet> {
+        self.set.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Re-reads the directory. A good set replaces the one in force at once (true if it
+    /// differs); a bad one is refused and named, and the set in force stays. Each distinct
+    /// failure is counted once, however often it is read again.
+    pub fn reload(&self) -> Result<bool, PolicyError> {
+        let mut last = self.last_failure.lock().unwrap_or_else(|p| p.into_inner());
+        match PolicySet::load(&self.dir, self.bounds) {
+            Ok(new) => {
+                last.clear();
+                let mut cur = self.set.write().unwrap_or_else(|p| p.into_inner());
+                let changed = cur.version != new.version;
+                if changed {
+                    *cur = Arc::new(new);
+                }
+                Ok(changed)
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                if *last != msg {
+                    self.reload_failures.fetch_add(1, Ordering::Relaxed);
+                    *last = msg;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Reloads refused since start.
+    pub fn reload_failures(&self) -> u64 {
+        self.reload_failures.load(Ordering::Relaxed)
+    }
+
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Live>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Admits a request of tenant `t` under `policy`, or refuses it (429) on its concurrency
+    /// or its requests per minute. Nothing of the request has run yet.
+    pub fn admit(self: &Arc<Self>, t: &Tenant, policy: &Policy) -> Result<Grant, ApiError> {
+        let now = Instant::now();
+        let mut live = self.live();
+        let l = live.entry(t.id).or_default();
+        if let Some(max) = policy.concurrent_requests.get()
+            && l.in_flight >= max
+        {
+            return Err(too_many(
+                "concurrency_limit",
+                format!(
+                    "tenant {:?} has {max} requests in flight, its policy's concurrent_requests; retry when one ends",
+                    t.name
+                ),
+                Duration::from_secs(1),
+            ));
+        }
+        if let Some(g) = limiter(&mut l.rpm, policy.requests_per_minute.get(), now)
+            && let Err(Denied::RetryAfter(d)) = g.take(1, now)
+        {
+            return Err(too_many(
+                "rate_limit_requests",
+                format!(
+                    "tenant {:?} is over its policy's requests_per_minute of {}",
+                    t.name,
+                    policy.requests_per_minute.get().unwrap_or(0)
+                ),
+                d,
+            ));
+        }
+        l.in_flight += 1;
+        Ok(Grant {
+            quotas: self.clone(),
+            tenant: t.clone(),
+            reserved: 0,
+            used: Mutex::new(None),
+        })
+    }
+}
+
+/// An admitted request's hold on its tenant's quotas: one slot of its concurrency, and the
+/// tokens it reserved. Choices report what they used ([`Grant::record`]); when the last holder
+/// lets go, the slot is freed, unused tokens go back, and the usage is booked.
+pub struct Grant {
+    quotas: Arc<Quotas>,
+    tenant: Tenant,
+    reserved: u64,
+    /// What its choices used, once one has ended (a request refused before it ran used none).
+    used: Mutex<Option<Used>>,
+}
+
+impl Grant {
+    /// Reserves `tokens` (the prompt plus `max_tokens` for each choice) against the tenant's
+    /// tokens per minute, day and month, or refuses: 429 with `Retry-After` when they would
+    /// fit later, 400 when the request alone is over a per-minute limit.
+    pub fn reserve(&mut self, tokens: u64, policy: &Policy) -> Result<(), ApiError> {
+        let now = Instant::now();
+        let wall = SystemTime::now();
+        let (day_used, month_used) = self.quotas.usage.period_tokens(self.tenant.id, wall);
+        let (_, _, day_left, month_left) = periods(wall);
+        let mut live = self.quotas.live();
+        let l = live.entry(self.tenant.id).or_default();
+        let name = &self.tenant.name;
+        for (limit, used, left, code, key) in [
+            (
+                policy.tokens_per_day,
+                day_used,
+                day_left,
+                "quota_tokens_day",
+                "tokens_per_day",
+            ),
+            (
+                policy.tokens_per_month,
+                month_used,
+                month_left,
+                "quota_tokens_month",
+                "tokens_per_month",
+            ),
+        ] {
+            if let Some(max) = limit.get()
+                && used + l.reserved + tokens > max
+            {
+                return Err(too_many(
+                    code,
+                    format!(
+                        "tenant {name:?} has used {used} of its {key} of {max} tokens ({} more reserved by requests in flight); this request needs up to {tokens}",
+                        l.reserved
+                    ),
+                    Duration::from_secs(left),
+                ));
+            }
+        }
+        let tpm = policy.tokens_per_minute.get();
+        if let Some(g) = limiter(&mut l.tpm, tpm, now) {
+            match g.take(tokens, now) {
+                Ok(()) => {}
+                Err(Denied::RetryAfter(d)) => {
+                    return Err(too_many(
+                        "rate_limit_tokens",
+                        format!(
+                            "tenant {name:?} is over its policy's tokens_per_minute of {}; this request reserves {tokens} (its prompt plus max_tokens for each choice)",
+                            tpm.unwrap_or(0)
+                        ),
+                        d,
+                    ));
+                }
+                Err(Denied::TooLarge { burst }) => {
+                    return Err(ApiError::new(
+                        StatusCode::BAD_REQUEST,
+                        "request_over_token_rate",
+                        format!(
+                            "this request reserves {tokens} tokens (its prompt plus max_tokens for each choice), more than tenant {name:?}'s tokens_per_minute of {burst}; lower max_tokens"
+                        ),
+                    ));
+                }
+            }
+        }
+        l.reserved += tokens;
+        self.reserved += tokens;
+        Ok(())
+    }
+
+    /// Records what one choice used.
+    pub fn record(&self, u: &Usage) {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let used = used.get_or_insert_default();
+        used.prompt_tokens = used.prompt_tokens.max(u.prompt_tokens as u64);
+        used.completion_tokens += u.completion_tokens as u64;
+        used.cached_tokens = used.cached_tokens.max(u.cached_tokens as u64);
+    }
+
+    /// Adds fuel the request's plugin burned.
+    pub fn add_fuel(&self, fuel: u64) {
+        self.used
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_or_insert_default()
+            .plugin_fuel += fuel;
+    }
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        let used = *self.used.get_mut().unwrap_or_else(|p| p.into_inner());
+        let q = &self.quotas;
+        {
+            let now = Instant::now();
+            let mut live = q.live();
+            if let Some(l) = live.get_mut(&self.tenant.id) {
+                l.in_flight = l.in_flight.saturating_sub(1);
+                l.reserved = l.reserved.saturating_sub(self.reserved);
+                if let Some((_, g)) = &mut l.tpm {
+                    let spent = used.map_or(0, |u| u.tokens());
+                    g.refund(self.reserved.saturating_sub(spent), now);
+                }
+            }
+        }
+        if let Some(used) = used {
+            q.usage.record(self.tenant.id, &self.tenant.name, used);
+        }
+    }
+}
