@@ -51,7 +51,7 @@ const POLICIES: &[(&str, &str)] = &[
     ("tenants/conc.toml", "concurrent_requests = 1\n"),
     ("tenants/strict.toml", "max_tokens = 8\nmax_context = 45\nallowed_plugins = [\"none-of-these\"]\n"),
     ("tenants/nomodel.toml", "allowed_models = []\n"),
-    ("tenants/kv.toml", "[kv]\nmax_pages = 2\nprefix_cache = \"off\"\n"),
+    ("tenants/kv.toml", "[kv]\nmax_pages = 3\nprefix_cache = \"off\"\n"),
 ];
 
 #[test]
@@ -153,7 +153,7 @@ fn every_limit_is_refused_before_its_work_with_its_code() {
         let r = chat(&c, &free, q, Some(65)).await;
         assert_eq!(code(&r), "max_tokens_over_policy", "default.toml applies to tenants without a file");
 
-        // KV: a cap of 2 pages (32 tokens) refuses a request that could never fit, before any
+        // KV: a cap of 3 pages (48 tokens) refuses a request that could never fit, before any
         // page is allocated; with the prefix cache off, nothing is reused.
         let r = chat(&c, &keys["kv"], q, Some(40)).await;
         assert_eq!((r.status, code(&r).as_str()), (400, "kv_budget_exceeded"), "{}", r.text());
