@@ -17,9 +17,14 @@ async fn chat(c: &Client, key: &str, content: &str, max_tokens: Option<usize>) -
     if let Some(m) = max_tokens {
         v["max_tokens"] = json!(m);
     }
-    c.request(Method::POST, "/v1/chat/completions", Some(key), Some(v.to_string().into_bytes()))
-        .await
-        .expect("request")
+    c.request(
+        Method::POST,
+        "/v1/chat/completions",
+        Some(key),
+        Some(v.to_string().into_bytes()),
+    )
+    .await
+    .expect("request")
 }
 
 fn code(r: &Reply) -> String {
@@ -38,7 +43,10 @@ fn retry_after(r: &Reply) -> u64 {
 }
 
 async fn usage(c: &Client, key: &str) -> Value {
-    let r = c.request(Method::GET, "/v1/usage", Some(key), None).await.expect("usage");
+    let r = c
+        .request(Method::GET, "/v1/usage", Some(key), None)
+        .await
+        .expect("usage");
     assert_eq!(r.status, 200, "{}", r.text());
     r.json().unwrap()
 }
@@ -49,7 +57,10 @@ const POLICIES: &[(&str, &str)] = &[
     ("tenants/tpm.toml", "tokens_per_minute = 300\nmax_tokens = 500\n"),
     ("tenants/daily.toml", "tokens_per_day = 100\n"),
     ("tenants/conc.toml", "concurrent_requests = 1\n"),
-    ("tenants/strict.toml", "max_tokens = 8\nmax_context = 45\nallowed_plugins = [\"none-of-these\"]\n"),
+    (
+        "tenants/strict.toml",
+        "max_tokens = 8\nmax_context = 45\nallowed_plugins = [\"none-of-these\"]\n",
+    ),
     ("tenants/nomodel.toml", "allowed_models = []\n"),
     ("tenants/kv.toml", "[kv]\nmax_pages = 3\nprefix_cache = \"off\"\n"),
 ];
@@ -200,7 +211,10 @@ fn write(s: &Server, name: &str, text: &str) {
 async fn version(s: &Server) -> String {
     let m = s.metrics().await;
     m.lines()
-        .find_map(|l| l.strip_prefix("warden_policy_info{version=\"").and_then(|r| r.split('"').next()))
+        .find_map(|l| {
+            l.strip_prefix("warden_policy_info{version=\"")
+                .and_then(|r| r.split('"').next())
+        })
         .expect("warden_policy_info")
         .to_string()
 }
@@ -212,7 +226,10 @@ async fn wait_for_version_change(s: &Server, from: &str) -> String {
         if v != from {
             return v;
         }
-        assert!(Instant::now() < deadline, "the policy version never changed from {from}");
+        assert!(
+            Instant::now() < deadline,
+            "the policy version never changed from {from}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -227,7 +244,11 @@ fn policies_reload_on_change_and_a_bad_file_leaves_the_last_good_set() {
         assert_eq!(code(&chat(&c, &key, "Hi.", Some(5)).await), "max_tokens_over_policy");
         write(&s, "tenants/default.toml", "max_tokens = 8\n");
         let v2 = wait_for_version_change(&s, &v1).await;
-        assert_eq!(chat(&c, &key, "Hi.", Some(5)).await.status, 200, "the new file is in force");
+        assert_eq!(
+            chat(&c, &key, "Hi.", Some(5)).await.status,
+            200,
+            "the new file is in force"
+        );
         // A bad file: refused with file, line and key; the previous set stays.
         write(&s, "tenants/default.toml", "max_tokens = 2\nmax_tokenz = 3\n");
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -248,10 +269,16 @@ fn policies_reload_on_change_and_a_bad_file_leaves_the_last_good_set() {
         assert_eq!(chat(&c, &key, "Hi.", Some(5)).await.status, 200, "max_tokens = 8 still");
         // A good file again, picked up at once on SIGHUP.
         write(&s, "tenants/default.toml", "max_tokens = 3\n");
-        let _ = std::process::Command::new("kill").args(["-HUP", &s.pid().to_string()]).status();
+        let _ = std::process::Command::new("kill")
+            .args(["-HUP", &s.pid().to_string()])
+            .status();
         wait_for_version_change(&s, &v2).await;
         assert_eq!(code(&chat(&c, &key, "Hi.", Some(5)).await), "max_tokens_over_policy");
-        assert_eq!(s.metric("warden_policy_reload_failures_total").await, 1.0, "one bad file, counted once");
+        assert_eq!(
+            s.metric("warden_policy_reload_failures_total").await,
+            1.0,
+            "one bad file, counted once"
+        );
     });
 }
 

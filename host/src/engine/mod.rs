@@ -12,7 +12,7 @@ pub mod request;
 pub mod sampling;
 pub mod text;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -69,9 +69,11 @@ impl EngineConfig {
     }
 }
 
-/// A tenant's KV settings, from its policy.
+/// What the engine enforces of a tenant's policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TenantKv {
+pub struct TenantSettings {
+    /// Its share when tenants contend for admission and for prefill tokens (at least 1).
+    pub weight: u32,
     /// Pages its sequences may hold at once (`None`: no cap beyond the pool).
     pub max_pages: Option<usize>,
     /// Pages kept for it whatever other tenants do.
@@ -173,8 +175,10 @@ pub struct Engine {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     next_id: RequestId,
-    /// Per-tenant KV settings; tenants absent use the engine's.
-    tenant_kv: HashMap<u64, TenantKv>,
+    /// Per-tenant settings; tenants absent use the engine's, with weight 1.
+    tenants: HashMap<u64, TenantSettings>,
+    /// Virtual tokens served per tenant: tokens computed for it, divided by its weight.
+    served: HashMap<u64, f64>,
     scratch: Scratch,
     events: Vec<Event>,
 }
@@ -210,7 +214,8 @@ impl Engine {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 1,
-            tenant_kv: HashMap::new(),
+            tenants: HashMap::new(),
+            served: HashMap::new(),
             scratch: Scratch::default(),
             events: Vec::new(),
         })
@@ -247,7 +252,7 @@ impl Engine {
     pub fn kv_pin(&mut self, id: RequestId, owner: u64, tokens: usize) -> Result<usize, KvError> {
         self.owned(id, owner)?;
         let limit = self
-            .tenant_kv
+            .tenants
             .get(&owner)
             .map_or(self.cfg.max_pinned_pages, |k| k.max_pinned_pages);
         self.pool.pin_prefix(id, tokens, limit)
@@ -265,10 +270,10 @@ impl Engine {
         self.pool.forget_owner(owner);
     }
 
-    /// Applies tenant `owner`'s KV settings: its page cap and floor in the pool, whether it
-    /// reuses prefixes (turning that off drops its cache) and its pin cap.
-    pub fn set_tenant_kv(&mut self, owner: u64, kv: TenantKv) {
-        if self.tenant_kv.get(&owner) == Some(&kv) {
+    /// Applies tenant `owner`'s settings: its weight, its page cap and floor in the pool, whether
+    /// it reuses prefixes (turning that off drops its cache) and its pin cap.
+    pub fn set_tenant(&mut self, owner: u64, kv: TenantSettings) {
+        if self.tenants.get(&owner) == Some(&kv) {
             return;
         }
         self.pool.set_owner_budget(owner, kv.max_pages);
@@ -276,12 +281,22 @@ impl Engine {
         if !kv.prefix_cache {
             self.pool.forget_owner(owner);
         }
-        self.tenant_kv.insert(owner, kv);
+        self.tenants.insert(owner, kv);
+    }
+
+    /// Tenant `owner`'s virtual counter.
+    fn served(&self, owner: u64) -> f64 {
+        self.served.get(&owner).copied().unwrap_or(0.0)
+    }
+
+    /// Whether `owner` has a request waiting or running.
+    fn active(&self, owner: u64) -> bool {
+        self.waiting.iter().chain(&self.running).any(|s| s.owner == owner)
     }
 
     /// Whether `owner`'s requests use the prefix cache.
     fn prefix_cache_for(&self, owner: u64) -> bool {
-        self.cfg.prefix_cache && self.tenant_kv.get(&owner).is_none_or(|k| k.prefix_cache)
+        self.cfg.prefix_cache && self.tenants.get(&owner).is_none_or(|k| k.prefix_cache)
     }
 
     fn owned(&self, id: RequestId, owner: u64) -> Result<(), KvError> {
@@ -348,6 +363,20 @@ impl Engine {
             });
         }
         let r = valid.req;
+        // A tenant that was idle starts at the lowest counter of the active ones (the VTC's
+        // lift): idling banks no credit against tenants that kept the engine busy.
+        if !self.active(r.owner) {
+            let floor = self
+                .waiting
+                .iter()
+                .chain(&self.running)
+                .map(|s| self.served(s.owner))
+                .fold(f64::INFINITY, f64::min);
+            if floor.is_finite() {
+                let c = self.served.entry(r.owner).or_insert(0.0);
+                *c = c.max(floor);
+            }
+        }
         let id = self.next_id;
         self.next_id += 1;
         self.waiting.push_back(Seq {
@@ -424,15 +453,17 @@ impl Engine {
         });
     }
 
-    /// Moves waiting requests into the running set, in arrival order, while slots and KV
-    /// reservations allow. A request whose owner is at its KV budget waits without blocking other
-    /// owners' requests behind it.
+    /// Moves waiting requests into the running set while slots and KV reservations allow:
+    /// across tenants the least served first (by virtual tokens, see [`Engine::next_to_admit`]),
+    /// within a tenant in arrival order. A request whose owner is at its KV budget, or that
+    /// follows a prefill of its owner, waits without blocking the others.
     fn admit_waiting(&mut self) {
-        let mut i = 0;
-        while i < self.waiting.len() && self.running.len() < self.cfg.max_running {
+        let mut passed: HashSet<RequestId> = HashSet::new();
+        while self.running.len() < self.cfg.max_running {
+            let Some(i) = self.next_to_admit(&passed) else { break };
             let s = &self.waiting[i];
             if self.follows_a_prefill(s) {
-                i += 1;
+                passed.insert(s.id);
                 continue;
             }
             let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
@@ -450,9 +481,13 @@ impl Engine {
                     seq.cached = cached;
                     self.running.push(seq);
                 }
-                Err(KvError::OwnerBudget { .. }) => i += 1,
+                Err(KvError::OwnerBudget { .. }) => {
+                    passed.insert(s.id);
+                }
                 // Refused only for other owners' guaranteed floors: the next owner may fit.
-                Err(KvError::PoolExhausted { available, .. }) if available < self.pool.available_pages() => i += 1,
+                Err(KvError::PoolExhausted { available, .. }) if available < self.pool.available_pages() => {
+                    passed.insert(s.id);
+                }
                 // Wait for running sequences to finish and free pages.
                 Err(KvError::PoolExhausted { .. }) => break,
                 Err(e) => {
@@ -461,6 +496,28 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// The waiting request to admit next, skipping `passed`: the one whose tenant has the
+    /// lowest virtual counter (tokens computed for it over its weight, as in "Fairness in Serving
+    /// Large Language Models", OSDI 2024), then the fewest running sequences, then the oldest.
+    fn next_to_admit(&self, passed: &HashSet<RequestId>) -> Option<usize> {
+        let mut running: HashMap<u64, usize> = HashMap::new();
+        for s in &self.running {
+            *running.entry(s.owner).or_insert(0) += 1;
+        }
+        self.waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !passed.contains(&s.id))
+            .min_by_key(|(i, s)| {
+                (
+                    OrdF64(self.served(s.owner)),
+                    running.get(&s.owner).copied().unwrap_or(0),
+                    *i,
+                )
+            })
+            .map(|(i, _)| i)
     }
 
     /// Whether `s` should wait for a running sequence of its owner whose prompt begins with the
@@ -479,8 +536,9 @@ impl Engine {
             .any(|r| r.owner == s.owner && r.computed < r.prompt_len && r.tokens.get(..ps) == Some(first))
     }
 
-    /// Plans a step: one token for every decoding sequence, then prefill chunks in arrival order
-    /// until the token budget is spent. Returns (running index, new tokens).
+    /// Plans a step: one token for every decoding sequence, then prefill chunks, the least
+    /// served tenant's first (then in admission order), until the token budget is spent.
+    /// Returns (running index, new tokens).
     fn plan(&self) -> Vec<(usize, usize)> {
         let mut budget = self.cfg.max_batch_tokens;
         let mut plan = Vec::new();
@@ -490,9 +548,23 @@ impl Engine {
                 budget -= 1;
             }
         }
-        for (i, s) in self.running.iter().enumerate() {
+        let mut prefills: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].tokens.len() - self.running[i].computed > 1)
+            .collect();
+        let mut per_owner: HashMap<u64, usize> = HashMap::new();
+        for s in &self.running {
+            *per_owner.entry(s.owner).or_insert(0) += 1;
+        }
+        // Least served first; on a tie (a tenant just lifted to the others' counter), the tenant
+        // with fewer sequences.
+        prefills.sort_by_key(|&i| {
+            let o = self.running[i].owner;
+            (OrdF64(self.served(o)), per_owner[&o], i)
+        });
+        for i in prefills {
+            let s = &self.running[i];
             let left = s.tokens.len() - s.computed;
-            if left > 1 && budget > 0 {
+            if budget > 0 {
                 let n = left.min(budget);
                 plan.push((i, n));
                 budget -= n;
@@ -538,6 +610,8 @@ impl Engine {
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
                 let s = &mut self.running[i];
+                let w = f64::from(self.tenants.get(&s.owner).map_or(1, |t| t.weight.max(1)));
+                *self.served.entry(s.owner).or_insert(0.0) += n as f64 / w;
                 match r {
                     Err(StepError::Isolation(v)) => ends[i] = Some(Outcome::Aborted(AbortReason::Isolation(v))),
                     Err(StepError::Kv(e)) => ends[i] = Some(Outcome::Aborted(AbortReason::Kv(e))),
@@ -545,7 +619,7 @@ impl Engine {
                         s.computed += n;
                         to_sample[i] = logits;
                         if self.cfg.prefix_cache
-                            && self.tenant_kv.get(&s.owner).is_none_or(|k| k.prefix_cache)
+                            && self.tenants.get(&s.owner).is_none_or(|k| k.prefix_cache)
                             && let Err(e) = self.pool.cache_computed(s.id, &s.tokens[..s.computed])
                         {
                             ends[i] = Some(match e {
@@ -612,6 +686,24 @@ impl Engine {
         } else {
             None
         }
+    }
+}
+
+/// An `f64` ordered by `total_cmp`, for sort keys.
+#[derive(PartialEq)]
+struct OrdF64(f64);
+
+impl Eq for OrdF64 {}
+
+impl PartialOrd for OrdF64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for OrdF64 {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
     }
 }
 

@@ -553,3 +553,90 @@ fn the_choices_of_one_prompt_compute_it_once() {
     }
     assert_quiescent(&mut e, &[3]);
 }
+
+/// `count` distinct prompts of `len` ordinary tokens.
+fn long_prompts(count: usize, len: usize, salt: u32) -> Vec<Vec<u32>> {
+    (0..count)
+        .map(|i| {
+            (0..len)
+                .map(|j| 100 + ((i * 7919 + j * 104_729) as u32 ^ salt) % 20_000)
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn a_flooding_tenant_does_not_delay_anothers_first_token() {
+    // Unloaded, B's short prompt gives its first token in the first step.
+    let b_prompt: Vec<u32> = (0..20).map(|j| 300 + j).collect();
+    let steps_to_first_token = |e: &mut Engine, runs: &mut Runs| {
+        let b = e
+            .submit(GenerateRequest::greedy(2, b_prompt.clone(), 4))
+            .expect("admitted");
+        let mut steps = 0;
+        while !runs.tokens.contains_key(&b) {
+            let ev = e.step();
+            runs.absorb(ev);
+            steps += 1;
+            assert!(steps < 200, "B never started");
+        }
+        steps
+    };
+    let mut e = engine(64);
+    let unloaded = steps_to_first_token(&mut e, &mut Runs::default());
+    assert_eq!(unloaded, 1);
+    // A floods: twelve 200-token prompts, 2400 prefill tokens against 64 a step. In arrival
+    // order B would wait for all of them; the least served tenant's prefill goes first instead.
+    let mut e = engine(64);
+    let mut runs = Runs::default();
+    for p in long_prompts(12, 200, 0) {
+        e.submit(GenerateRequest::greedy(1, p, 4)).expect("admitted");
+    }
+    for _ in 0..3 {
+        let ev = e.step();
+        runs.absorb(ev);
+    }
+    let loaded = steps_to_first_token(&mut e, &mut runs);
+    assert!(
+        loaded <= 2 * unloaded,
+        "B waited {loaded} steps behind A's flood (unloaded: {unloaded})"
+    );
+    runs.drain(&mut e);
+    assert_quiescent(&mut e, &[1, 2]);
+}
+
+#[test]
+fn contending_tenants_share_prefill_tokens_by_weight() {
+    let mut e = engine(64);
+    for (owner, weight) in [(1, 1), (2, 2)] {
+        e.set_tenant(
+            owner,
+            super::TenantSettings {
+                weight,
+                max_pages: None,
+                min_pages: 0,
+                prefix_cache: true,
+                max_pinned_pages: 64,
+            },
+        );
+    }
+    for (owner, salt) in [(1, 1), (2, 2)] {
+        for p in long_prompts(6, 200, salt) {
+            e.submit(GenerateRequest::greedy(owner, p, 2)).expect("admitted");
+        }
+    }
+    let mut runs = Runs::default();
+    for _ in 0..24 {
+        let ev = e.step();
+        runs.absorb(ev);
+    }
+    // Both stayed backlogged (12 x 200 tokens > 24 x 64): tokens served follow the weights.
+    let (one, two) = (e.served[&1], e.served[&2] * 2.0);
+    let ratio = two / one;
+    assert!(
+        (1.6..=2.4).contains(&ratio),
+        "tenant 2 got {ratio:.2}x tenant 1's tokens"
+    );
+    runs.drain(&mut e);
+    assert_quiescent(&mut e, &[1, 2]);
+}

@@ -193,9 +193,10 @@ impl Policy {
         self.allowed_plugins.iter().any(|p| p == "*" || p == name)
     }
 
-    /// The engine's view of the KV part.
-    pub fn tenant_kv(&self) -> crate::engine::TenantKv {
-        crate::engine::TenantKv {
+    /// What the engine enforces: the weight and the KV settings.
+    pub fn tenant_settings(&self) -> crate::engine::TenantSettings {
+        crate::engine::TenantSettings {
+            weight: self.weight,
             max_pages: self.kv_max_pages.get().map(|p| p as usize),
             min_pages: self.kv_min_pages as usize,
             prefix_cache: self.prefix_cache == PrefixSharing::Private,

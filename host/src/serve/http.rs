@@ -24,7 +24,7 @@ use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
 use super::worker::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 use crate::chat::ChatMessage;
-use crate::engine::TenantKv;
+use crate::engine::TenantSettings;
 use crate::plugin::{Input, KvAccess, Message, Sampling};
 use crate::policy::Policy;
 
@@ -414,7 +414,7 @@ async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Bod
     let mut plan = common.plan(t.id, prompt, lim)?;
     plan.req.logprobs = logprobs;
     limit(&t, &policy, &mut grant, &plan)?;
-    generate(state, &t, plan, Api::Chat, id, hooks, grant, policy.tenant_kv()).await
+    generate(state, &t, plan, Api::Chat, id, hooks, grant, policy.tenant_settings()).await
 }
 
 async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
@@ -439,7 +439,17 @@ async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Respo
     let (prompt, common, hooks) = prepare(state, &t, &policy, lim, asked, r.common, &id).await?;
     let plan = common.plan(t.id, prompt, lim)?;
     limit(&t, &policy, &mut grant, &plan)?;
-    generate(state, &t, plan, Api::Completion, id, hooks, grant, policy.tenant_kv()).await
+    generate(
+        state,
+        &t,
+        plan,
+        Api::Completion,
+        id,
+        hooks,
+        grant,
+        policy.tenant_settings(),
+    )
+    .await
 }
 
 /// The sampling fields as a plugin sees them.
@@ -587,7 +597,7 @@ async fn generate(
     id: String,
     hooks: Option<Hooks>,
     grant: Grant,
-    kv: TenantKv,
+    kv: TenantSettings,
 ) -> Result<Response<Body>, ApiError> {
     let grant = Arc::new(grant);
     if state.shutting_down.load(Ordering::SeqCst) {

@@ -137,7 +137,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
             .context("loading the tenants' policies (see `policies` in the config)")?,
     );
     for t in store.tenants()? {
-        engine.set_tenant_kv(t.id, quotas.set().of(&t.name).tenant_kv());
+        engine.set_tenant(t.id, quotas.set().of(&t.name).tenant_settings());
     }
     println!(
         "policies from {}: version {}",
@@ -260,7 +260,7 @@ async fn watch_policies(state: Arc<State>) {
                 println!("policies: version {} in force", set.version);
                 if let Ok(tenants) = state.store.tenants() {
                     for t in tenants {
-                        state.engine.set_tenant_kv(t.id, set.of(&t.name).tenant_kv()).await;
+                        state.engine.set_tenant(t.id, set.of(&t.name).tenant_settings()).await;
                     }
                 }
             }

@@ -18,7 +18,7 @@ use super::metrics::Metrics;
 use super::openai::ApiError;
 use super::quota::Grant;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
-use crate::engine::{Engine, Event, TenantKv, TokenLogprobs};
+use crate::engine::{Engine, Event, TenantSettings, TokenLogprobs};
 use crate::kv::PageInfo;
 use crate::plugin::{BoxFuture, KvAccess};
 use warden_kernels::attention::PageEntry;
@@ -91,7 +91,7 @@ pub struct Job {
     /// plugin's `kv` reads both).
     pub slot: Arc<SeqSlot>,
     /// The tenant's KV policy, applied before the job is submitted.
-    pub kv: TenantKv,
+    pub kv: TenantSettings,
     /// The request's hold on its tenant's quotas; each choice records its usage in it.
     pub grant: Option<Arc<Grant>>,
 }
@@ -143,7 +143,7 @@ pub enum KvQuery {
 enum Cmd {
     Job(Job, Instant),
     /// Apply a tenant's KV policy.
-    TenantKv(u64, TenantKv),
+    TenantSettings(u64, TenantSettings),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
     Forget(u64, oneshot::Sender<()>),
     Shutdown(Instant, oneshot::Sender<()>),
@@ -226,8 +226,8 @@ impl EngineHandle {
     }
 
     /// Applies tenant `owner`'s KV policy (page cap and floor, prefix cache, pins).
-    pub async fn set_tenant_kv(&self, owner: u64, kv: TenantKv) {
-        self.send_waiting(Cmd::TenantKv(owner, kv)).await;
+    pub async fn set_tenant(&self, owner: u64, kv: TenantSettings) {
+        self.send_waiting(Cmd::TenantSettings(owner, kv)).await;
     }
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
@@ -383,7 +383,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = job.tx.send((job.index, Update::ShuttingDown));
                         continue;
                     }
-                    engine.set_tenant_kv(job.req.owner, job.kv);
+                    engine.set_tenant(job.req.owner, job.kv);
                     match engine.submit(job.req) {
                         Ok(id) => {
                             let _ = job.slot.id.set(id);
@@ -407,7 +407,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         }
                     }
                 }
-                Cmd::TenantKv(owner, kv) => engine.set_tenant_kv(owner, kv),
+                Cmd::TenantSettings(owner, kv) => engine.set_tenant(owner, kv),
                 Cmd::Forget(owner, done) => {
                     engine.forget_owner(owner);
                     publish(&engine);
