@@ -364,18 +364,23 @@ impl Engine {
         }
         let r = valid.req;
         // A tenant that was idle starts at the lowest counter of the active ones (the VTC's
-        // lift): idling banks no credit against tenants that kept the engine busy.
+        // lift): idling banks no credit against tenants that kept the engine busy. On an idle
+        // engine it starts at the highest counter, so what others were served while nobody
+        // contended counts against no one.
         if !self.active(r.owner) {
-            let floor = self
+            let active_min = self
                 .waiting
                 .iter()
                 .chain(&self.running)
                 .map(|s| self.served(s.owner))
                 .fold(f64::INFINITY, f64::min);
-            if floor.is_finite() {
-                let c = self.served.entry(r.owner).or_insert(0.0);
-                *c = c.max(floor);
-            }
+            let lift = if active_min.is_finite() {
+                active_min
+            } else {
+                self.served.values().copied().fold(0.0, f64::max)
+            };
+            let c = self.served.entry(r.owner).or_insert(0.0);
+            *c = c.max(lift);
         }
         let id = self.next_id;
         self.next_id += 1;

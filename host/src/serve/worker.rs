@@ -90,7 +90,7 @@ pub struct Job {
     /// The engine's id for the request once it is admitted, and whether it has ended (its
     /// plugin's `kv` reads both).
     pub slot: Arc<SeqSlot>,
-    /// The tenant's KV policy, applied before the job is submitted.
+    /// The tenant's policy as the engine enforces it, applied before the job is submitted.
     pub kv: TenantSettings,
     /// The request's hold on its tenant's quotas; each choice records its usage in it.
     pub grant: Option<Arc<Grant>>,
@@ -141,8 +141,8 @@ pub enum KvQuery {
 }
 
 enum Cmd {
-    Job(Job, Instant),
-    /// Apply a tenant's KV policy.
+    Job(Box<Job>, Instant),
+    /// Apply a tenant's policy (weight, KV).
     TenantSettings(u64, TenantSettings),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
     Forget(u64, oneshot::Sender<()>),
@@ -208,7 +208,7 @@ impl EngineHandle {
 
     /// Queues a job without waiting; [`Busy`] when the queue is full.
     pub fn submit(&self, job: Job) -> Result<(), Busy> {
-        match self.tx.try_send(Cmd::Job(job, Instant::now())) {
+        match self.tx.try_send(Cmd::Job(Box::new(job), Instant::now())) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err(Busy),
             Err(TrySendError::Disconnected(Cmd::Job(job, _))) => {
@@ -225,7 +225,7 @@ impl EngineHandle {
         self.kv.try_send(q).is_ok()
     }
 
-    /// Applies tenant `owner`'s KV policy (page cap and floor, prefix cache, pins).
+    /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
     pub async fn set_tenant(&self, owner: u64, kv: TenantSettings) {
         self.send_waiting(Cmd::TenantSettings(owner, kv)).await;
     }
