@@ -248,6 +248,8 @@ pub struct Instance {
     store: Store<PluginHost>,
     bindings: bindings::TenantPlugin,
     limits: PluginLimits,
+    /// Fuel burned by calls not yet taken by [`Instance::take_fuel`].
+    fuel_used: u64,
 }
 
 impl Plugin {
@@ -281,6 +283,7 @@ impl Plugin {
                 store,
                 bindings,
                 limits,
+                fuel_used: 0,
             }),
             Err(e) => Err(classify(&store, &limits, e)),
         }
@@ -315,14 +318,14 @@ fn classify(store: &Store<PluginHost>, limits: &PluginLimits, e: wasmtime::Error
 impl Instance {
     /// What the plugin implements beyond preprocess and postprocess.
     pub async fn capabilities(&mut self) -> Result<Capabilities, PluginFailure> {
-        arm(&mut self.store, &self.limits)?;
+        self.arm()?;
         let r = self.bindings.call_capabilities(&mut self.store).await;
         r.map_err(|e| classify(&self.store, &self.limits, e))
     }
 
     /// Runs `preprocess`.
     pub async fn preprocess(&mut self, req: &Request) -> Result<Request, PluginFailure> {
-        arm(&mut self.store, &self.limits)?;
+        self.arm()?;
         let r = self.bindings.call_preprocess(&mut self.store, req).await;
         r.map_err(|e| classify(&self.store, &self.limits, e))?.map_err(refused)
     }
@@ -330,7 +333,7 @@ impl Instance {
     /// Runs `postprocess` on a chunk of output (`is_final` on the last).
     pub async fn postprocess(&mut self, text: &str, is_final: bool) -> Result<String, PluginFailure> {
         let chunk = Chunk { text: text.to_string() };
-        arm(&mut self.store, &self.limits)?;
+        self.arm()?;
         let r = self.bindings.call_postprocess(&mut self.store, &chunk, is_final).await;
         Ok(r.map_err(|e| classify(&self.store, &self.limits, e))?
             .map_err(refused)?
@@ -339,7 +342,7 @@ impl Instance {
 
     /// Runs `on-token`.
     pub async fn on_token(&mut self, token: &Token) -> Result<TokenAction, PluginFailure> {
-        arm(&mut self.store, &self.limits)?;
+        self.arm()?;
         let r = self.bindings.call_on_token(&mut self.store, token).await;
         r.map_err(|e| classify(&self.store, &self.limits, e))
     }
@@ -353,6 +356,27 @@ impl Instance {
     /// What the plugin logged since the last call of this, oldest first.
     pub fn take_logs(&mut self) -> Vec<String> {
         self.store.data_mut().take_logs()
+    }
+
+    /// Fuel burned since the last time this was asked (instantiation included), for the
+    /// tenant's usage.
+    pub fn take_fuel(&mut self) -> u64 {
+        self.count_fuel();
+        std::mem::take(&mut self.fuel_used)
+    }
+
+    /// Counts what the last call burned, then refills, so nothing is counted twice.
+    fn count_fuel(&mut self) {
+        if let Ok(left) = self.store.get_fuel() {
+            self.fuel_used += self.limits.fuel_per_call.saturating_sub(left);
+            let _ = self.store.set_fuel(self.limits.fuel_per_call);
+        }
+    }
+
+    /// Arms the store for the next call, counting the last one's fuel first.
+    fn arm(&mut self) -> Result<(), PluginFailure> {
+        self.count_fuel();
+        arm(&mut self.store, &self.limits)
     }
 }
 

@@ -337,7 +337,7 @@ enum Asked {
 /// What the tenant's policy allows a request before anything of it runs: the model (403), its
 /// concurrency and requests per minute (429). Returns the policy, the request's hold on the
 /// tenant's quotas, and the request limits under the policy.
-fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Grant, RequestLimits), ApiError> {
+fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Arc<Grant>, RequestLimits), ApiError> {
     if model != state.model_id {
         return Err(model_not_found(model));
     }
@@ -352,7 +352,7 @@ fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Grant, 
             ),
         ));
     }
-    let grant = state.quotas.admit(t, &policy)?;
+    let grant = Arc::new(state.quotas.admit(t, &policy)?);
     let mut lim = state.request_limits;
     if let Some(m) = policy.max_tokens.get() {
         // A request that names no max_tokens gets the policy's, if that is lower.
@@ -363,7 +363,7 @@ fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Grant, 
 
 /// The policy's limits on a planned request (400), then its tokens against the tenant's rates
 /// and quotas (429): all before anything is queued.
-fn limit(t: &Tenant, policy: &Policy, grant: &mut Grant, plan: &Plan) -> Result<(), ApiError> {
+fn limit(t: &Tenant, policy: &Policy, grant: &Grant, plan: &Plan) -> Result<(), ApiError> {
     let (prompt, max_tokens) = (plan.req.prompt.len() as u64, plan.req.max_tokens as u64);
     if let Some(m) = policy.max_tokens.get()
         && max_tokens > m
@@ -397,7 +397,7 @@ fn limit(t: &Tenant, policy: &Policy, grant: &mut Grant, plan: &Plan) -> Result<
 
 async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
-    let (policy, mut grant, lim) = admit(state, &t, &r.common.model)?;
+    let (policy, grant, lim) = admit(state, &t, &r.common.model)?;
     let lim = &lim;
     let messages = r
         .chat_messages()?
@@ -410,16 +410,16 @@ async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Bod
     let logprobs = r.logprobs()?;
     let id = request_id("chatcmpl");
     let asked = Asked::Input(Input::Chat(messages));
-    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, asked, r.common, &id).await?;
+    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, &grant, asked, r.common, &id).await?;
     let mut plan = common.plan(t.id, prompt, lim)?;
     plan.req.logprobs = logprobs;
-    limit(&t, &policy, &mut grant, &plan)?;
+    limit(&t, &policy, &grant, &plan)?;
     generate(state, &t, plan, Api::Chat, id, hooks, grant, policy.tenant_settings()).await
 }
 
 async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
-    let (policy, mut grant, lim) = admit(state, &t, &r.common.model)?;
+    let (policy, grant, lim) = admit(state, &t, &r.common.model)?;
     let lim = &lim;
     let one = |what: usize| {
         ApiError::field(
@@ -436,9 +436,9 @@ async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Respo
         Prompt::TokensList(v) => return Err(one(v.len())),
     };
     let id = request_id("cmpl");
-    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, asked, r.common, &id).await?;
+    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, &grant, asked, r.common, &id).await?;
     let plan = common.plan(t.id, prompt, lim)?;
-    limit(&t, &policy, &mut grant, &plan)?;
+    limit(&t, &policy, &grant, &plan)?;
     generate(
         state,
         &t,
@@ -475,6 +475,7 @@ async fn prepare(
     t: &Tenant,
     policy: &Policy,
     lim: &RequestLimits,
+    grant: &Arc<Grant>,
     mut asked: Asked,
     mut common: Common,
     id: &str,
@@ -506,6 +507,7 @@ async fn prepare(
             tenant_id: t.id,
             request: id.to_string(),
             logs: state.plugins.logs().clone(),
+            grant: grant.clone(),
         };
         let mut h = Hooks::new(
             resolved,
@@ -596,10 +598,9 @@ async fn generate(
     api: Api,
     id: String,
     hooks: Option<Hooks>,
-    grant: Grant,
+    grant: Arc<Grant>,
     kv: TenantSettings,
 ) -> Result<Response<Body>, ApiError> {
-    let grant = Arc::new(grant);
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,

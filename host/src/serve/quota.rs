@@ -165,7 +165,7 @@ impl Quotas {
         Ok(Grant {
             quotas: self.clone(),
             tenant: t.clone(),
-            reserved: 0,
+            reserved: AtomicU64::new(0),
             used: Mutex::new(None),
         })
     }
@@ -177,7 +177,7 @@ impl Quotas {
 pub struct Grant {
     quotas: Arc<Quotas>,
     tenant: Tenant,
-    reserved: u64,
+    reserved: AtomicU64,
     /// What its choices used, once one has ended (a request refused before it ran used none).
     used: Mutex<Option<Used>>,
 }
@@ -186,7 +186,7 @@ impl Grant {
     /// Reserves `tokens` (the prompt plus `max_tokens` for each choice) against the tenant's
     /// tokens per minute, day and month, or refuses: 429 with `Retry-After` when they would
     /// fit later, 400 when the request alone is over a per-minute limit.
-    pub fn reserve(&mut self, tokens: u64, policy: &Policy) -> Result<(), ApiError> {
+    pub fn reserve(&self, tokens: u64, policy: &Policy) -> Result<(), ApiError> {
         let now = Instant::now();
         let wall = SystemTime::now();
         let (day_used, month_used) = self.quotas.usage.period_tokens(self.tenant.id, wall);
@@ -249,7 +249,7 @@ impl Grant {
             }
         }
         l.reserved += tokens;
-        self.reserved += tokens;
+        self.reserved.fetch_add(tokens, Ordering::Relaxed);
         Ok(())
     }
 
@@ -275,16 +275,17 @@ impl Grant {
 impl Drop for Grant {
     fn drop(&mut self) {
         let used = *self.used.get_mut().unwrap_or_else(|p| p.into_inner());
+        let reserved = *self.reserved.get_mut();
         let q = &self.quotas;
         {
             let now = Instant::now();
             let mut live = q.live();
             if let Some(l) = live.get_mut(&self.tenant.id) {
                 l.in_flight = l.in_flight.saturating_sub(1);
-                l.reserved = l.reserved.saturating_sub(self.reserved);
+                l.reserved = l.reserved.saturating_sub(reserved);
                 if let Some((_, g)) = &mut l.tpm {
                     let spent = used.map_or(0, |u| u.tokens());
-                    g.refund(self.reserved.saturating_sub(spent), now);
+                    g.refund(reserved.saturating_sub(spent), now);
                 }
             }
         }

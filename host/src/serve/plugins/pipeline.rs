@@ -20,11 +20,12 @@ use crate::engine::request::{FinishReason, Outcome, Usage};
 use crate::plugin::{Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
 use crate::serve::metrics::Metrics;
 use crate::serve::openai::ApiError;
+use crate::serve::quota::Grant;
 use crate::serve::worker::{EndFlag, Update};
 use crate::tokenizer::Tokenizer;
 
 /// Where a request's plugin reports: failures to the tenant's metrics, log lines to the
-/// tenant's plugin log.
+/// tenant's plugin log, fuel to the request's usage.
 #[derive(Clone)]
 pub struct Reporter {
     /// Metrics.
@@ -37,6 +38,9 @@ pub struct Reporter {
     pub request: String,
     /// The tenants' plugin logs.
     pub logs: Arc<TenantLogs>,
+    /// The request's hold on its tenant's quotas, which books the fuel (and is held until the
+    /// output stage ends, so none is lost).
+    pub grant: Arc<Grant>,
 }
 
 impl Reporter {
@@ -53,6 +57,7 @@ impl Reporter {
             request: &self.request,
         };
         self.logs.write(&src, instance.take_logs());
+        self.grant.add_fuel(instance.take_fuel());
     }
 }
 
