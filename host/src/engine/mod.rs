@@ -204,8 +204,12 @@ impl Engine {
             ));
         }
         let mc = model.config();
-        let pool = KvPool::new(mc.attn_shape(cfg.page_size), mc.n_layers, cfg.kv_memory_bytes)?;
+        let mut pool = KvPool::new(mc.attn_shape(cfg.page_size), mc.n_layers, cfg.kv_memory_bytes)?;
         pool.check_capacity(cfg.max_context)?;
+        // Pins never take the room of one request of the maximum context (invariant 4 holds for
+        // the pages that can be had, not only for the pool).
+        let total = pool.counters().pages_total;
+        pool.set_pin_ceiling(total - pool.pages_for(cfg.max_context));
         Ok(Self {
             model,
             detok,
@@ -265,9 +269,14 @@ impl Engine {
         self.pool.unpin_prefix(id)
     }
 
-    /// Drops everything `owner` has in the prefix cache (the tenant was deleted).
+    /// Forgets tenant `owner` (it was deleted): everything it has in the prefix cache, its page
+    /// cap and floor, its settings and its counter.
     pub fn forget_owner(&mut self, owner: u64) {
         self.pool.forget_owner(owner);
+        self.pool.set_owner_budget(owner, None);
+        self.pool.set_owner_floor(owner, 0);
+        self.tenants.remove(&owner);
+        self.served.remove(&owner);
     }
 
     /// Applies tenant `owner`'s settings: its weight, its page cap and floor in the pool, whether
@@ -343,9 +352,13 @@ impl Engine {
         let valid = req.validate(&self.limits())?;
         let r = valid.request();
         let needed = self.pool.pages_for(r.prompt.len() + r.max_tokens);
-        if let Some(budget) = self.pool.owner_budget(r.owner)
-            && needed > budget
-        {
+        // Its own cap, and what other tenants' floors and everyone's pins leave it.
+        let budget = self
+            .pool
+            .owner_budget(r.owner)
+            .unwrap_or(usize::MAX)
+            .min(self.pool.pages_open_to(r.owner));
+        if needed > budget {
             return Err(Rejected {
                 reason: RejectReason::OverKvBudget { needed, budget },
             });
@@ -464,8 +477,13 @@ impl Engine {
     /// follows a prefill of its owner, waits without blocking the others.
     fn admit_waiting(&mut self) {
         let mut passed: HashSet<RequestId> = HashSet::new();
+        // Prompt tokens admitted in this pass, per tenant (over its weight): counted in the
+        // order at once, so one tenant does not take every free slot before a step runs.
+        let mut admitted: HashMap<u64, f64> = HashMap::new();
         while self.running.len() < self.cfg.max_running {
-            let Some(i) = self.next_to_admit(&passed) else { break };
+            let Some(i) = self.next_to_admit(&passed, &admitted) else {
+                break;
+            };
             let s = &self.waiting[i];
             if self.follows_a_prefill(s) {
                 passed.insert(s.id);
@@ -480,6 +498,8 @@ impl Engine {
             };
             match self.pool.open(s.id, s.owner, pages, reusable) {
                 Ok(cached) => {
+                    let w = f64::from(self.tenants.get(&s.owner).map_or(1, |t| t.weight.max(1)));
+                    *admitted.entry(s.owner).or_insert(0.0) += (s.prompt_len - cached) as f64 / w;
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     seq.opened = true;
                     seq.computed = cached;
@@ -490,8 +510,15 @@ impl Engine {
                     passed.insert(s.id);
                 }
                 // Refused only for other owners' guaranteed floors: the next owner may fit.
-                Err(KvError::PoolExhausted { available, .. }) if available < self.pool.available_pages() => {
+                Err(KvError::PoolExhausted { wanted, .. }) if wanted <= self.pool.available_pages() => {
                     passed.insert(s.id);
+                }
+                // Nothing runs, so nothing will free pages: what is left is held by pins and
+                // floors, and this request cannot fit. It ends with its error instead of
+                // waiting forever at the head of the queue.
+                Err(e @ KvError::PoolExhausted { .. }) if self.running.is_empty() => {
+                    let seq = self.waiting.remove(i).expect("index in range");
+                    self.retire(seq, Outcome::Aborted(AbortReason::Kv(e)));
                 }
                 // Wait for running sequences to finish and free pages.
                 Err(KvError::PoolExhausted { .. }) => break,
@@ -506,7 +533,7 @@ impl Engine {
     /// The waiting request to admit next, skipping `passed`: the one whose tenant has the
     /// lowest virtual counter (tokens computed for it over its weight, as in "Fairness in Serving
     /// Large Language Models", OSDI 2024), then the fewest running sequences, then the oldest.
-    fn next_to_admit(&self, passed: &HashSet<RequestId>) -> Option<usize> {
+    fn next_to_admit(&self, passed: &HashSet<RequestId>, admitted: &HashMap<u64, f64>) -> Option<usize> {
         let mut running: HashMap<u64, usize> = HashMap::new();
         for s in &self.running {
             *running.entry(s.owner).or_insert(0) += 1;
@@ -517,7 +544,7 @@ impl Engine {
             .filter(|(_, s)| !passed.contains(&s.id))
             .min_by_key(|(i, s)| {
                 (
-                    OrdF64(self.served(s.owner)),
+                    OrdF64(self.served(s.owner) + admitted.get(&s.owner).copied().unwrap_or(0.0)),
                     running.get(&s.owner).copied().unwrap_or(0),
                     *i,
                 )

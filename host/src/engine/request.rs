@@ -108,7 +108,9 @@ pub enum RejectReason {
         limit: usize,
     },
     /// The owner's KV budget can never hold this request.
-    #[error("request needs {needed} KV pages, more than the tenant's budget of {budget}")]
+    #[error(
+        "request needs {needed} KV pages, more than the tenant can hold ({budget}: its own cap, less what other tenants' guaranteed floors and pinned prefixes keep)"
+    )]
     OverKvBudget {
         /// Pages needed.
         needed: usize,

@@ -95,6 +95,18 @@ pub enum KvError {
         /// The cap.
         limit: usize,
     },
+    /// Pinning would leave too little of the pool unpinned.
+    #[error(
+        "pinning {wanted} more pages would pass the server's ceiling of {ceiling} pinned KV pages ({pinned} pinned by all tenants); the rest is kept for requests"
+    )]
+    PinCeiling {
+        /// Pages the pin would add.
+        wanted: usize,
+        /// Pages pinned by all owners.
+        pinned: usize,
+        /// The ceiling.
+        ceiling: usize,
+    },
     /// Nothing of the asked prefix is a whole, computed page in the cache.
     #[error(
         "nothing to pin: the first {tokens} tokens hold no whole computed page ({page_size} tokens a page, {cached} tokens of this sequence cached)"
@@ -222,6 +234,8 @@ pub struct KvPool {
     budgets: HashMap<u64, usize>,
     /// Pages guaranteed per owner.
     floors: HashMap<u64, usize>,
+    /// Most pages pinned by all owners together.
+    pin_ceiling: usize,
     reserved_total: usize,
     counters: KvCounters,
 }
@@ -274,6 +288,7 @@ impl KvPool {
             owner_pages: HashMap::new(),
             budgets: HashMap::new(),
             floors: HashMap::new(),
+            pin_ceiling: n_pages,
             reserved_total: 0,
             counters: KvCounters {
                 pages_total: n_pages,
@@ -318,6 +333,12 @@ impl KvPool {
         };
     }
 
+    /// Caps the pages pinned by all owners together, so that pins can never take the room one
+    /// request of the maximum context needs.
+    pub fn set_pin_ceiling(&mut self, pages: usize) {
+        self.pin_ceiling = pages;
+    }
+
     /// Guarantees `owner` a floor of `pages` pages: other owners' sequences may not take the
     /// pages it would need to reach it. 0 removes the floor.
     pub fn set_owner_floor(&mut self, owner: u64, pages: usize) {
@@ -326,6 +347,14 @@ impl KvPool {
         } else {
             self.floors.insert(owner, pages);
         }
+    }
+
+    /// The most pages one sequence of `owner` could ever get now: the pool less other owners'
+    /// unused floors and every pinned page.
+    pub fn pages_open_to(&self, owner: u64) -> usize {
+        self.n_pages
+            .saturating_sub(self.floors_of_others(owner))
+            .saturating_sub(self.prefix.pinned_total())
     }
 
     /// Pages other owners' floors still claim: what `owner` may not take.
@@ -521,6 +550,14 @@ impl KvPool {
         let pinned = self.prefix.pinned_pages(owner);
         if pinned + wanted > limit {
             return Err(KvError::PinLimit { wanted, pinned, limit });
+        }
+        let all = self.prefix.pinned_total();
+        if all + wanted > self.pin_ceiling {
+            return Err(KvError::PinCeiling {
+                wanted,
+                pinned: all,
+                ceiling: self.pin_ceiling,
+            });
         }
         // Pinning an idle page takes it out of what is available.
         let idle = path.iter().filter(|&&id| self.prefix.is_idle(id)).count();
@@ -1053,6 +1090,29 @@ mod tests {
         assert_eq!((c.pages_used, c.pages_cached, c.pages_pinned), (2, 0, 0));
         p.close(1).unwrap();
         assert_eq!(p.counters().pages_free, 4);
+    }
+
+    #[test]
+    fn pins_stop_at_the_ceiling_and_floors_narrow_what_is_open() {
+        let mut p = pool(8);
+        p.set_pin_ceiling(2);
+        computed(&mut p, 1, 5, 3, &TOKS[..12]);
+        let e = p.pin_prefix(1, 12, 8).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                KvError::PinCeiling {
+                    wanted: 3,
+                    pinned: 0,
+                    ceiling: 2
+                }
+            ),
+            "{e}"
+        );
+        p.pin_prefix(1, 8, 8).unwrap();
+        p.set_owner_floor(6, 3);
+        assert_eq!(p.pages_open_to(5), 8 - 3 - 2);
+        assert_eq!(p.pages_open_to(6), 8 - 2, "its own floor is open to it");
     }
 
     #[test]

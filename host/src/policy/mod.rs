@@ -269,6 +269,8 @@ pub struct Bounds {
 pub struct PolicySet {
     /// A digest of the files (name and bytes): the version in force.
     pub version: String,
+    /// How many sets were in force before this one since start (orders settings in flight).
+    pub generation: u64,
     default: Policy,
     tenants: HashMap<String, Policy>,
 }
@@ -323,6 +325,7 @@ impl PolicySet {
         }
         let version: String = digest.finalize()[..6].iter().map(|b| format!("{b:02x}")).collect();
         let mut set = PolicySet {
+            generation: 0,
             version,
             default: Policy::default(),
             tenants: HashMap::new(),

@@ -40,6 +40,16 @@ impl Gcra {
         }
     }
 
+    /// The same limiter at `per_minute` units per minute, keeping how far ahead it runs: what
+    /// was taken under the old limit still counts.
+    pub fn with_limit(&self, per_minute: u64) -> Self {
+        Self {
+            interval: self.window / per_minute.clamp(1, u32::MAX as u64) as u32,
+            window: self.window,
+            tat: self.tat,
+        }
+    }
+
     /// Takes `cost` units at `now`, or says when they would fit.
     pub fn take(&mut self, cost: u64, now: Instant) -> Result<(), Denied> {
         let need = self.interval.saturating_mul(cost.min(u32::MAX as u64) as u32);

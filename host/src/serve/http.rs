@@ -24,7 +24,6 @@ use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
 use super::worker::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 use crate::chat::ChatMessage;
-use crate::engine::TenantSettings;
 use crate::plugin::{Input, KvAccess, Message, Sampling};
 use crate::policy::Policy;
 
@@ -334,14 +333,26 @@ enum Asked {
     Tokens(Vec<u32>),
 }
 
+/// A request its tenant's policy let in.
+struct Admitted {
+    /// The tenant's policy, from the set in force when the request arrived.
+    policy: Policy,
+    /// That set's generation.
+    generation: u64,
+    /// The request's hold on the tenant's quotas.
+    grant: Arc<Grant>,
+    /// Request limits under the policy.
+    lim: RequestLimits,
+}
+
 /// What the tenant's policy allows a request before anything of it runs: the model (403), its
-/// concurrency and requests per minute (429). Returns the policy, the request's hold on the
-/// tenant's quotas, and the request limits under the policy.
-fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Arc<Grant>, RequestLimits), ApiError> {
+/// concurrency and requests per minute (429).
+fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<Admitted, ApiError> {
     if model != state.model_id {
         return Err(model_not_found(model));
     }
-    let policy = state.quotas.set().of(&t.name).clone();
+    let set = state.quotas.set();
+    let policy = set.of(&t.name).clone();
     if !policy.allows_model(model) {
         return Err(ApiError::new(
             StatusCode::FORBIDDEN,
@@ -358,12 +369,18 @@ fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<(Policy, Arc<Gra
         // A request that names no max_tokens gets the policy's, if that is lower.
         lim.default_max_tokens = lim.default_max_tokens.min(m as usize);
     }
-    Ok((policy, grant, lim))
+    Ok(Admitted {
+        policy,
+        generation: set.generation,
+        grant,
+        lim,
+    })
 }
 
 /// The policy's limits on a planned request (400), then its tokens against the tenant's rates
 /// and quotas (429): all before anything is queued.
-fn limit(t: &Tenant, policy: &Policy, grant: &Grant, plan: &Plan) -> Result<(), ApiError> {
+fn limit(t: &Tenant, a: &Admitted, plan: &Plan) -> Result<(), ApiError> {
+    let policy = &a.policy;
     let (prompt, max_tokens) = (plan.req.prompt.len() as u64, plan.req.max_tokens as u64);
     if let Some(m) = policy.max_tokens.get()
         && max_tokens > m
@@ -392,13 +409,12 @@ fn limit(t: &Tenant, policy: &Policy, grant: &Grant, plan: &Plan) -> Result<(), 
             ),
         ));
     }
-    grant.reserve(prompt + max_tokens * plan.n as u64, policy)
+    a.grant.reserve(prompt + max_tokens * plan.n as u64, policy)
 }
 
 async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
-    let (policy, grant, lim) = admit(state, &t, &r.common.model)?;
-    let lim = &lim;
+    let a = admit(state, &t, &r.common.model)?;
     let messages = r
         .chat_messages()?
         .into_iter()
@@ -410,17 +426,16 @@ async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Bod
     let logprobs = r.logprobs()?;
     let id = request_id("chatcmpl");
     let asked = Asked::Input(Input::Chat(messages));
-    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, &grant, asked, r.common, &id).await?;
-    let mut plan = common.plan(t.id, prompt, lim)?;
+    let (prompt, common, hooks) = prepare(state, &t, &a, asked, r.common, &id).await?;
+    let mut plan = common.plan(t.id, prompt, &a.lim)?;
     plan.req.logprobs = logprobs;
-    limit(&t, &policy, &grant, &plan)?;
-    generate(state, &t, plan, Api::Chat, id, hooks, grant, policy.tenant_settings()).await
+    limit(&t, &a, &plan)?;
+    generate(state, &t, plan, Api::Chat, id, hooks, a).await
 }
 
 async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
-    let (policy, grant, lim) = admit(state, &t, &r.common.model)?;
-    let lim = &lim;
+    let a = admit(state, &t, &r.common.model)?;
     let one = |what: usize| {
         ApiError::field(
             "prompt",
@@ -436,20 +451,10 @@ async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Respo
         Prompt::TokensList(v) => return Err(one(v.len())),
     };
     let id = request_id("cmpl");
-    let (prompt, common, hooks) = prepare(state, &t, &policy, lim, &grant, asked, r.common, &id).await?;
-    let plan = common.plan(t.id, prompt, lim)?;
-    limit(&t, &policy, &grant, &plan)?;
-    generate(
-        state,
-        &t,
-        plan,
-        Api::Completion,
-        id,
-        hooks,
-        grant,
-        policy.tenant_settings(),
-    )
-    .await
+    let (prompt, common, hooks) = prepare(state, &t, &a, asked, r.common, &id).await?;
+    let plan = common.plan(t.id, prompt, &a.lim)?;
+    limit(&t, &a, &plan)?;
+    generate(state, &t, plan, Api::Completion, id, hooks, a).await
 }
 
 /// The sampling fields as a plugin sees them.
@@ -473,15 +478,13 @@ fn sampling_of(c: &Common, lim: &RequestLimits) -> Sampling {
 async fn prepare(
     state: &Arc<State>,
     t: &Tenant,
-    policy: &Policy,
-    lim: &RequestLimits,
-    grant: &Arc<Grant>,
+    a: &Admitted,
     mut asked: Asked,
     mut common: Common,
     id: &str,
 ) -> Result<(Vec<u32>, Common, Option<Hooks>), ApiError> {
     let resolved = match state.plugins.chosen(t, common.plugin.as_deref())? {
-        Some(name) if !policy.allows_plugin(&name) => {
+        Some(name) if !a.policy.allows_plugin(&name) => {
             return Err(ApiError {
                 status: StatusCode::FORBIDDEN,
                 code: "plugin_not_allowed",
@@ -499,7 +502,7 @@ async fn prepare(
     let mut hooks = None;
     if let Some(resolved) = resolved {
         // The client's own values are checked before the plugin sees them.
-        common.plan(t.id, vec![], lim)?;
+        common.plan(t.id, vec![], &a.lim)?;
         let seed = common.seed.map(|s| s as u64).unwrap_or_else(rand::random);
         let reporter = Reporter {
             metrics: state.metrics.clone(),
@@ -507,11 +510,11 @@ async fn prepare(
             tenant_id: t.id,
             request: id.to_string(),
             logs: state.plugins.logs().clone(),
-            grant: grant.clone(),
+            grant: a.grant.clone(),
         };
         let mut h = Hooks::new(
             resolved,
-            state.plugins.limits_for(policy),
+            state.plugins.limits_for(&a.policy),
             state.tokenizer.clone(),
             seed,
             reporter,
@@ -535,7 +538,7 @@ async fn prepare(
             ("request-id".into(), id.to_string()),
             ("model".into(), state.model_id.clone()),
         ];
-        let (input, sampling) = h.preprocess(input, sampling_of(&common, lim), metadata).await?;
+        let (input, sampling) = h.preprocess(input, sampling_of(&common, &a.lim), metadata).await?;
         common.temperature = Some(sampling.temperature);
         common.top_p = Some(sampling.top_p);
         common.max_tokens = None;
@@ -543,7 +546,7 @@ async fn prepare(
         common.seed = sampling.seed.map(|s| s as i64);
         common.stop = Some(Stop::Many(sampling.stop));
         // The plugin's values go through the same checks, named as the plugin's.
-        common.plan(t.id, vec![], lim).map_err(|mut e| {
+        common.plan(t.id, vec![], &a.lim).map_err(|mut e| {
             e.message = format!("after the plugin's preprocess: {}", e.message);
             e
         })?;
@@ -590,7 +593,6 @@ async fn prepare(
 
 /// Admits, submits and answers a planned request: a JSON body, or an SSE stream that starts once
 /// every choice is admitted (so a rejection is an error status, never a 200).
-#[allow(clippy::too_many_arguments)]
 async fn generate(
     state: &Arc<State>,
     t: &Tenant,
@@ -598,9 +600,9 @@ async fn generate(
     api: Api,
     id: String,
     hooks: Option<Hooks>,
-    grant: Arc<Grant>,
-    kv: TenantSettings,
+    a: Admitted,
 ) -> Result<Response<Body>, ApiError> {
+    let (kv, policy_generation, grant) = (a.policy.tenant_settings(), a.generation, a.grant);
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -643,6 +645,7 @@ async fn generate(
             stop: stop.clone(),
             slot: slot.clone(),
             kv,
+            policy_generation,
             grant: Some(grant.clone()),
         };
         if let Err(Busy) = state.engine.submit(job) {

@@ -260,7 +260,10 @@ async fn watch_policies(state: Arc<State>) {
                 println!("policies: version {} in force", set.version);
                 if let Ok(tenants) = state.store.tenants() {
                     for t in tenants {
-                        state.engine.set_tenant(t.id, set.of(&t.name).tenant_settings()).await;
+                        state
+                            .engine
+                            .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
+                            .await;
                     }
                 }
             }

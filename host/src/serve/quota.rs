@@ -49,8 +49,14 @@ fn limiter(slot: &mut Option<(u64, Gcra)>, limit: Option<u64>, now: Instant) -> 
             None
         }
         Some(l) => {
-            if slot.as_ref().is_none_or(|(had, _)| *had != l) {
-                *slot = Some((l, Gcra::per_minute(l, now)));
+            match slot {
+                Some((had, g)) if *had != l => {
+                    // A new limit keeps what was taken: a reload hands out no fresh burst.
+                    *g = g.with_limit(l);
+                    *had = l;
+                }
+                Some(_) => {}
+                None => *slot = Some((l, Gcra::per_minute(l, now))),
             }
             slot.as_mut().map(|(_, g)| g)
         }
@@ -101,11 +107,12 @@ impl Quotas {
     pub fn reload(&self) -> Result<bool, PolicyError> {
         let mut last = self.last_failure.lock().unwrap_or_else(|p| p.into_inner());
         match PolicySet::load(&self.dir, self.bounds) {
-            Ok(new) => {
+            Ok(mut new) => {
                 last.clear();
                 let mut cur = self.set.write().unwrap_or_else(|p| p.into_inner());
                 let changed = cur.version != new.version;
                 if changed {
+                    new.generation = cur.generation + 1;
                     *cur = Arc::new(new);
                 }
                 Ok(changed)
@@ -210,16 +217,31 @@ impl Grant {
                 "tokens_per_month",
             ),
         ] {
-            if let Some(max) = limit.get()
-                && used + l.reserved + tokens > max
-            {
+            let Some(max) = limit.get() else { continue };
+            if tokens > max {
+                return Err(ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "request_over_token_quota",
+                    format!(
+                        "this request reserves {tokens} tokens (its prompt plus max_tokens for each choice), more than tenant {name:?}'s {key} of {max}; lower max_tokens"
+                    ),
+                ));
+            }
+            if used + l.reserved + tokens > max {
+                // If only requests in flight stand in the way, their refunds may make room soon;
+                // otherwise the period must end.
+                let wait = if used + tokens <= max {
+                    Duration::from_secs(1)
+                } else {
+                    Duration::from_secs(left)
+                };
                 return Err(too_many(
                     code,
                     format!(
                         "tenant {name:?} has used {used} of its {key} of {max} tokens ({} more reserved by requests in flight); this request needs up to {tokens}",
                         l.reserved
                     ),
-                    Duration::from_secs(left),
+                    wait,
                 ));
             }
         }
@@ -277,20 +299,20 @@ impl Drop for Grant {
         let used = *self.used.get_mut().unwrap_or_else(|p| p.into_inner());
         let reserved = *self.reserved.get_mut();
         let q = &self.quotas;
-        {
-            let now = Instant::now();
-            let mut live = q.live();
-            if let Some(l) = live.get_mut(&self.tenant.id) {
-                l.in_flight = l.in_flight.saturating_sub(1);
-                l.reserved = l.reserved.saturating_sub(reserved);
-                if let Some((_, g)) = &mut l.tpm {
-                    let spent = used.map_or(0, |u| u.tokens());
-                    g.refund(reserved.saturating_sub(spent), now);
-                }
-            }
-        }
+        let now = Instant::now();
+        let mut live = q.live();
+        // Booked under the lock that guards the reservations, so a concurrent reserve sees
+        // either the reservation or the usage, never neither.
         if let Some(used) = used {
             q.usage.record(self.tenant.id, &self.tenant.name, used);
+        }
+        if let Some(l) = live.get_mut(&self.tenant.id) {
+            l.in_flight = l.in_flight.saturating_sub(1);
+            l.reserved = l.reserved.saturating_sub(reserved);
+            if let Some((_, g)) = &mut l.tpm {
+                let spent = used.map_or(0, |u| u.tokens());
+                g.refund(reserved.saturating_sub(spent), now);
+            }
         }
     }
 }

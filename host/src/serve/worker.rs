@@ -92,6 +92,9 @@ pub struct Job {
     pub slot: Arc<SeqSlot>,
     /// The tenant's policy as the engine enforces it, applied before the job is submitted.
     pub kv: TenantSettings,
+    /// The generation of the policy set `kv` came from: settings older than those the engine
+    /// already has for the tenant (a reload happened meanwhile) are not applied.
+    pub policy_generation: u64,
     /// The request's hold on its tenant's quotas; each choice records its usage in it.
     pub grant: Option<Arc<Grant>>,
 }
@@ -142,8 +145,8 @@ pub enum KvQuery {
 
 enum Cmd {
     Job(Box<Job>, Instant),
-    /// Apply a tenant's policy (weight, KV).
-    TenantSettings(u64, TenantSettings),
+    /// Apply a tenant's policy (weight, KV), of a policy generation.
+    TenantSettings(u64, TenantSettings, u64),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
     Forget(u64, oneshot::Sender<()>),
     Shutdown(Instant, oneshot::Sender<()>),
@@ -226,8 +229,8 @@ impl EngineHandle {
     }
 
     /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
-    pub async fn set_tenant(&self, owner: u64, kv: TenantSettings) {
-        self.send_waiting(Cmd::TenantSettings(owner, kv)).await;
+    pub async fn set_tenant(&self, owner: u64, kv: TenantSettings, generation: u64) {
+        self.send_waiting(Cmd::TenantSettings(owner, kv, generation)).await;
     }
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
@@ -352,8 +355,24 @@ fn outcome_label(o: &Outcome) -> &'static str {
     }
 }
 
+/// The policy generation whose settings the engine has, per tenant.
+#[derive(Default)]
+struct Applied(HashMap<u64, u64>);
+
+impl Applied {
+    /// Applies `kv` unless the engine already has a newer generation's settings for `owner`.
+    fn apply(&mut self, engine: &mut Engine, owner: u64, kv: TenantSettings, generation: u64) {
+        let had = self.0.entry(owner).or_insert(0);
+        if generation >= *had {
+            *had = generation;
+            engine.set_tenant(owner, kv);
+        }
+    }
+}
+
 fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &Metrics) {
     let mut live: HashMap<RequestId, Live> = HashMap::new();
+    let mut applied = Applied::default();
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
     let publish = |engine: &Engine| {
         let (waiting, running) = engine.queue_lengths();
@@ -383,7 +402,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = job.tx.send((job.index, Update::ShuttingDown));
                         continue;
                     }
-                    engine.set_tenant(job.req.owner, job.kv);
+                    applied.apply(&mut engine, job.req.owner, job.kv, job.policy_generation);
                     match engine.submit(job.req) {
                         Ok(id) => {
                             let _ = job.slot.id.set(id);
@@ -407,7 +426,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         }
                     }
                 }
-                Cmd::TenantSettings(owner, kv) => engine.set_tenant(owner, kv),
+                Cmd::TenantSettings(owner, kv, generation) => applied.apply(&mut engine, owner, kv, generation),
                 Cmd::Forget(owner, done) => {
                     engine.forget_owner(owner);
                     publish(&engine);
