@@ -617,3 +617,45 @@ fn the_prefix_pinning_plugin_pins_its_tenants_prompt_and_only_that_tenant_hits_i
         assert_eq!(s.metric("warden_isolation_violations_total").await, 0.0);
     });
 }
+
+#[test]
+fn a_tenants_policy_sets_its_plugin_limits_and_usage_counts_plugin_fuel() {
+    let s = Server::start_with_policies(
+        "plugpolicy",
+        "",
+        &[("tenants/tight.toml", "[plugins]\nfuel_per_call = 2000\n")],
+    );
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let tight = s.tenant_with_key("tight").await;
+        for k in [&key, &tight] {
+            assert_eq!(upload(&c, k, "sp", example("system_prompt")).await.status, 201);
+            let r = call(
+                &c,
+                Method::PUT,
+                "/v1/plugins/sp/config",
+                k,
+                Some(b"Answer briefly.".to_vec()),
+            )
+            .await;
+            assert_eq!(r.status, 200);
+        }
+        let body = chat(json!([{"role": "user", "content": "Hi."}]), Some("sp"), 4, false);
+        let r = call(&c, Method::POST, "/v1/chat/completions", &tight, Some(body.clone())).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (500, "plugin_fuel_exhausted"),
+            "{}",
+            r.text()
+        );
+        assert!(r.text().contains("2000"), "names the tenant's limit: {}", r.text());
+        let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(body)).await;
+        assert_eq!(r.status, 200, "the server's limits apply to the others: {}", r.text());
+        let u = call(&c, Method::GET, "/v1/usage", &key, None).await.json().unwrap();
+        assert!(u["plugin_fuel"].as_u64().unwrap() > 2000, "{u}");
+        assert_eq!(u["requests"], 1);
+        let u = call(&c, Method::GET, "/v1/usage", &tight, None).await.json().unwrap();
+        assert_eq!(u["rejections"]["plugin_fuel_exhausted"], 1, "{u}");
+    });
+}
