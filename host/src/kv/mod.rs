@@ -2,7 +2,8 @@
 //!
 //! * Capacity is a fixed number of pages derived from a memory budget; a pool that cannot hold the
 //!   configured maximum context refuses to exist ([`KvPool::check_capacity`], invariant 4).
-//! * A sequence opens with a reservation of pages, charged against its owner's budget; pages are
+//! * A sequence opens with a reservation of pages, charged against its owner's budget (a cap);
+//!   pages other owners are guaranteed (their floors) are not available to it. Pages are
 //!   allocated from that reservation as its positions grow. Page table entries ([`PageEntry`]) are
 //!   minted only here, carrying the page's epoch at allocation.
 //! * Every page has a reference count. Closing a sequence drops its references; a page that some
@@ -15,7 +16,8 @@
 //!   [`KvPool::open`] instead of computing them again. Shared pages are full, so nobody writes
 //!   them again; their tag keeps the owner, so only that owner's sequences can read them. Pages
 //!   only the cache holds are evictable (least recently idle first) and count as available;
-//!   pinned prefixes ([`KvPool::pin_prefix`]) are not, within a per-owner cap.
+//!   pinned prefixes ([`KvPool::pin_prefix`]) are not, within a per-owner cap and a ceiling for
+//!   all owners that always leaves room for one request of the maximum context.
 //! * Counters record free, used, cached, pinned and awaiting pages, allocations, cache hits and
 //!   evictions, and tag mismatches.
 
