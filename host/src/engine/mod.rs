@@ -509,16 +509,16 @@ impl Engine {
                 Err(KvError::OwnerBudget { .. }) => {
                     passed.insert(s.id);
                 }
+                // It can never fit while other tenants' floors and the pins stand (a reload
+                // raised a floor after it was submitted): it ends with its error instead of
+                // waiting at the head of the queue.
+                Err(e @ KvError::PoolExhausted { .. }) if pages > self.pool.pages_open_to(s.owner) => {
+                    let seq = self.waiting.remove(i).expect("index in range");
+                    self.retire(seq, Outcome::Aborted(AbortReason::Kv(e)));
+                }
                 // Refused only for other owners' guaranteed floors: the next owner may fit.
                 Err(KvError::PoolExhausted { wanted, .. }) if wanted <= self.pool.available_pages() => {
                     passed.insert(s.id);
-                }
-                // Nothing runs, so nothing will free pages: what is left is held by pins and
-                // floors, and this request cannot fit. It ends with its error instead of
-                // waiting forever at the head of the queue.
-                Err(e @ KvError::PoolExhausted { .. }) if self.running.is_empty() => {
-                    let seq = self.waiting.remove(i).expect("index in range");
-                    self.retire(seq, Outcome::Aborted(AbortReason::Kv(e)));
                 }
                 // Wait for running sequences to finish and free pages.
                 Err(KvError::PoolExhausted { .. }) => break,

@@ -640,3 +640,38 @@ fn contending_tenants_share_prefill_tokens_by_weight() {
     runs.drain(&mut e);
     assert_quiescent(&mut e, &[1, 2]);
 }
+
+#[test]
+fn a_request_that_a_new_floor_leaves_no_room_for_ends_with_its_error() {
+    let mut e = engine(512);
+    let total = e.kv_counters().pages_total;
+    let b = e
+        .submit(GenerateRequest::greedy(1, vec![700; 40], 200))
+        .expect("fits when submitted");
+    // A policy reload guarantees another tenant all but two pages before B is admitted.
+    e.set_tenant(
+        2,
+        super::TenantSettings {
+            weight: 1,
+            max_pages: None,
+            min_pages: total - 2,
+            prefix_cache: true,
+            max_pinned_pages: 64,
+        },
+    );
+    let mut runs = Runs::default();
+    runs.absorb(e.step());
+    assert!(
+        matches!(
+            runs.outcomes.get(&b),
+            Some(Outcome::Aborted(AbortReason::Kv(
+                crate::kv::KvError::PoolExhausted { .. }
+            )))
+        ),
+        "B can never fit under the new floor, so it ends instead of waiting: {:?}",
+        runs.outcomes.get(&b)
+    );
+    assert!(!e.has_work());
+    e.forget_owner(2);
+    assert_quiescent(&mut e, &[1]);
+}
