@@ -80,6 +80,8 @@ pub struct UsageBook {
 struct Inner {
     by_tenant: HashMap<u64, TenantUsage>,
     dirty: HashSet<u64>,
+    /// Deleted tenants (ids are never reused): a request of theirs still in flight books nothing.
+    forgotten: HashSet<u64>,
 }
 
 /// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (Howard Hinnant's
@@ -138,8 +140,11 @@ impl UsageBook {
         })
     }
 
-    fn with<R>(&self, id: u64, name: &str, f: impl FnOnce(&mut TenantUsage) -> R) -> R {
+    fn with(&self, id: u64, name: &str, f: impl FnOnce(&mut TenantUsage)) {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if inner.forgotten.contains(&id) {
+            return;
+        }
         inner.dirty.insert(id);
         let u = inner.by_tenant.entry(id).or_default();
         if u.tenant.is_empty() {
@@ -206,13 +211,17 @@ impl UsageBook {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.by_tenant.remove(&id);
         inner.dirty.remove(&id);
+        inner.forgotten.insert(id);
+        // Under the lock, so a flush cannot write the entry back.
         self.tree.remove(id.to_be_bytes())?;
         Ok(())
     }
 
     /// Writes the counters that changed and flushes them to disk.
     pub fn flush(&self) -> Result<(), StoreError> {
-        let batch = {
+        {
+            // The batch is applied under the lock (sled applies it in memory; the disk write
+            // below is outside), so a tenant forgotten meanwhile is not written back.
             let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
             let dirty: Vec<u64> = inner.dirty.drain().collect();
             let mut batch = sled::Batch::default();
@@ -222,9 +231,8 @@ impl UsageBook {
                     batch.insert(&id.to_be_bytes(), v);
                 }
             }
-            batch
-        };
-        self.tree.apply_batch(batch)?;
+            self.tree.apply_batch(batch)?;
+        }
         self.store.flush()?;
         Ok(())
     }
@@ -233,6 +241,44 @@ impl UsageBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn counters_persist_and_a_forgotten_tenant_books_nothing_more() {
+        let dir = std::env::temp_dir().join(format!("warden-usage-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let used = Used {
+            prompt_tokens: 10,
+            completion_tokens: 5,
+            cached_tokens: 8,
+            plugin_fuel: 7,
+        };
+        {
+            let store = Store::open(&dir).unwrap();
+            let book = UsageBook::open(&store).unwrap();
+            book.record(1, "a", used);
+            book.record(2, "b", used);
+            book.reject(1, "a", "rate_limit_requests");
+            book.flush().unwrap();
+            book.forget(2).unwrap();
+            book.record(2, "b", used);
+            book.flush().unwrap();
+            assert_eq!(book.period_tokens(1, SystemTime::now()), (15, 15));
+        }
+        let store = Store::open(&dir).unwrap();
+        let book = UsageBook::open(&store).unwrap();
+        let a = book.of(1, "a");
+        assert_eq!(
+            (a.requests, a.prompt_tokens, a.cached_tokens, a.plugin_fuel),
+            (1, 10, 8, 7)
+        );
+        assert_eq!(a.rejections["rate_limit_requests"], 1);
+        assert_eq!(
+            book.all().keys().collect::<Vec<_>>(),
+            ["a"],
+            "the forgotten tenant stays gone"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn calendar_periods_in_utc() {
