@@ -650,7 +650,11 @@ impl Engine {
                     Ok(logits) => {
                         s.computed += n;
                         to_sample[i] = logits;
-                        if self.cfg.prefix_cache
+                        // Offered to the cache only when the step filled a page (most decode
+                        // steps fill none).
+                        let ps = self.cfg.page_size;
+                        if s.computed / ps > (s.computed - n) / ps
+                            && self.cfg.prefix_cache
                             && self.tenants.get(&s.owner).is_none_or(|k| k.prefix_cache)
                             && let Err(e) = self.pool.cache_computed(s.id, &s.tokens[..s.computed])
                         {
