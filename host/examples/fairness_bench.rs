@@ -112,11 +112,8 @@ fn main() -> anyhow::Result<()> {
         e.set_tenant(
             owner,
             TenantSettings {
-                weight: 1,
-                max_pages: None,
-                min_pages: 0,
                 prefix_cache: false,
-                max_pinned_pages: 0,
+                ..Default::default()
             },
         );
     }

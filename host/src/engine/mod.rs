@@ -84,6 +84,20 @@ pub struct TenantSettings {
     pub max_pinned_pages: usize,
 }
 
+impl Default for TenantSettings {
+    /// What a tenant without a policy of its own gets: weight 1, no cap or floor, its prefix
+    /// cache, 64 pinned pages.
+    fn default() -> Self {
+        Self {
+            weight: 1,
+            max_pages: None,
+            min_pages: 0,
+            prefix_cache: true,
+            max_pinned_pages: 64,
+        }
+    }
+}
+
 /// What a step produced for a request.
 #[derive(Debug, Clone)]
 pub enum Event {
@@ -298,6 +312,20 @@ impl Engine {
         self.served.get(&owner).copied().unwrap_or(0.0)
     }
 
+    /// Tenant `owner`'s weight (1 unless its policy says otherwise).
+    fn weight(&self, owner: u64) -> f64 {
+        f64::from(self.tenants.get(&owner).map_or(1, |t| t.weight.max(1)))
+    }
+
+    /// Running sequences per tenant.
+    fn running_per_owner(&self) -> HashMap<u64, usize> {
+        let mut n = HashMap::new();
+        for s in &self.running {
+            *n.entry(s.owner).or_insert(0) += 1;
+        }
+        n
+    }
+
     /// Whether `owner` has a request waiting or running.
     fn active(&self, owner: u64) -> bool {
         self.waiting.iter().chain(&self.running).any(|s| s.owner == owner)
@@ -498,8 +526,7 @@ impl Engine {
             };
             match self.pool.open(s.id, s.owner, pages, reusable) {
                 Ok(cached) => {
-                    let w = f64::from(self.tenants.get(&s.owner).map_or(1, |t| t.weight.max(1)));
-                    *admitted.entry(s.owner).or_insert(0.0) += (s.prompt_len - cached) as f64 / w;
+                    *admitted.entry(s.owner).or_insert(0.0) += (s.prompt_len - cached) as f64 / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     seq.opened = true;
                     seq.computed = cached;
@@ -534,10 +561,7 @@ impl Engine {
     /// lowest virtual counter (tokens computed for it over its weight, as in "Fairness in Serving
     /// Large Language Models", OSDI 2024), then the fewest running sequences, then the oldest.
     fn next_to_admit(&self, passed: &HashSet<RequestId>, admitted: &HashMap<u64, f64>) -> Option<usize> {
-        let mut running: HashMap<u64, usize> = HashMap::new();
-        for s in &self.running {
-            *running.entry(s.owner).or_insert(0) += 1;
-        }
+        let running = self.running_per_owner();
         self.waiting
             .iter()
             .enumerate()
@@ -583,10 +607,7 @@ impl Engine {
         let mut prefills: Vec<usize> = (0..self.running.len())
             .filter(|&i| self.running[i].tokens.len() - self.running[i].computed > 1)
             .collect();
-        let mut per_owner: HashMap<u64, usize> = HashMap::new();
-        for s in &self.running {
-            *per_owner.entry(s.owner).or_insert(0) += 1;
-        }
+        let per_owner = self.running_per_owner();
         // Least served first; on a tie (a tenant just lifted to the others' counter), the tenant
         // with fewer sequences.
         prefills.sort_by_key(|&i| {
@@ -641,9 +662,10 @@ impl Engine {
                 .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch);
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
+                let owner = self.running[i].owner;
+                *self.served.entry(owner).or_insert(0.0) += n as f64 / self.weight(owner);
+                let caches = self.prefix_cache_for(owner);
                 let s = &mut self.running[i];
-                let w = f64::from(self.tenants.get(&s.owner).map_or(1, |t| t.weight.max(1)));
-                *self.served.entry(s.owner).or_insert(0.0) += n as f64 / w;
                 match r {
                     Err(StepError::Isolation(v)) => ends[i] = Some(Outcome::Aborted(AbortReason::Isolation(v))),
                     Err(StepError::Kv(e)) => ends[i] = Some(Outcome::Aborted(AbortReason::Kv(e))),
@@ -653,9 +675,8 @@ impl Engine {
                         // Offered to the cache only when the step filled a page (most decode
                         // steps fill none).
                         let ps = self.cfg.page_size;
-                        if s.computed / ps > (s.computed - n) / ps
-                            && self.cfg.prefix_cache
-                            && self.tenants.get(&s.owner).is_none_or(|k| k.prefix_cache)
+                        if caches
+                            && s.computed / ps > (s.computed - n) / ps
                             && let Err(e) = self.pool.cache_computed(s.id, &s.tokens[..s.computed])
                         {
                             ends[i] = Some(match e {

@@ -613,10 +613,7 @@ fn contending_tenants_share_prefill_tokens_by_weight() {
             owner,
             super::TenantSettings {
                 weight,
-                max_pages: None,
-                min_pages: 0,
-                prefix_cache: true,
-                max_pinned_pages: 64,
+                ..Default::default()
             },
         );
     }
@@ -652,11 +649,8 @@ fn a_request_that_a_new_floor_leaves_no_room_for_ends_with_its_error() {
     e.set_tenant(
         2,
         super::TenantSettings {
-            weight: 1,
-            max_pages: None,
             min_pages: total - 2,
-            prefix_cache: true,
-            max_pinned_pages: 64,
+            ..Default::default()
         },
     );
     let mut runs = Runs::default();
