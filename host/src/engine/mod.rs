@@ -295,16 +295,16 @@ impl Engine {
 
     /// Applies tenant `owner`'s settings: its weight, its page cap and floor in the pool, whether
     /// it reuses prefixes (turning that off drops its cache) and its pin cap.
-    pub fn set_tenant(&mut self, owner: u64, kv: TenantSettings) {
-        if self.tenants.get(&owner) == Some(&kv) {
+    pub fn set_tenant(&mut self, owner: u64, settings: TenantSettings) {
+        if self.tenants.get(&owner) == Some(&settings) {
             return;
         }
-        self.pool.set_owner_budget(owner, kv.max_pages);
-        self.pool.set_owner_floor(owner, kv.min_pages);
-        if !kv.prefix_cache {
+        self.pool.set_owner_budget(owner, settings.max_pages);
+        self.pool.set_owner_floor(owner, settings.min_pages);
+        if !settings.prefix_cache {
             self.pool.forget_owner(owner);
         }
-        self.tenants.insert(owner, kv);
+        self.tenants.insert(owner, settings);
     }
 
     /// Tenant `owner`'s virtual counter.

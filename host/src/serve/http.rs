@@ -602,7 +602,7 @@ async fn generate(
     hooks: Option<Hooks>,
     a: Admitted,
 ) -> Result<Response<Body>, ApiError> {
-    let (kv, policy_generation, grant) = (a.policy.tenant_settings(), a.generation, a.grant);
+    let (settings, policy_generation, grant) = (a.policy.tenant_settings(), a.generation, a.grant);
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -644,7 +644,7 @@ async fn generate(
             tx: tx.clone(),
             stop: stop.clone(),
             slot: slot.clone(),
-            kv,
+            settings,
             policy_generation,
             grant: Some(grant.clone()),
         };

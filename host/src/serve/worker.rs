@@ -91,8 +91,8 @@ pub struct Job {
     /// plugin's `kv` reads both).
     pub slot: Arc<SeqSlot>,
     /// The tenant's policy as the engine enforces it, applied before the job is submitted.
-    pub kv: TenantSettings,
-    /// The generation of the policy set `kv` came from: settings older than those the engine
+    pub settings: TenantSettings,
+    /// The generation of the policy set `settings` came from: settings older than those the engine
     /// already has for the tenant (a reload happened meanwhile) are not applied.
     pub policy_generation: u64,
     /// The request's hold on its tenant's quotas; each choice records its usage in it.
@@ -229,8 +229,9 @@ impl EngineHandle {
     }
 
     /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
-    pub async fn set_tenant(&self, owner: u64, kv: TenantSettings, generation: u64) {
-        self.send_waiting(Cmd::TenantSettings(owner, kv, generation)).await;
+    pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
+        self.send_waiting(Cmd::TenantSettings(owner, settings, generation))
+            .await;
     }
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
@@ -360,12 +361,12 @@ fn outcome_label(o: &Outcome) -> &'static str {
 struct Applied(HashMap<u64, u64>);
 
 impl Applied {
-    /// Applies `kv` unless the engine already has a newer generation's settings for `owner`.
-    fn apply(&mut self, engine: &mut Engine, owner: u64, kv: TenantSettings, generation: u64) {
+    /// Applies `settings` unless the engine already has a newer generation's settings for `owner`.
+    fn apply(&mut self, engine: &mut Engine, owner: u64, settings: TenantSettings, generation: u64) {
         let had = self.0.entry(owner).or_insert(0);
         if generation >= *had {
             *had = generation;
-            engine.set_tenant(owner, kv);
+            engine.set_tenant(owner, settings);
         }
     }
 }
@@ -402,7 +403,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = job.tx.send((job.index, Update::ShuttingDown));
                         continue;
                     }
-                    applied.apply(&mut engine, job.req.owner, job.kv, job.policy_generation);
+                    applied.apply(&mut engine, job.req.owner, job.settings, job.policy_generation);
                     match engine.submit(job.req) {
                         Ok(id) => {
                             let _ = job.slot.id.set(id);
@@ -426,7 +427,9 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         }
                     }
                 }
-                Cmd::TenantSettings(owner, kv, generation) => applied.apply(&mut engine, owner, kv, generation),
+                Cmd::TenantSettings(owner, settings, generation) => {
+                    applied.apply(&mut engine, owner, settings, generation)
+                }
                 Cmd::Forget(owner, done) => {
                     engine.forget_owner(owner);
                     publish(&engine);
