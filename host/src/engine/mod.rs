@@ -2,18 +2,23 @@
 //!
 //! One progress model (as vLLM v1): each running sequence has `tokens` (prompt then output) and
 //! `computed`, how many of them have KV in its pages. A step gives every sequence whose tokens are
-//! all computed but the last (a decode) one token, then fills the rest of the step's token budget
-//! with prefill chunks; sequences join and leave between any two steps. Every way a scheduled
-//! request ends — finished, cancelled, failed — goes through [`Engine::retire`], which closes its KV
-//! state (pages return to the pool once unreferenced) and emits exactly one [`Event::Done`].
-//! Rejected requests never get here: [`Engine::submit`] returns them before anything is allocated.
+//! all computed but the last (a decode) one token, then fills the rest of the step with prefill
+//! chunks, the least served tenant's first, up to a token cap and a target duration that a cost
+//! model fitted from recent steps predicts (`cost`). A tenant arriving with nothing decoding may
+//! get a step for its prefill alone (see [`Engine::plan`]). Sequences join and leave between any
+//! two steps. Every way a scheduled request ends — finished, cancelled, failed — goes through
+//! [`Engine::retire`], which closes its KV state (pages return to the pool once unreferenced) and
+//! emits exactly one [`Event::Done`]. Rejected requests never get here: [`Engine::submit`] returns
+//! them before anything is allocated.
 
+mod cost;
 pub mod request;
 pub mod sampling;
 pub mod text;
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
@@ -21,6 +26,7 @@ use warden_kernels::attention::{PageEntry, TagCheck};
 
 use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
 use crate::model::{Model, Scratch, StepError, StepSeq};
+use cost::{CostModel, Work};
 use request::{
     AbortReason, AdmissionLimits, FinishReason, GenerateRequest, Outcome, RejectReason, Rejected, RequestId, Usage,
     ValidRequest,
@@ -35,6 +41,13 @@ pub struct EngineConfig {
     pub max_context: usize,
     /// Tokens per step (decode tokens plus prefill chunks). Default 512.
     pub max_batch_tokens: usize,
+    /// How long a step should take. A step is not preemptible, so this bounds how long a request
+    /// arriving mid-step waits for the engine, and how long running streams wait between
+    /// tokens: the prefill chunks of a step are cut to what the engine's cost model, fitted from
+    /// recent steps, says fits in it (as Sarathi-Serve derives its token budget from a latency
+    /// target), never below [`MIN_PREFILL_TOKENS`].
+    /// `max_batch_tokens` still caps every step. Default 40 ms; `None`: `max_batch_tokens` alone.
+    pub step_target: Option<Duration>,
     /// Sequences running at once. Default 64.
     pub max_running: usize,
     /// Requests waiting for a slot; more are rejected. Default 1024.
@@ -58,6 +71,7 @@ impl EngineConfig {
         Self {
             max_context: model.config().context_length,
             max_batch_tokens: 512,
+            step_target: Some(Duration::from_millis(40)),
             max_running: 64,
             max_waiting: 1024,
             page_size: 16,
@@ -193,9 +207,16 @@ pub struct Engine {
     tenants: HashMap<u64, TenantSettings>,
     /// Virtual tokens served per tenant: tokens computed for it, divided by its weight.
     served: HashMap<u64, f64>,
+    /// How long steps take, fitted from the recent ones: for the step target.
+    cost: CostModel,
+    /// Tokens computed since the engine started (prefill and decode).
+    computed: u64,
     scratch: Scratch,
     events: Vec<Event>,
 }
+
+/// Prefill tokens a step carries even when its decodes take the whole budget.
+pub const MIN_PREFILL_TOKENS: usize = 16;
 
 /// Errors creating an engine.
 #[derive(Debug, thiserror::Error)]
@@ -234,6 +255,8 @@ impl Engine {
             next_id: 1,
             tenants: HashMap::new(),
             served: HashMap::new(),
+            cost: CostModel::default(),
+            computed: 0,
             scratch: Scratch::default(),
             events: Vec::new(),
         })
@@ -363,6 +386,11 @@ impl Engine {
     /// Requests waiting plus running.
     pub fn pending(&self) -> usize {
         self.waiting.len() + self.running.len()
+    }
+
+    /// Tokens computed since the engine started, prefill and decode.
+    pub fn tokens_computed(&self) -> u64 {
+        self.computed
     }
 
     /// Requests waiting for a slot, and sequences running.
@@ -592,36 +620,102 @@ impl Engine {
             .any(|r| r.owner == s.owner && r.computed < r.prompt_len && r.tokens.get(..ps) == Some(first))
     }
 
-    /// Plans a step: one token for every decoding sequence, then prefill chunks, the least
-    /// served tenant's first (then in admission order), until the token budget is spent.
-    /// Returns (running index, new tokens).
-    fn plan(&self) -> Vec<(usize, usize)> {
-        let mut budget = self.cfg.max_batch_tokens;
-        let mut plan = Vec::new();
-        for (i, s) in self.running.iter().enumerate() {
-            if s.tokens.len() - s.computed == 1 && budget > 0 {
-                plan.push((i, 1));
-                budget -= 1;
+    /// Whether a step doing `work` stays within the step's limits: `max_batch_tokens`, and the
+    /// step target as the cost model predicts it (once it has seen enough steps).
+    fn fits(&self, work: Work) -> bool {
+        work.tokens <= self.cfg.max_batch_tokens
+            && match (self.cfg.step_target, self.cost.predict(work)) {
+                (Some(target), Some(took)) => took <= target,
+                _ => true,
+            }
+    }
+
+    /// The next prefill chunk of running sequence `i` beside `work`: the largest that fits, or
+    /// `floor` tokens if that is more (within `max_batch_tokens` and its prompt).
+    fn prefill_chunk(&self, i: usize, work: Work, floor: usize) -> usize {
+        let s = &self.running[i];
+        let left = s.tokens.len() - s.computed;
+        let most = left.min(self.cfg.max_batch_tokens - work.tokens);
+        let chunk = |n: usize| Work::chunk(s.computed, n, n == left);
+        let (mut lo, mut hi) = (0, most);
+        // The cost only grows with the chunk: binary search for the last size that fits.
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if self.fits(work.plus(chunk(mid))) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
             }
         }
-        let mut prefills: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].tokens.len() - self.running[i].computed > 1)
-            .collect();
+        lo.max(floor.min(most))
+    }
+
+    /// Plans a step. Returns (running index, new tokens).
+    ///
+    /// Normally (as Sarathi-Serve): one token for every decoding sequence, then prefill chunks,
+    /// the least served tenant's first (then in admission order), while the step fits its
+    /// limits, and at least [`MIN_PREFILL_TOKENS`] so decodes never stall prefills entirely.
+    ///
+    /// A first-token step: when the least served tenant has nothing decoding (its requests are
+    /// all waiting for their first token) and the other tenants' decodes do not fit in the step
+    /// beside its prefill, the step is its prefill alone, and the decodes wait one step. Its time
+    /// to first token is then the step in flight plus its own prefill, as on an idle engine,
+    /// however many streams others keep open. Serving it raises its counter above theirs, so the
+    /// next step is theirs: a tenant's decodes wait only while the VTC lets less served tenants
+    /// catch up.
+    fn plan(&self) -> Vec<(usize, usize)> {
         let per_owner = self.running_per_owner();
+        let tenant_key = |o: u64| (OrdF64(self.served(o)), per_owner[&o]);
+        // A running sequence has at least one token to compute: the last sampled one (a decode)
+        // or the rest of its prompt (a prefill).
+        let (decodes, mut prefills): (Vec<usize>, Vec<usize>) =
+            (0..self.running.len()).partition(|&i| self.running[i].tokens.len() - self.running[i].computed == 1);
         // Least served first; on a tie (a tenant just lifted to the others' counter), the tenant
         // with fewer sequences.
-        prefills.sort_by_key(|&i| {
-            let o = self.running[i].owner;
-            (OrdF64(self.served(o)), per_owner[&o], i)
+        prefills.sort_by_key(|&i| (tenant_key(self.running[i].owner), i));
+        let cap = self.cfg.max_batch_tokens;
+        let mut plan = Vec::new();
+        let mut work = Work::default();
+        let lead = prefills.first().map(|&i| self.running[i].owner);
+        let first_token = lead.filter(|&l| {
+            decodes
+                .iter()
+                .all(|&i| tenant_key(l) < tenant_key(self.running[i].owner))
         });
-        for i in prefills {
-            let s = &self.running[i];
-            let left = s.tokens.len() - s.computed;
-            if budget > 0 {
-                let n = left.min(budget);
+        // Prefill tokens the step still owes the floor.
+        let mut floor = MIN_PREFILL_TOKENS;
+        if let Some(lead) = first_token {
+            for &i in prefills.iter().filter(|&&i| self.running[i].owner == lead) {
+                let n = self.prefill_chunk(i, work, floor);
+                if n == 0 {
+                    break;
+                }
+                let s = &self.running[i];
                 plan.push((i, n));
-                budget -= n;
+                work = work.plus(Work::chunk(s.computed, n, s.computed + n == s.tokens.len()));
+                floor = floor.saturating_sub(n);
             }
+            let with_decodes = decodes
+                .iter()
+                .fold(work, |w, &i| w.plus(Work::chunk(self.running[i].computed, 1, true)));
+            if !decodes.is_empty() && !self.fits(with_decodes) {
+                return plan;
+            }
+            prefills.retain(|&i| self.running[i].owner != lead);
+        }
+        for &i in decodes.iter().take(cap - work.tokens) {
+            plan.push((i, 1));
+            work = work.plus(Work::chunk(self.running[i].computed, 1, true));
+        }
+        for i in prefills {
+            let n = self.prefill_chunk(i, work, floor);
+            if n == 0 {
+                break;
+            }
+            let s = &self.running[i];
+            plan.push((i, n));
+            work = work.plus(Work::chunk(s.computed, n, s.computed + n == s.tokens.len()));
+            floor = floor.saturating_sub(n);
         }
         plan
     }
@@ -657,9 +751,16 @@ impl Engine {
                     }
                 })
                 .collect();
+            let work = step.iter().fold(Work::default(), |w, &(i, n)| {
+                let s = &self.running[i];
+                w.plus(Work::chunk(s.computed, n, s.computed + n == s.tokens.len()))
+            });
+            let started = Instant::now();
             let results = self
                 .model
                 .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch);
+            self.computed += work.tokens as u64;
+            self.cost.observe(work, started.elapsed());
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
                 let owner = self.running[i].owner;

@@ -16,6 +16,7 @@ fn config(max_context: usize, max_batch_tokens: usize) -> EngineConfig {
     EngineConfig {
         max_context,
         max_batch_tokens,
+        step_target: None,
         max_running: 64,
         max_waiting: 64,
         page_size: 16,
@@ -603,6 +604,65 @@ fn a_flooding_tenant_does_not_delay_anothers_first_token() {
     );
     runs.drain(&mut e);
     assert_quiescent(&mut e, &[1, 2]);
+}
+
+#[test]
+fn a_new_tenants_prefill_does_not_wait_behind_anothers_decodes() {
+    // A keeps 24 streams decoding; with 48 tokens a step, B's 40-token prompt beside A's 24
+    // decodes would take two steps. B is the least served and has nothing decoding, so its
+    // prefill gets a step of its own, and A's decodes the next.
+    let mut e = engine(48);
+    let mut runs = Runs::default();
+    let a: Vec<RequestId> = long_prompts(24, 8, 3)
+        .into_iter()
+        .map(|p| {
+            let mut r = GenerateRequest::greedy(1, p, 40);
+            r.ignore_eos = true;
+            e.submit(r).expect("admitted")
+        })
+        .collect();
+    step_until_decoding(&mut e, &mut runs, &a);
+    let a_tokens = |runs: &Runs| a.iter().map(|id| runs.tokens[id].len()).sum::<usize>();
+    let before = a_tokens(&runs);
+    let b_prompt: Vec<u32> = (0..40).map(|j| 300 + j).collect();
+    let b = e.submit(GenerateRequest::greedy(2, b_prompt, 4)).expect("admitted");
+    let ev = e.step();
+    runs.absorb(ev);
+    assert!(runs.tokens.contains_key(&b), "B's first token took more than one step");
+    assert_eq!(a_tokens(&runs), before, "A's decodes shared B's first-token step");
+    let ev = e.step();
+    runs.absorb(ev);
+    assert_eq!(a_tokens(&runs), before + 24, "A's decodes did not run the step after");
+    runs.drain(&mut e);
+    assert_quiescent(&mut e, &[1, 2]);
+}
+
+#[test]
+fn the_step_target_cuts_prefill_chunks_to_what_the_cost_model_predicts() {
+    let mut cfg = config(2048, 512);
+    cfg.step_target = Some(std::time::Duration::from_millis(20));
+    let mut e = Engine::new(model(), Arc::new(IdDetok), cfg).expect("engine starts");
+    // Until the model has seen steps, max_batch_tokens alone limits a step.
+    e.submit(GenerateRequest::greedy(1, long_prompts(1, 200, 4).remove(0), 1))
+        .expect("admitted");
+    e.admit_waiting();
+    assert_eq!(e.plan(), vec![(0, 200)]);
+    // Steps that took half a millisecond a token: 20 ms holds 40.
+    for n in [16, 40, 64, 100, 128, 200, 256, 300] {
+        let w = super::cost::Work::chunk(n, n, true);
+        e.cost.observe(w, std::time::Duration::from_micros(500 * n as u64));
+    }
+    let plan = e.plan();
+    assert_eq!(plan.len(), 1);
+    assert!((36..=40).contains(&plan[0].1), "planned {plan:?} for a 20 ms step");
+    // However slow steps get, a prefill still gets MIN_PREFILL_TOKENS a step.
+    for n in [16, 40, 64, 100, 128, 200, 256, 300] {
+        let w = super::cost::Work::chunk(n, n, true);
+        e.cost.observe(w, std::time::Duration::from_millis(100 * n as u64));
+    }
+    assert_eq!(e.plan(), vec![(0, super::MIN_PREFILL_TOKENS)]);
+    Runs::default().drain(&mut e);
+    assert_quiescent(&mut e, &[1]);
 }
 
 #[test]

@@ -98,6 +98,10 @@ pub struct LimitsConfig {
     pub default_max_tokens: usize,
     /// Tokens per engine step (decode tokens plus prefill chunks). Default 512.
     pub max_batch_tokens: usize,
+    /// How long an engine step should take, in milliseconds: prefill chunks shrink to what fits,
+    /// which bounds both a new request's wait for the step in flight and the time between a
+    /// stream's tokens. 0: `max_batch_tokens` alone. Default 40.
+    pub step_target_ms: u64,
     /// Sequences decoding at once. Default 64.
     pub max_running: usize,
     /// Requests waiting for a slot; beyond it requests get 503. Default 256.
@@ -120,6 +124,7 @@ impl Default for LimitsConfig {
             max_context: None,
             default_max_tokens: 256,
             max_batch_tokens: 512,
+            step_target_ms: 40,
             max_running: 64,
             queue: 256,
             body_bytes: 1 << 20,

@@ -118,6 +118,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         ec.max_context = m;
     }
     ec.max_batch_tokens = cfg.limits.max_batch_tokens;
+    ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
     ec.max_running = cfg.limits.max_running;
     ec.max_waiting = cfg.limits.queue;
     ec.page_size = cfg.kv.page_size;
