@@ -201,10 +201,7 @@ fn tag_check_cost(layers: usize, page_size: usize, sequences: usize, context: us
     let tables: Vec<Vec<PageEntry>> = (0..sequences)
         .map(|s| {
             (0..per_seq)
-                .map(|j| PageEntry {
-                    page: (j * sequences + s) as u32,
-                    epoch: 3,
-                })
+                .map(|j| PageEntry::own((j * sequences + s) as u32, 3))
                 .collect()
         })
         .collect();

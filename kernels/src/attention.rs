@@ -11,6 +11,11 @@ use rayon::prelude::*;
 
 use crate::ops::{axpy, exp_in_place};
 
+/// The owner of public-prefix pages: KV the server computes from text a policy marks public
+/// (invariant 5), which tenants that policy allows read through [`PageEntry::public`] entries.
+/// Never a tenant's id.
+pub const PUBLIC_OWNER: u64 = u64::MAX;
+
 /// The tag every KV page carries. The pool that owns the pages maintains it; kernels only read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PageTag {
@@ -24,12 +29,14 @@ pub struct PageTag {
 
 impl PageTag {
     /// Whether a holder `owner` with page table entry `e` may use this page: it must be the
-    /// page's owner and hold the page's current epoch. Returns the violation otherwise.
+    /// page's owner (or, for a public entry, the page must be a public prefix's) and hold the
+    /// page's current epoch. Returns the violation otherwise.
     pub fn check_holder(&self, owner: u64, e: PageEntry) -> Result<(), IsolationViolation> {
-        if self.owner != owner {
+        let expected = if e.public { PUBLIC_OWNER } else { owner };
+        if self.owner != expected {
             return Err(IsolationViolation::ForeignOwner {
                 page: e.page,
-                expected: owner,
+                expected,
                 found: self.owner,
             });
         }
@@ -51,6 +58,20 @@ pub struct PageEntry {
     pub page: u32,
     /// Epoch at allocation.
     pub epoch: u32,
+    /// A public prefix's page, owned by [`PUBLIC_OWNER`]: readable, never writable. Only the
+    /// pool sets it, for tenants whose policy allows public prefixes.
+    pub public: bool,
+}
+
+impl PageEntry {
+    /// An entry for a page of the holder's own.
+    pub fn own(page: u32, epoch: u32) -> Self {
+        Self {
+            page,
+            epoch,
+            public: false,
+        }
+    }
 }
 
 /// Why a read was refused.
@@ -65,6 +86,12 @@ pub enum IsolationViolation {
         expected: u64,
         /// The tag's owner.
         found: u64,
+    },
+    /// A write to a public prefix's page, which is read-only.
+    #[error("KV page {page} holds a public prefix and cannot be written")]
+    PublicPage {
+        /// Page index.
+        page: u32,
     },
     /// The page was freed and reallocated since the reader got it.
     #[error("KV page {page} has epoch {found}, reader holds epoch {expected} (stale reference)")]
@@ -735,10 +762,7 @@ mod tests {
                     let t = &mut self.tags[p as usize];
                     t.owner = owner;
                     t.written = positions.saturating_sub(j * ps).min(ps) as u32;
-                    PageEntry {
-                        page: p,
-                        epoch: t.epoch,
-                    }
+                    PageEntry::own(p, t.epoch)
                 })
                 .collect()
         }
@@ -882,7 +906,7 @@ mod tests {
         let mut f = Fixture::new(SHAPE, 4);
         let mine = f.give(&[0], 1, 4);
         f.give(&[1], 2, 4);
-        let table = [mine[0], PageEntry { page: 1, epoch: 0 }];
+        let table = [mine[0], PageEntry::own(1, 0)];
         let (r, out) = run(&f, 1, &table, 7, 1);
         assert_eq!(
             r,
@@ -981,14 +1005,7 @@ mod tests {
     #[test]
     fn short_table_and_bad_index_are_errors_even_unchecked() {
         let f = Fixture::new(SHAPE, 2);
-        let r = check_pages(
-            1,
-            &[PageEntry { page: 9, epoch: 0 }],
-            2,
-            4,
-            &f.tags,
-            TagCheck::SkipForBenchmark,
-        );
+        let r = check_pages(1, &[PageEntry::own(9, 0)], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
         assert_eq!(r, Err(IsolationViolation::NoSuchPage { page: 9, pages: 2 }));
         let r = check_pages(1, &[], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
         assert!(matches!(r, Err(IsolationViolation::ShortPageTable { .. })));

@@ -623,10 +623,7 @@ impl KvPool {
                 written: 0,
             };
             let s = self.seqs.get_mut(&seq).expect("open");
-            s.pages.push(PageEntry {
-                page,
-                epoch: self.tags[i].epoch,
-            });
+            s.pages.push(PageEntry::own(page, self.tags[i].epoch));
             s.reserved -= 1;
             self.reserved_total -= 1;
             self.counters.allocations += 1;
@@ -686,6 +683,10 @@ impl KvPool {
             page: e.page,
             pages: self.n_pages,
         })?;
+        if e.public {
+            self.counters.tag_mismatches += 1;
+            return Err(IsolationViolation::PublicPage { page: e.page }.into());
+        }
         if let Err(v) = tag.check_holder(owner, e) {
             self.counters.tag_mismatches += 1;
             return Err(v.into());

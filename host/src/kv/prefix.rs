@@ -260,7 +260,7 @@ mod tests {
     use super::*;
 
     fn e(page: u32) -> PageEntry {
-        PageEntry { page, epoch: 0 }
+        PageEntry::own(page, 0)
     }
 
     #[test]
