@@ -282,6 +282,62 @@ fn policies_reload_on_change_and_a_bad_file_leaves_the_last_good_set() {
     });
 }
 
+const SYSTEM: &str = "You are the support assistant of Example Corp. Answer questions about orders, shipping and returns briefly and politely, and never discuss other customers.";
+
+#[test]
+fn a_public_prefix_is_shared_only_with_tenants_whose_policy_allows_it() {
+    // The operator marks the rendered system turn public; tenant "open" may read it, tenant
+    // "closed" keeps the default private cache.
+    let default = format!("[public_prefixes]\nsupport = \"<|im_start|>system\\n{SYSTEM}<|im_end|>\\n\"\n");
+    let s = Server::start_with_policies(
+        "policy-public",
+        "",
+        &[
+            ("default.toml", &default),
+            ("tenants/open.toml", "[kv]\nprefix_cache = \"public\"\n"),
+        ],
+    );
+    rt().block_on(async {
+        let c = s.client();
+        assert!(
+            s.metric("warden_kv_pinned_pages").await >= 2.0,
+            "the server pinned the prefix"
+        );
+        let ask = |key: String| {
+            let c = c.clone();
+            async move {
+                let body = json!({"model": MODEL, "temperature": 0, "max_tokens": 8, "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": "Where is my order?"}]});
+                let r = c
+                    .request(
+                        Method::POST,
+                        "/v1/chat/completions",
+                        Some(&key),
+                        Some(body.to_string().into_bytes()),
+                    )
+                    .await
+                    .expect("request");
+                assert_eq!(r.status, 200, "{}", r.text());
+                let v = r.json().unwrap();
+                (
+                    v["choices"][0]["message"]["content"].as_str().unwrap().to_string(),
+                    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+                )
+            }
+        };
+        let open = s.tenant_with_key("open").await;
+        let closed = s.tenant_with_key("closed").await;
+        // The first request of "open" already starts from the public pages; "closed" computes
+        // its whole prompt, and gets the same answer.
+        let (a, cached) = ask(open).await;
+        assert!(cached >= 32, "open's first request adopted {cached} public tokens");
+        let (b, cached) = ask(closed).await;
+        assert_eq!(cached, 0, "a private tenant never reads the public prefix");
+        assert_eq!(a, b, "the same greedy answer from shared and computed KV");
+    });
+}
+
 #[test]
 fn usage_survives_a_restart_and_a_kill_9() {
     let mut s = Server::start("policy-usage", "");

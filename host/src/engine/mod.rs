@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use warden_kernels::attention::{PageEntry, TagCheck};
+use warden_kernels::attention::{PUBLIC_OWNER, PageEntry, TagCheck};
 
 use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
 use crate::model::{Model, Scratch, StepError, StepSeq};
@@ -94,19 +94,23 @@ pub struct TenantSettings {
     pub min_pages: usize,
     /// Whether its requests reuse its own cached prefixes.
     pub prefix_cache: bool,
+    /// Whether its requests may also adopt the server's public prefixes (see
+    /// [`Engine::set_public_prefixes`]); only with `prefix_cache`.
+    pub public_prefixes: bool,
     /// Pages its plugins may pin.
     pub max_pinned_pages: usize,
 }
 
 impl Default for TenantSettings {
-    /// What a tenant without a policy of its own gets: weight 1, no cap or floor, its prefix
-    /// cache, 64 pinned pages.
+    /// What a tenant without a policy of its own gets: weight 1, no cap or floor, its own prefix
+    /// cache (no public prefixes), 64 pinned pages.
     fn default() -> Self {
         Self {
             weight: 1,
             max_pages: None,
             min_pages: 0,
             prefix_cache: true,
+            public_prefixes: false,
             max_pinned_pages: 64,
         }
     }
@@ -207,6 +211,8 @@ pub struct Engine {
     tenants: HashMap<u64, TenantSettings>,
     /// Virtual tokens served per tenant: tokens computed for it, divided by its weight.
     served: HashMap<u64, f64>,
+    /// The public prefixes in force, in whole pages.
+    public_prefixes: Vec<Vec<u32>>,
     /// How long steps take, fitted from the recent ones: for the step target.
     cost: CostModel,
     /// Tokens computed since the engine started (prefill and decode).
@@ -243,8 +249,7 @@ impl Engine {
         pool.check_capacity(cfg.max_context)?;
         // Pins never take the room of one request of the maximum context (invariant 4 holds for
         // the pages that can be had, not only for the pool).
-        let total = pool.counters().pages_total;
-        pool.set_pin_ceiling(total - pool.pages_for(cfg.max_context));
+        pool.set_pin_ceiling(Self::pinnable(&pool, &cfg));
         Ok(Self {
             model,
             detok,
@@ -255,6 +260,7 @@ impl Engine {
             next_id: 1,
             tenants: HashMap::new(),
             served: HashMap::new(),
+            public_prefixes: Vec::new(),
             cost: CostModel::default(),
             computed: 0,
             scratch: Scratch::default(),
@@ -312,12 +318,14 @@ impl Engine {
         self.pool.forget_owner(owner);
         self.pool.set_owner_budget(owner, None);
         self.pool.set_owner_floor(owner, 0);
+        self.pool.set_public_access(owner, false);
         self.tenants.remove(&owner);
         self.served.remove(&owner);
     }
 
     /// Applies tenant `owner`'s settings: its weight, its page cap and floor in the pool, whether
-    /// it reuses prefixes (turning that off drops its cache) and its pin cap.
+    /// it reuses prefixes (turning that off drops its cache), whether it may read public
+    /// prefixes, and its pin cap.
     pub fn set_tenant(&mut self, owner: u64, settings: TenantSettings) {
         if self.tenants.get(&owner) == Some(&settings) {
             return;
@@ -327,7 +335,79 @@ impl Engine {
         if !settings.prefix_cache {
             self.pool.forget_owner(owner);
         }
+        self.pool
+            .set_public_access(owner, settings.prefix_cache && settings.public_prefixes);
         self.tenants.insert(owner, settings);
+    }
+
+    /// Makes `prefixes` the server's public prefixes: token sequences a policy marks public
+    /// (invariant 5 allows sharing KV across tenants only so). The engine computes each one's
+    /// whole pages itself, under [`PUBLIC_OWNER`], and pins them (within the server's pin
+    /// ceiling); a request of a tenant whose settings allow public prefixes and whose prompt
+    /// begins with one adopts those pages read-only instead of computing them. Prefixes dropped
+    /// from the list leave the cache (sequences using their pages keep them). Blocks for the
+    /// prefill of what is new; a list equal to the current one does nothing. On an error the
+    /// prefixes before the failing one stay in force.
+    pub fn set_public_prefixes(&mut self, prefixes: &[Vec<u32>]) -> Result<(), KvError> {
+        if self.public_prefixes == prefixes {
+            return Ok(());
+        }
+        self.pool.forget_owner(PUBLIC_OWNER);
+        self.public_prefixes.clear();
+        if prefixes.is_empty() {
+            return Ok(());
+        }
+        if !self.cfg.prefix_cache {
+            return Err(KvError::PublicWithoutCache);
+        }
+        for tokens in prefixes {
+            let whole = tokens.len() / self.cfg.page_size * self.cfg.page_size;
+            if whole == 0 {
+                return Err(KvError::PublicPrefixTooShort {
+                    tokens: tokens.len(),
+                    page_size: self.cfg.page_size,
+                });
+            }
+            let tokens = &tokens[..whole];
+            let id = self.next_id;
+            self.next_id += 1;
+            let from = self.pool.open(id, PUBLIC_OWNER, self.pool.pages_for(whole), tokens)?;
+            let filled = self.fill_public(id, tokens, from);
+            self.pool.close(id)?;
+            filled?;
+            self.public_prefixes.push(tokens.to_vec());
+        }
+        Ok(())
+    }
+
+    /// Computes `tokens[from..]` into public sequence `id`, caches and pins its pages.
+    fn fill_public(&mut self, id: RequestId, tokens: &[u32], from: usize) -> Result<(), KvError> {
+        let mut at = from;
+        while at < tokens.len() {
+            let n = (tokens.len() - at).min(self.cfg.max_batch_tokens);
+            self.pool.ensure(id, at + n)?;
+            self.pool.commit_slots(id, at + n)?;
+            let seqs = [StepSeq {
+                seq: id,
+                tokens: &tokens[at..at + n],
+                pos0: at,
+                want_logits: false,
+            }];
+            for r in self
+                .model
+                .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch)
+            {
+                match r {
+                    Ok(_) => {}
+                    Err(StepError::Kv(e)) => return Err(e),
+                    Err(StepError::Isolation(v)) => return Err(v.into()),
+                }
+            }
+            at += n;
+        }
+        self.pool.cache_computed(id, tokens)?;
+        self.pool.pin_prefix(id, tokens.len(), usize::MAX)?;
+        Ok(())
     }
 
     /// Tenant `owner`'s virtual counter.
@@ -386,6 +466,16 @@ impl Engine {
     /// Requests waiting plus running.
     pub fn pending(&self) -> usize {
         self.waiting.len() + self.running.len()
+    }
+
+    /// Pages that may be pinned, by tenants and public prefixes together: all but one request
+    /// of the maximum context.
+    pub fn pinnable_pages(&self) -> usize {
+        Self::pinnable(&self.pool, &self.cfg)
+    }
+
+    fn pinnable(pool: &KvPool, cfg: &EngineConfig) -> usize {
+        pool.counters().pages_total - pool.pages_for(cfg.max_context)
     }
 
     /// Tokens computed since the engine started, prefill and decode.

@@ -498,6 +498,51 @@ fn a_repeated_prompt_reuses_only_its_owners_cached_prefix_with_the_same_output()
 }
 
 #[test]
+fn public_prefixes_serve_only_tenants_allowed_them_with_the_same_output() {
+    let prompt = sixteen_prompts()[2].clone();
+    let public = prompt[..32].to_vec();
+    let alone = solo(&prompt, 10);
+    let mut e = engine(512);
+    e.set_public_prefixes(std::slice::from_ref(&public)).expect("computed");
+    assert_eq!(e.kv_counters().pages_pinned, 2, "the server pins the public pages");
+    let allowed = super::TenantSettings {
+        public_prefixes: true,
+        ..Default::default()
+    };
+    e.set_tenant(1, allowed);
+    e.set_tenant(2, allowed);
+    let mut runs = Runs::default();
+    let mut run = |e: &mut Engine, owner: u64| {
+        let id = e
+            .submit(GenerateRequest::greedy(owner, prompt.clone(), 10))
+            .expect("admitted");
+        runs.drain(e);
+        (runs.tokens[&id].clone(), runs.usage[&id].cached_tokens)
+    };
+    // Tenants 1 and 2 adopt the public pages on their first request; tenant 3, whose settings
+    // do not allow them, computes everything.
+    assert_eq!(run(&mut e, 1), (alone.clone(), 32));
+    assert_eq!(run(&mut e, 2), (alone.clone(), 32));
+    assert_eq!(run(&mut e, 3), (alone.clone(), 0));
+    // Nothing of a request that began with a public prefix went to its tenant's private cache.
+    e.set_tenant(
+        1,
+        super::TenantSettings {
+            public_prefixes: false,
+            ..Default::default()
+        },
+    );
+    assert_eq!(run(&mut e, 1).1, 0);
+    // A prefix shorter than a page is refused; dropping the prefixes frees their pages.
+    assert!(matches!(
+        e.set_public_prefixes(&[public[..10].to_vec()]),
+        Err(KvError::PublicPrefixTooShort { tokens: 10, .. })
+    ));
+    e.set_public_prefixes(&[]).expect("dropped");
+    assert_quiescent(&mut e, &[1, 2, 3]);
+}
+
+#[test]
 fn pins_are_the_owners_and_hold_against_pressure() {
     let prompt = sixteen_prompts()[2].clone();
     let mut e = engine(512);

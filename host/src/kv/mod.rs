@@ -23,10 +23,10 @@
 
 mod prefix;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use half::f16;
-use warden_kernels::attention::{AttnShape, IsolationViolation, KvLayer, PageEntry, PageTag};
+use warden_kernels::attention::{AttnShape, IsolationViolation, KvLayer, PUBLIC_OWNER, PageEntry, PageTag};
 
 /// A sequence's id in the pool.
 pub type SeqId = u64;
@@ -121,6 +121,25 @@ pub enum KvError {
         /// Tokens of the sequence in the cache.
         cached: usize,
     },
+    /// The sequence begins with a public prefix, which the server keeps pinned itself; none of
+    /// its pages are the tenant's to pin.
+    #[error(
+        "this request begins with a public prefix, which the server keeps cached for every tenant allowed it; there is nothing of the tenant's own to pin"
+    )]
+    PublicPrefix,
+    /// Public prefixes need the prefix cache, which this server runs without.
+    #[error("public prefixes need the prefix cache, which this server runs without (kv.prefix_cache = false)")]
+    PublicWithoutCache,
+    /// A public prefix shorter than a page: nothing of it could be shared.
+    #[error(
+        "a public prefix of {tokens} tokens holds no whole KV page ({page_size} tokens): nothing of it could be shared"
+    )]
+    PublicPrefixTooShort {
+        /// Its tokens.
+        tokens: usize,
+        /// Slots per page.
+        page_size: usize,
+    },
     /// Pinning needs the prefix cache, which this server runs without.
     #[error(
         "the prefix cache is off for this tenant (its policy says kv.prefix_cache = \"off\", or the server has kv.prefix_cache = false), so nothing can be pinned"
@@ -212,6 +231,9 @@ struct SeqKv {
     /// The cache nodes of this sequence's leading pages, as far as its computed tokens are
     /// cached (its own pages, or equal ones cached before).
     chain: Vec<prefix::NodeId>,
+    /// Whether its leading pages are a public prefix's (then `chain` is in the public tree, and
+    /// nothing of the sequence is cached or pinned for its owner).
+    public: bool,
 }
 
 /// The pool.
@@ -238,6 +260,8 @@ pub struct KvPool {
     floors: HashMap<u64, usize>,
     /// Most pages pinned by all owners together.
     pin_ceiling: usize,
+    /// Owners whose policy lets them read public prefixes (invariant 5).
+    public_readers: HashSet<u64>,
     reserved_total: usize,
     counters: KvCounters,
 }
@@ -291,6 +315,7 @@ impl KvPool {
             budgets: HashMap::new(),
             floors: HashMap::new(),
             pin_ceiling: n_pages,
+            public_readers: HashSet::new(),
             reserved_total: 0,
             counters: KvCounters {
                 pages_total: n_pages,
@@ -388,22 +413,15 @@ impl KvPool {
         if self.seqs.contains_key(&seq) {
             return Err(KvError::AlreadyOpen(seq));
         }
-        let ps = self.shape.page_size;
-        let mut chain = Vec::new();
-        for tokens in reusable.chunks_exact(ps).take(pages) {
-            let parent = chain.last().copied().unwrap_or(prefix::ROOT);
-            let Some(id) = self.prefix.find(owner, parent, tokens) else {
-                break;
-            };
-            // The cache holds only full pages of this owner; check the tag all the same, and
-            // treat anything else as a miss (invariant 2).
-            let e = self.prefix.entry(id).expect("a found node exists");
-            let tag = self.tags[e.page as usize];
-            if tag.check_holder(owner, e).is_err() || tag.written as usize != ps {
-                self.counters.tag_mismatches += 1;
-                break;
+        // The owner's own cache, or the public prefixes if its policy allows them and they
+        // cover more.
+        let mut chain = self.cached_chain(owner, reusable, pages);
+        let mut public = false;
+        if self.public_readers.contains(&owner) {
+            let shared = self.cached_chain(PUBLIC_OWNER, reusable, pages);
+            if shared.len() > chain.len() {
+                (chain, public) = (shared, true);
             }
-            chain.push(id);
         }
         // Adopting an idle page takes it out of what is available.
         let adopted_idle = chain.iter().filter(|&&id| self.prefix.is_idle(id)).count();
@@ -433,11 +451,11 @@ impl KvPool {
             self.refs[e.page as usize] += 1;
             self.seq_refs[e.page as usize] += 1;
             self.settle(e.page);
-            table.push(e);
+            table.push(PageEntry { public, ..e });
         }
+        let hit = chain.len() * self.shape.page_size;
         self.reserved_total += reserve;
         *self.owner_pages.entry(owner).or_insert(0) += pages;
-        let hit = chain.len() * ps;
         self.counters.prefix_hit_tokens += hit as u64;
         self.seqs.insert(
             seq,
@@ -446,9 +464,41 @@ impl KvPool {
                 pages: table,
                 reserved: reserve,
                 chain,
+                public,
             },
         );
         Ok(hit)
+    }
+
+    /// The cache nodes of `tree`'s prefix cache matching whole pages of `reusable`, at most
+    /// `pages`. The cache holds only full pages of that owner; each tag is checked all the same,
+    /// and anything else ends the match (invariant 2).
+    fn cached_chain(&mut self, tree: u64, reusable: &[u32], pages: usize) -> Vec<prefix::NodeId> {
+        let ps = self.shape.page_size;
+        let mut chain = Vec::new();
+        for tokens in reusable.chunks_exact(ps).take(pages) {
+            let parent = chain.last().copied().unwrap_or(prefix::ROOT);
+            let Some(id) = self.prefix.find(tree, parent, tokens) else {
+                break;
+            };
+            let e = self.prefix.entry(id).expect("a found node exists");
+            let tag = self.tags[e.page as usize];
+            if tag.check_holder(tree, e).is_err() || tag.written as usize != ps {
+                self.counters.tag_mismatches += 1;
+                break;
+            }
+            chain.push(id);
+        }
+        chain
+    }
+
+    /// Lets `owner` read public prefixes, or stops it (for sequences opened from now on).
+    pub fn set_public_access(&mut self, owner: u64, allowed: bool) {
+        if allowed {
+            self.public_readers.insert(owner);
+        } else {
+            self.public_readers.remove(&owner);
+        }
     }
 
     /// Puts page `page` into the eviction order if only the cache holds it and nothing pinned
@@ -501,6 +551,9 @@ impl KvPool {
     pub fn cache_computed(&mut self, seq: SeqId, computed: &[u32]) -> Result<(), KvError> {
         let ps = self.shape.page_size;
         let s = self.live_chain(seq)?;
+        if s.public {
+            return Ok(());
+        }
         let (owner, full) = (s.owner, (computed.len() / ps).min(s.pages.len()));
         let mut chain = std::mem::take(&mut s.chain);
         let pages = s.pages[chain.len()..full].to_vec();
@@ -539,6 +592,9 @@ impl KvPool {
     pub fn pin_prefix(&mut self, seq: SeqId, tokens: usize, limit: usize) -> Result<usize, KvError> {
         let ps = self.shape.page_size;
         let s = self.live_chain(seq)?;
+        if s.public {
+            return Err(KvError::PublicPrefix);
+        }
         let owner = s.owner;
         let path: Vec<prefix::NodeId> = s.chain.iter().take(tokens / ps).copied().collect();
         if path.is_empty() {
@@ -580,6 +636,9 @@ impl KvPool {
     /// evictable once nothing else holds or pins them. Returns how many pages that unpinned.
     pub fn unpin_prefix(&mut self, seq: SeqId) -> Result<usize, KvError> {
         let s = self.live_chain(seq)?;
+        if s.public {
+            return Ok(0);
+        }
         let (owner, path) = (s.owner, s.chain.clone());
         let freed = self.prefix.unpin(owner, &path);
         for &id in &freed {
@@ -827,7 +886,7 @@ impl KvPool {
             // Release only what the tags say this sequence holds: an entry that names another
             // owner's page or a stale epoch (a corrupted table) must not free someone else's page.
             match self.tags.get(i) {
-                Some(t) if t.owner == s.owner && t.epoch == e.epoch && self.seq_refs[i] > 0 => {
+                Some(t) if t.check_holder(s.owner, e).is_ok() && self.seq_refs[i] > 0 => {
                     self.seq_refs[i] -= 1;
                     self.unref(e.page);
                     self.settle(e.page);
@@ -973,6 +1032,52 @@ mod tests {
     }
 
     const TOKS: [u32; 16] = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16];
+
+    #[test]
+    fn public_prefixes_are_read_only_and_only_for_owners_allowed_them() {
+        let mut p = pool(12);
+        // The server computes and pins a public prefix of two pages.
+        assert_eq!(computed(&mut p, 1, PUBLIC_OWNER, 2, &TOKS[..8]), 0);
+        assert_eq!(p.pin_prefix(1, 8, usize::MAX).unwrap(), 8);
+        p.close(1).unwrap();
+        p.set_public_access(5, true);
+        // Owner 5 is allowed: it adopts both pages, as public entries of PUBLIC_OWNER's pages.
+        assert_eq!(p.open(2, 5, 3, &TOKS[..11]).unwrap(), 8);
+        let table = p.table(2).unwrap().1.to_vec();
+        assert!(table.iter().all(|e| e.public));
+        for e in &table {
+            assert_eq!(p.tags()[e.page as usize].owner, PUBLIC_OWNER);
+            assert!(p.inspect(5, *e).is_ok(), "readable through the public entry");
+            assert!(
+                p.inspect(5, PageEntry { public: false, ..*e }).is_err(),
+                "not as the owner's own page"
+            );
+        }
+        // Never writable, even by a sequence holding it.
+        let e = p.write(0, 5, &table, 0, &[1.0; 4], &[1.0; 4]).unwrap_err();
+        assert!(
+            matches!(e, KvError::Isolation(IsolationViolation::PublicPage { .. })),
+            "{e}"
+        );
+        // Its pages are not the owner's to cache or pin.
+        p.ensure(2, 11).unwrap();
+        p.commit_slots(2, 11).unwrap();
+        p.cache_computed(2, &TOKS[..11]).unwrap();
+        assert!(matches!(p.pin_prefix(2, 8, 64), Err(KvError::PublicPrefix)));
+        assert_eq!(p.unpin_prefix(2).unwrap(), 0);
+        // Owner 6 is not allowed: the same tokens are a miss.
+        assert_eq!(p.open(3, 6, 3, &TOKS[..11]).unwrap(), 0);
+        // Once access is withdrawn, owner 5 misses too.
+        p.set_public_access(5, false);
+        assert_eq!(p.open(4, 5, 3, &TOKS[..11]).unwrap(), 0);
+        for seq in [2, 3, 4] {
+            p.close(seq).unwrap();
+        }
+        let c = p.counters();
+        assert_eq!((c.pages_cached, c.pages_pinned, c.pages_used), (2, 2, 0), "{c:?}");
+        p.forget_owner(PUBLIC_OWNER);
+        assert_eq!(p.counters().pages_free, 12);
+    }
 
     #[test]
     fn the_prefix_cache_serves_its_owner_only() {

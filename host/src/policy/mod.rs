@@ -77,6 +77,10 @@ pub enum PrefixSharing {
     Private,
     /// No prefix cache: every request computes its whole prompt.
     Off,
+    /// The tenant's own prefix cache, and the `public_prefixes` of `default.toml`: KV the server
+    /// computes from text the operator marks public, which every tenant with this setting reads
+    /// (the only KV invariant 5 lets tenants share).
+    Public,
 }
 
 /// One policy file as written: every key optional.
@@ -95,6 +99,7 @@ struct PolicyFile {
     weight: Option<u32>,
     kv: Option<KvFile>,
     plugins: Option<PluginsFile>,
+    public_prefixes: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -199,7 +204,8 @@ impl Policy {
             weight: self.weight,
             max_pages: self.kv_max_pages.get().map(|p| p as usize),
             min_pages: self.kv_min_pages as usize,
-            prefix_cache: self.prefix_cache == PrefixSharing::Private,
+            prefix_cache: self.prefix_cache != PrefixSharing::Off,
+            public_prefixes: self.prefix_cache == PrefixSharing::Public,
             max_pinned_pages: self.kv_max_pinned_pages as usize,
         }
     }
@@ -262,7 +268,15 @@ pub struct PolicyError {
 pub struct Bounds {
     /// KV pages in the pool.
     pub kv_pages: u64,
+    /// Token slots per KV page.
+    pub page_size: usize,
+    /// KV pages that may be pinned at all (what the pool keeps beyond one request of the
+    /// maximum context); public prefixes are pinned.
+    pub pin_pages: u64,
 }
+
+/// Longest text of one public prefix, in bytes.
+pub const MAX_PUBLIC_PREFIX_BYTES: usize = 64 << 10;
 
 /// Every tenant's policy, as loaded from one directory at one moment.
 #[derive(Debug, Clone, Default)]
@@ -273,12 +287,15 @@ pub struct PolicySet {
     pub generation: u64,
     default: Policy,
     tenants: HashMap<String, Policy>,
+    /// The public prefixes, by name, tokenized.
+    public: Vec<(String, Vec<u32>)>,
 }
 
 impl PolicySet {
     /// The policies of `dir`: `default.toml` (optional; absent means the built-in defaults) and
-    /// `tenants/*.toml`. Any bad file refuses the whole set.
-    pub fn load(dir: &Path, bounds: Bounds) -> Result<Self, PolicyError> {
+    /// `tenants/*.toml`. Any bad file refuses the whole set. `tokenize` turns a public prefix's
+    /// text into the tokens prompts begin with.
+    pub fn load(dir: &Path, bounds: Bounds, tokenize: &dyn Fn(&str) -> Vec<u32>) -> Result<Self, PolicyError> {
         let mut files: BTreeMap<String, (PathBuf, String)> = BTreeMap::new();
         let read = |p: &Path| {
             std::fs::read_to_string(p).map_err(|e| PolicyError {
@@ -329,11 +346,13 @@ impl PolicySet {
             version,
             default: Policy::default(),
             tenants: HashMap::new(),
+            public: Vec::new(),
         };
         if let Some((path, text)) = files.get("default.toml") {
             let f = parse(path, text)?;
             set.default = Policy::default().overlay(&f);
             check(path, text, &set.default, bounds, true)?;
+            set.public = public_prefixes(path, text, &f, bounds, tokenize)?;
         }
         let mut floors = 0u64;
         for (name, (path, text)) in files.range("tenants/".to_string()..) {
@@ -346,6 +365,17 @@ impl PolicySet {
                 });
             }
             let f = parse(path, text)?;
+            if f.public_prefixes.is_some() {
+                return Err(PolicyError {
+                    file: path.clone(),
+                    line: line_of(text, None, "public_prefixes").or_else(|| {
+                        text.lines()
+                            .position(|l| l.trim() == "[public_prefixes]")
+                            .map(|i| i + 1)
+                    }),
+                    message: "public_prefixes are shared by every tenant allowed them; set them in default.toml, not for one tenant".into(),
+                });
+            }
             let p = set.default.clone().overlay(&f);
             check(path, text, &p, bounds, false)?;
             floors += p.kv_min_pages;
@@ -373,6 +403,63 @@ impl PolicySet {
     pub fn tenants(&self) -> impl Iterator<Item = (&str, &Policy)> {
         self.tenants.iter().map(|(n, p)| (n.as_str(), p))
     }
+
+    /// The public prefixes' tokens, in the order of their names.
+    pub fn public_prefixes(&self) -> Vec<Vec<u32>> {
+        self.public.iter().map(|(_, t)| t.clone()).collect()
+    }
+}
+
+/// The `[public_prefixes]` of `default.toml` (`f`), tokenized and checked: names of letters,
+/// digits, `-` and `_`; texts of at most [`MAX_PUBLIC_PREFIX_BYTES`] and at least one KV page of
+/// tokens; all of them within the pages that may be pinned.
+fn public_prefixes(
+    path: &Path,
+    text: &str,
+    f: &PolicyFile,
+    bounds: Bounds,
+    tokenize: &dyn Fn(&str) -> Vec<u32>,
+) -> Result<Vec<(String, Vec<u32>)>, PolicyError> {
+    let mut out = Vec::new();
+    let mut pages = 0u64;
+    for (name, prefix) in f.public_prefixes.iter().flatten() {
+        let err = |message: String| PolicyError {
+            file: path.into(),
+            line: line_of(text, Some("public_prefixes"), name),
+            message: format!("public_prefixes.{name}: {message}"),
+        };
+        let name_ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !name_ok {
+            return Err(err("a name is 1 to 64 letters, digits, '-' or '_'".into()));
+        }
+        if prefix.len() > MAX_PUBLIC_PREFIX_BYTES {
+            return Err(err(format!(
+                "{} bytes, more than {MAX_PUBLIC_PREFIX_BYTES}",
+                prefix.len()
+            )));
+        }
+        let tokens = tokenize(prefix);
+        if tokens.len() < bounds.page_size {
+            return Err(err(format!(
+                "{} tokens, less than one KV page ({} tokens): nothing of it could be shared",
+                tokens.len(),
+                bounds.page_size
+            )));
+        }
+        pages += (tokens.len() / bounds.page_size) as u64;
+        if pages > bounds.pin_pages {
+            return Err(err(format!(
+                "the public prefixes need {pages} KV pages kept cached, more than the {} the pool can pin",
+                bounds.pin_pages
+            )));
+        }
+        out.push((name.clone(), tokens));
+    }
+    Ok(out)
 }
 
 fn parse(path: &Path, text: &str) -> Result<PolicyFile, PolicyError> {
@@ -513,7 +600,16 @@ fn check(path: &Path, text: &str, p: &Policy, bounds: Bounds, is_default: bool) 
 mod tests {
     use super::*;
 
-    const BOUNDS: Bounds = Bounds { kv_pages: 1000 };
+    const BOUNDS: Bounds = Bounds {
+        kv_pages: 1000,
+        page_size: 16,
+        pin_pages: 40,
+    };
+
+    /// Loads `d` with a tokenizer that makes every byte a token.
+    fn load(d: &Path) -> Result<PolicySet, PolicyError> {
+        PolicySet::load(d, BOUNDS, &|t: &str| t.bytes().map(u32::from).collect())
+    }
 
     fn dir(tag: &str, files: &[(&str, &str)]) -> PathBuf {
         let d = std::env::temp_dir().join(format!("warden-policy-{tag}-{}", std::process::id()));
@@ -540,7 +636,7 @@ mod tests {
                 ),
             ],
         );
-        let s = PolicySet::load(&d, BOUNDS).unwrap();
+        let s = load(&d).unwrap();
         let acme = s.of("acme");
         assert_eq!(acme.requests_per_minute, Limit::Unlimited);
         assert_eq!(acme.tokens_per_day, Limit::At(1000), "inherited");
@@ -589,7 +685,7 @@ mod tests {
         ];
         for (i, (name, text, want)) in cases.iter().enumerate() {
             let d = dir(&format!("bad{i}"), &[(name, text)]);
-            let e = PolicySet::load(&d, BOUNDS).unwrap_err().to_string();
+            let e = load(&d).unwrap_err().to_string();
             assert!(e.contains(name) && e.contains(want), "case {i}: {e}");
         }
     }
@@ -603,28 +699,76 @@ mod tests {
                 ("tenants/b.toml", "[kv]\nmin_pages = 600\n"),
             ],
         );
-        let e = PolicySet::load(&d, BOUNDS).unwrap_err().to_string();
+        let e = load(&d).unwrap_err().to_string();
         assert!(e.contains("add up to 1200") && e.contains("tenants/b.toml:2"), "{e}");
         let d = dir("floordefault", &[("default.toml", "[kv]\nmin_pages = 1\n")]);
-        assert!(
-            PolicySet::load(&d, BOUNDS)
-                .unwrap_err()
-                .to_string()
-                .contains("tenants/<tenant>.toml")
+        assert!(load(&d).unwrap_err().to_string().contains("tenants/<tenant>.toml"));
+    }
+
+    #[test]
+    fn public_prefixes_are_the_operators_tokenized_and_bounded() {
+        let long = "x".repeat(16 * 30);
+        let d = dir(
+            "public",
+            &[
+                (
+                    "default.toml",
+                    &format!(
+                        "[public_prefixes]\nsupport = \"{long}\"\nfaq = \"{}\"\n",
+                        "y".repeat(40)
+                    ),
+                ),
+                ("tenants/a.toml", "[kv]\nprefix_cache = \"public\"\n"),
+            ],
         );
+        let s = load(&d).unwrap();
+        // In name order, tokenized (a byte a token here).
+        let p = s.public_prefixes();
+        assert_eq!((p.len(), p[0].len(), p[1].len()), (2, 40, 480));
+        let a = s.of("a").tenant_settings();
+        assert!(a.prefix_cache && a.public_prefixes);
+        let other = s.of("other").tenant_settings();
+        assert!(other.prefix_cache && !other.public_prefixes, "private by default");
+        let cases: [(&str, &str, &str); 4] = [
+            (
+                "default.toml",
+                "[public_prefixes]\nshort = \"hello\"\n",
+                ":2: public_prefixes.short: 5 tokens, less than one KV page",
+            ),
+            (
+                "default.toml",
+                &format!("[public_prefixes]\na = \"{long}\"\nb = \"{long}\"\n"),
+                ":3: public_prefixes.b: the public prefixes need 60 KV pages kept cached, more than the 40",
+            ),
+            (
+                "default.toml",
+                "[public_prefixes]\n\"no spaces\" = \"0123456789abcdefg\"\n",
+                "public_prefixes.no spaces: a name is 1 to 64 letters",
+            ),
+            (
+                "tenants/a.toml",
+                "[public_prefixes]\nmine = \"0123456789abcdefg\"\n",
+                ":1: public_prefixes are shared by every tenant allowed them; set them in default.toml",
+            ),
+        ];
+        for (i, (name, text, want)) in cases.iter().enumerate() {
+            let d = dir(&format!("publicbad{i}"), &[(name, text)]);
+            let e = load(&d).unwrap_err().to_string();
+            assert!(e.contains(name) && e.contains(want), "case {i}: {e}");
+        }
     }
 
     #[test]
     fn the_shipped_default_is_the_built_in_default() {
         let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
-        let s = PolicySet::load(&d, BOUNDS).unwrap();
+        let s = load(&d).unwrap();
         assert_eq!(s.of("anyone"), &Policy::default());
     }
 
     #[test]
     fn no_files_means_the_built_in_defaults() {
         let d = dir("empty", &[]);
-        let s = PolicySet::load(&d, BOUNDS).unwrap();
+        let s = load(&d).unwrap();
         assert_eq!(s.of("anyone"), &Policy::default());
         assert!(s.of("anyone").allows_model("m") && s.of("anyone").allows_plugin("p"));
     }

@@ -130,16 +130,24 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
     let admission = engine.limits();
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
+    let pages = engine.kv_counters().pages_total;
     let bounds = crate::policy::Bounds {
-        kv_pages: engine.kv_counters().pages_total as u64,
+        kv_pages: pages as u64,
+        page_size: cfg.kv.page_size,
+        pin_pages: engine.pinnable_pages() as u64,
     };
+    let tk = loaded.tokenizer.clone();
+    let tokenize: quota::Tokenize = Arc::new(move |text: &str| tk.encode(text, true));
     let quotas = Arc::new(
-        quota::Quotas::new(cfg.policies.clone(), bounds, usage::UsageBook::open(&store)?)
+        quota::Quotas::new(cfg.policies.clone(), bounds, tokenize, usage::UsageBook::open(&store)?)
             .context("loading the tenants' policies (see `policies` in the config)")?,
     );
     for t in store.tenants()? {
         engine.set_tenant(t.id, quotas.set().of(&t.name).tenant_settings());
     }
+    engine
+        .set_public_prefixes(&quotas.set().public_prefixes())
+        .context("computing the public prefixes of the policies (public_prefixes in default.toml)")?;
     println!(
         "policies from {}: version {}",
         cfg.policies.display(),
@@ -259,6 +267,12 @@ async fn watch_policies(state: Arc<State>) {
                 last_error.clear();
                 let set = state.quotas.set();
                 println!("policies: version {} in force", set.version);
+                if let Err(e) = state.engine.set_public_prefixes(set.public_prefixes()).await {
+                    eprintln!(
+                        "policies: the public prefixes of version {} are not all cached: {e}",
+                        set.version
+                    );
+                }
                 if let Ok(tenants) = state.store.tenants() {
                     for t in tenants {
                         state

@@ -69,10 +69,15 @@ fn too_many(code: &'static str, message: String, retry: Duration) -> ApiError {
     e
 }
 
+/// Turns a public prefix's text into the tokens a prompt that begins with it begins with.
+pub type Tokenize = Arc<dyn Fn(&str) -> Vec<u32> + Send + Sync>;
+
 /// The policies in force and every tenant's limiters.
 pub struct Quotas {
     dir: PathBuf,
     bounds: Bounds,
+    /// How public prefixes' text becomes tokens.
+    tokenize: Tokenize,
     set: RwLock<Arc<PolicySet>>,
     live: Mutex<HashMap<u64, Live>>,
     /// Usage counters, persisted.
@@ -83,11 +88,12 @@ pub struct Quotas {
 
 impl Quotas {
     /// Loads the policies in `dir`; a bad file refuses to start.
-    pub fn new(dir: PathBuf, bounds: Bounds, usage: UsageBook) -> Result<Self, PolicyError> {
-        let set = PolicySet::load(&dir, bounds)?;
+    pub fn new(dir: PathBuf, bounds: Bounds, tokenize: Tokenize, usage: UsageBook) -> Result<Self, PolicyError> {
+        let set = PolicySet::load(&dir, bounds, &*tokenize)?;
         Ok(Self {
             dir,
             bounds,
+            tokenize,
             set: RwLock::new(Arc::new(set)),
             live: Mutex::new(HashMap::new()),
             usage,
@@ -106,7 +112,7 @@ impl Quotas {
     /// failure is counted once, however often it is read again.
     pub fn reload(&self) -> Result<bool, PolicyError> {
         let mut last = self.last_failure.lock().unwrap_or_else(|p| p.into_inner());
-        match PolicySet::load(&self.dir, self.bounds) {
+        match PolicySet::load(&self.dir, self.bounds, &*self.tokenize) {
             Ok(mut new) => {
                 last.clear();
                 let mut cur = self.set.write().unwrap_or_else(|p| p.into_inner());

@@ -19,7 +19,7 @@ use super::openai::ApiError;
 use super::quota::Grant;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
 use crate::engine::{Engine, Event, TenantSettings, TokenLogprobs};
-use crate::kv::PageInfo;
+use crate::kv::{KvError, PageInfo};
 use crate::plugin::{BoxFuture, KvAccess};
 use warden_kernels::attention::PageEntry;
 
@@ -149,6 +149,8 @@ enum Cmd {
     TenantSettings(u64, TenantSettings, u64),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
     Forget(u64, oneshot::Sender<()>),
+    /// Make these the public prefixes; answer how that went.
+    PublicPrefixes(Vec<Vec<u32>>, oneshot::Sender<Result<(), KvError>>),
     Shutdown(Instant, oneshot::Sender<()>),
 }
 
@@ -232,6 +234,17 @@ impl EngineHandle {
     pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
         self.send_waiting(Cmd::TenantSettings(owner, settings, generation))
             .await;
+    }
+
+    /// Makes `prefixes` the public prefixes (see [`Engine::set_public_prefixes`]); the engine
+    /// computes what is new between two steps.
+    pub async fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> Result<(), String> {
+        let (done, rx) = oneshot::channel();
+        self.send_waiting(Cmd::PublicPrefixes(prefixes, done)).await;
+        match rx.await {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err("the engine thread is gone".into()),
+        }
     }
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
@@ -434,6 +447,10 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     engine.forget_owner(owner);
                     publish(&engine);
                     let _ = done.send(());
+                }
+                Cmd::PublicPrefixes(prefixes, done) => {
+                    let _ = done.send(engine.set_public_prefixes(&prefixes));
+                    publish(&engine);
                 }
                 Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
             }
