@@ -604,8 +604,9 @@ impl Engine {
             Outcome::Finished(_) => seq.text.finish(),
             Outcome::Aborted(_) => String::new(),
         };
+        // A request that never got a slot used nothing: it books no prompt.
         let usage = Usage {
-            prompt_tokens: seq.prompt_len,
+            prompt_tokens: if seq.opened { seq.prompt_len } else { 0 },
             completion_tokens: seq.output_len(),
             cached_tokens: seq.cached,
         };

@@ -433,6 +433,15 @@ fn cancellation_goes_through_retirement_and_returns_pages() {
     assert!(!e.cancel(a), "a request is cancelled once");
     runs.absorb(e.step());
     assert!(matches!(runs.outcomes[&a], Outcome::Aborted(AbortReason::Cancelled)));
+    assert_eq!(runs.usage[&a].prompt_tokens, 50, "its prompt was computed");
+    // Cancelled before it got a slot: it used nothing and books nothing.
+    let b = e
+        .submit(GenerateRequest::greedy(1, vec![700; 50], 100))
+        .expect("admitted");
+    assert!(e.cancel(b));
+    runs.absorb(e.step());
+    assert!(matches!(runs.outcomes[&b], Outcome::Aborted(AbortReason::Cancelled)));
+    assert_eq!(runs.usage[&b].prompt_tokens, 0);
     assert_quiescent(&mut e, &[1]);
 }
 

@@ -649,6 +649,10 @@ async fn generate(
             grant: Some(grant.clone()),
         };
         if let Err(Busy) = state.engine.submit(job) {
+            // The choices already queued end before they get a slot, and book nothing.
+            for stop in &stops[..i] {
+                stop.cancel();
+            }
             state.metrics.rejected(&t.name, "queue_full");
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
