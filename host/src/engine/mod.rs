@@ -239,6 +239,26 @@ impl Engine {
     /// An engine over `model`. Refuses to start when the KV pool cannot hold `cfg.max_context`
     /// tokens (invariant 4), naming both numbers.
     pub fn new(model: Arc<Model>, detok: Arc<dyn Detokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
+        Self::build(model, detok, cfg, true)
+    }
+
+    /// An engine that skips invariant 4's check: the configuration of the 2026 incident, for
+    /// the tests that show the other checks still hold. Test builds only.
+    #[cfg(test)]
+    pub(crate) fn new_without_capacity_check(
+        model: Arc<Model>,
+        detok: Arc<dyn Detokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        Self::build(model, detok, cfg, false)
+    }
+
+    fn build(
+        model: Arc<Model>,
+        detok: Arc<dyn Detokenizer>,
+        cfg: EngineConfig,
+        check_capacity: bool,
+    ) -> Result<Self, EngineError> {
         if cfg.max_batch_tokens == 0 || cfg.max_running == 0 || cfg.max_context == 0 {
             return Err(EngineError::Config(
                 "max_batch_tokens, max_running and max_context must be positive".into(),
@@ -246,7 +266,9 @@ impl Engine {
         }
         let mc = model.config();
         let mut pool = KvPool::new(mc.attn_shape(cfg.page_size), mc.n_layers, cfg.kv_memory_bytes)?;
-        pool.check_capacity(cfg.max_context)?;
+        if check_capacity {
+            pool.check_capacity(cfg.max_context)?;
+        }
         // Pins never take the room of one request of the maximum context (invariant 4 holds for
         // the pages that can be had, not only for the pool).
         pool.set_pin_ceiling(Self::pinnable(&pool, &cfg));
@@ -475,7 +497,9 @@ impl Engine {
     }
 
     fn pinnable(pool: &KvPool, cfg: &EngineConfig) -> usize {
-        pool.counters().pages_total - pool.pages_for(cfg.max_context)
+        pool.counters()
+            .pages_total
+            .saturating_sub(pool.pages_for(cfg.max_context))
     }
 
     /// Tokens computed since the engine started, prefill and decode.

@@ -464,6 +464,58 @@ fn a_pool_smaller_than_the_max_context_refuses_to_start() {
 }
 
 #[test]
+fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
+    // The incident's configuration: a max context of 2048 tokens over a pool that holds 720.
+    // Engine::new refuses it (invariant 4). With that check skipped, each later layer still
+    // stops an 800-token prompt, and none lets it produce output.
+    let mut cfg = config(2048, 512);
+    cfg.kv_memory_bytes = 16 << 20;
+    assert!(Engine::new(model(), Arc::new(IdDetok), cfg.clone()).is_err());
+    let mut e = Engine::new_without_capacity_check(model(), Arc::new(IdDetok), cfg).expect("starts unchecked");
+    let capacity = e.pool_mut().capacity_tokens();
+    assert!(capacity < 800, "a pool of {capacity} tokens");
+    let over = || GenerateRequest::greedy(1, long_prompts(1, 800, 9).remove(0), 8);
+    // Admission knows the pool's capacity, not only the configured max context.
+    let rej = e.submit(over()).expect_err("admission refuses it");
+    assert!(
+        matches!(rej.reason, RejectReason::ContextLengthExceeded { limit, .. } if limit == capacity),
+        "{rej:?}"
+    );
+    // Forced past admission too (as if it had missed), the pool refuses to open it: it ends with
+    // its error, without a page, a step or a token, and its neighbour runs as if alone.
+    let loose = super::request::AdmissionLimits {
+        pool_tokens: usize::MAX,
+        ..e.limits()
+    };
+    let over = e
+        .enqueue(over().validate(&loose).expect("valid without the pool's limit"))
+        .expect("queued");
+    let neighbour_prompt = sixteen_prompts()[3].clone();
+    let neighbour_alone = solo(&neighbour_prompt, 8);
+    let neighbour = e
+        .submit(GenerateRequest::greedy(2, neighbour_prompt, 8))
+        .expect("admitted");
+    let mut runs = Runs::default();
+    runs.drain(&mut e);
+    assert!(
+        matches!(
+            runs.outcomes[&over],
+            Outcome::Aborted(AbortReason::Kv(KvError::PoolExhausted { .. }))
+        ),
+        "{:?}",
+        runs.outcomes[&over]
+    );
+    assert!(
+        !runs.tokens.contains_key(&over),
+        "the over-length request produced output"
+    );
+    assert_eq!(runs.usage[&over].prompt_tokens, 0, "and never got a page");
+    assert_eq!(runs.tokens[&neighbour], neighbour_alone, "its neighbour is unaffected");
+    assert_eq!(e.kv_counters().tag_mismatches, 0);
+    assert_quiescent(&mut e, &[1, 2]);
+}
+
+#[test]
 fn token_logprobs_are_log_softmax_with_the_top_alternatives_in_order() {
     let logits = [1.0f32, 3.0, 2.0, -1.0];
     let lse = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
