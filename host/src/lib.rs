@@ -17,6 +17,7 @@ pub mod plugin;
 pub mod policy;
 pub mod serve;
 pub mod tokenizer;
+pub mod transfer;
 
 #[cfg(test)]
 mod testutil;

@@ -145,6 +145,30 @@ pub enum KvError {
         "the prefix cache is off for this tenant (its policy says kv.prefix_cache = \"off\", or the server has kv.prefix_cache = false), so nothing can be pinned"
     )]
     PrefixCacheOff,
+    /// A transferred page's content does not have the page's shape.
+    #[error(
+        "a transferred page says {written} slots written and carries {values} values; the page's shape needs {expected}"
+    )]
+    BadPageData {
+        /// Slots it says are written.
+        written: u32,
+        /// Values it carries (K or V).
+        values: usize,
+        /// Values that many slots take.
+        expected: usize,
+    },
+    /// A transferred page's content does not match its checksum (corrupted on the way).
+    #[error(
+        "transferred page {index} fails its checksum (sent {expected:#018x}, received content gives {found:#018x})"
+    )]
+    PageChecksum {
+        /// The page's index in the sequence.
+        index: usize,
+        /// The checksum sent.
+        expected: u64,
+        /// The checksum of what arrived.
+        found: u64,
+    },
     /// A tag check failed.
     #[error(transparent)]
     Isolation(#[from] IsolationViolation),
@@ -160,6 +184,33 @@ pub struct PageInfo {
     /// A 64-bit checksum of the written K and V (not cryptographic: it detects corruption and
     /// change, it does not authenticate).
     pub checksum: u64,
+}
+
+/// A page's content as a transfer carries it (invariant 7): the written slots' K and V of every
+/// layer, layer by layer, and their checksum as [`KvPool::inspect`] computes it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PageData {
+    /// Token slots written, from slot 0.
+    pub written: u32,
+    /// K rows: `n_layers × written × kv_dim` values.
+    pub k: Vec<f16>,
+    /// V rows, laid out as `k`.
+    pub v: Vec<f16>,
+    /// Checksum of the written K and V.
+    pub checksum: u64,
+}
+
+impl PageData {
+    /// The checksum of this content, computed afresh (to compare with `checksum`).
+    pub fn computed_checksum(&self, n_layers: usize) -> u64 {
+        let mut sum = Checksum::default();
+        let per_layer = self.k.len().checked_div(n_layers).unwrap_or(0);
+        for l in 0..n_layers {
+            sum.add(&self.k[l * per_layer..(l + 1) * per_layer]);
+            sum.add(&self.v[l * per_layer..(l + 1) * per_layer]);
+        }
+        sum.finish()
+    }
 }
 
 /// A fast 64-bit checksum over f16 data, 4 values per word (multiply-rotate mixing).
@@ -781,6 +832,89 @@ impl KvPool {
             epoch: tag.epoch,
             checksum: sum.finish(),
         })
+    }
+
+    /// Layers of K and V each page holds.
+    pub fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    /// The content of the page behind holder `owner`'s entry `e`, for a transfer: tag-checked
+    /// first (invariant 2), so a stale or foreign entry exports nothing.
+    pub fn export_page(&self, owner: u64, e: PageEntry) -> Result<PageData, KvError> {
+        let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
+            page: e.page,
+            pages: self.n_pages,
+        })?;
+        tag.check_holder(owner, e)?;
+        let ps = self.shape.page_size;
+        let kvd = self.shape.kv_dim();
+        let slots = (tag.written as usize).min(ps);
+        let mut k = Vec::with_capacity(self.n_layers * slots * kvd);
+        let mut v = Vec::with_capacity(self.n_layers * slots * kvd);
+        let mut sum = Checksum::default();
+        for layer in 0..self.n_layers {
+            let at = (layer * self.n_pages + e.page as usize) * ps * kvd;
+            let (ks, vs) = (&self.k[at..at + slots * kvd], &self.v[at..at + slots * kvd]);
+            sum.add(ks);
+            sum.add(vs);
+            k.extend_from_slice(ks);
+            v.extend_from_slice(vs);
+        }
+        Ok(PageData {
+            written: slots as u32,
+            k,
+            v,
+            checksum: sum.finish(),
+        })
+    }
+
+    /// Writes a transferred page into page `index` of the sequence's table (allocated with
+    /// [`ensure`](Self::ensure)) after checking that the page is the sequence's own, that the
+    /// content has the page's shape, and that its checksum holds. The slots are not marked
+    /// written: the receiver does that with [`commit_slots`](Self::commit_slots) once the whole
+    /// transfer is verified, so nothing reads a page of a transfer that may yet fail.
+    pub fn import_page(&mut self, seq: SeqId, index: usize, data: &PageData) -> Result<(), KvError> {
+        let ps = self.shape.page_size;
+        let kvd = self.shape.kv_dim();
+        let s = self.seqs.get(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        let e = *s.pages.get(index).ok_or(IsolationViolation::ShortPageTable {
+            have: s.pages.len(),
+            positions: (index + 1) * ps,
+        })?;
+        let tag = self.tags[e.page as usize];
+        if e.public {
+            self.counters.tag_mismatches += 1;
+            return Err(IsolationViolation::PublicPage { page: e.page }.into());
+        }
+        if let Err(v) = tag.check_holder(s.owner, e) {
+            self.counters.tag_mismatches += 1;
+            return Err(v.into());
+        }
+        let slots = data.written as usize;
+        let len = self.n_layers * slots * kvd;
+        if slots == 0 || slots > ps || data.k.len() != len || data.v.len() != len {
+            return Err(KvError::BadPageData {
+                written: data.written,
+                values: data.k.len().max(data.v.len()),
+                expected: len,
+            });
+        }
+        let sum = data.computed_checksum(self.n_layers);
+        if sum != data.checksum {
+            return Err(KvError::PageChecksum {
+                index,
+                expected: data.checksum,
+                found: sum,
+            });
+        }
+        for layer in 0..self.n_layers {
+            let at = (layer * self.n_pages + e.page as usize) * ps * kvd;
+            let from = layer * slots * kvd;
+            self.k[at..at + slots * kvd].copy_from_slice(&data.k[from..from + slots * kvd]);
+            self.v[at..at + slots * kvd].copy_from_slice(&data.v[from..from + slots * kvd]);
+        }
+        Ok(())
     }
 
     /// One layer's K/V storage, for attention.
