@@ -104,6 +104,8 @@ fn run(e: &mut Engine, flood: bool, seed: u64) -> (Vec<f64>, f64) {
                         let _ = done_tx.send(());
                     }
                 }
+                // The bench submits whole requests only.
+                Event::Prefilled { .. } => {}
             }
         }
     }

@@ -421,6 +421,8 @@ fn generate(l: &LoadedModel, req: GenerateRequest) -> anyhow::Result<()> {
                         Outcome::Aborted(why) => bail!("generation aborted: {why}"),
                     };
                 }
+                // Only prefill-only submissions end so; this submits a whole request.
+                Event::Prefilled { .. } => bail!("the request ended as prefill-only"),
             }
         }
     }

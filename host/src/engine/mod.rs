@@ -130,6 +130,15 @@ pub enum Event {
         /// The token's log-probability and the top alternatives, when the request asked.
         logprobs: Option<TokenLogprobs>,
     },
+    /// A prefill-only request computed its prompt (but its last token), and its pages wait for
+    /// their transfer: the last event for this id. The caller transfers them and then calls
+    /// [`Engine::release_prefilled`].
+    Prefilled {
+        /// Request.
+        id: RequestId,
+        /// Positions its pages hold (the prompt but its last token).
+        tokens: usize,
+    },
     /// The request ended; the last event for this id.
     Done {
         /// Request.
@@ -189,11 +198,30 @@ struct Seq {
     sampler: Sampler,
     text: TextStream,
     opened: bool,
+    /// A prefill node's half of a disaggregated request: compute the prompt but its last token,
+    /// then hand the pages to a transfer instead of sampling.
+    prefill_only: bool,
 }
 
 impl Seq {
     fn output_len(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// The positions this sequence computes before it next samples (or, prefill-only, before
+    /// its transfer): every token it has, or for a prefill node the prompt but its last token,
+    /// whose logits the decode node computes.
+    fn target(&self) -> usize {
+        if self.prefill_only {
+            self.prompt_len - 1
+        } else {
+            self.tokens.len()
+        }
+    }
+
+    /// Whether computing up to `upto` ends in a token to sample.
+    fn samples_at(&self, upto: usize) -> bool {
+        !self.prefill_only && upto == self.tokens.len()
     }
 }
 
@@ -213,6 +241,11 @@ pub struct Engine {
     served: HashMap<u64, f64>,
     /// The public prefixes in force, in whole pages.
     public_prefixes: Vec<Vec<u32>>,
+    /// Prefill-only sequences done computing, holding their pages until their transfer is
+    /// acknowledged (or cancelled).
+    held: HashMap<RequestId, Seq>,
+    /// Sequences opened for a transfer, waiting for their prompt's KV to arrive.
+    receiving: HashMap<RequestId, Seq>,
     /// How long steps take, fitted from the recent ones: for the step target.
     cost: CostModel,
     /// Tokens computed since the engine started (prefill and decode).
@@ -283,6 +316,8 @@ impl Engine {
             tenants: HashMap::new(),
             served: HashMap::new(),
             public_prefixes: Vec::new(),
+            held: HashMap::new(),
+            receiving: HashMap::new(),
             cost: CostModel::default(),
             computed: 0,
             scratch: Scratch::default(),
@@ -502,6 +537,11 @@ impl Engine {
             .saturating_sub(pool.pages_for(cfg.max_context))
     }
 
+    /// The KV pool, for reading (a transfer's sender exports from it).
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
     /// Tokens computed since the engine started, prefill and decode.
     pub fn tokens_computed(&self) -> u64 {
         self.computed
@@ -519,6 +559,91 @@ impl Engine {
 
     /// Admits a request or rejects it. A rejected request allocates nothing and never runs.
     pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let valid = self.admit(req)?;
+        self.enqueue(valid)
+    }
+
+    /// Submits the prefill half of a disaggregated request: it is admitted and scheduled like
+    /// any other, computes its prompt but the last token, and ends with [`Event::Prefilled`],
+    /// keeping its pages (readable through [`Engine::pool`] and its id) until
+    /// [`Engine::release_prefilled`].
+    pub fn submit_prefill(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let valid = self.admit(req)?;
+        let id = self.enqueue(valid)?;
+        if let Some(s) = self.waiting.back_mut() {
+            s.prefill_only = true;
+        }
+        Ok(id)
+    }
+
+    /// Lets a prefill-only request's pages go once its transfer was acknowledged, or abandoned.
+    /// Returns whether it was held.
+    pub fn release_prefilled(&mut self, id: RequestId) -> bool {
+        match self.held.remove(&id) {
+            Some(_) => {
+                let _ = self.pool.close(id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Opens the decode half of a disaggregated request: admitted like [`submit`](Self::submit),
+    /// and given its pages at once, for the prompt's KV to arrive in (through
+    /// [`Engine::pool_mut`] and the returned id, with [`crate::transfer::Inbound`]). Refused
+    /// when the pages are not free now. It is scheduled once [`finish_transfer`](Self::finish_transfer)
+    /// says the KV arrived whole, or ends with [`fail_transfer`](Self::fail_transfer)'s error.
+    pub fn open_transfer(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let valid = self.admit(req)?;
+        let id = self.enqueue(valid)?;
+        let mut s = self.waiting.pop_back().expect("just queued");
+        let needed = self.pool.pages_for(s.prompt_len + s.max_tokens);
+        if let Err(e) = self.pool.open(id, s.owner, needed, &[]) {
+            let available = match e {
+                KvError::PoolExhausted { available, .. } => available,
+                KvError::OwnerBudget { budget, in_use, .. } => budget.saturating_sub(in_use),
+                _ => 0,
+            };
+            return Err(Rejected {
+                reason: RejectReason::KvUnavailable { needed, available },
+            });
+        }
+        s.opened = true;
+        self.receiving.insert(id, s);
+        Ok(id)
+    }
+
+    /// The prompt's KV of transferred request `id` arrived and was verified up to `tokens`
+    /// positions (the prompt but its last token): it joins the queue, computes its last prompt
+    /// token and decodes. A count that is not that ends it with its error instead.
+    pub fn finish_transfer(&mut self, id: RequestId, tokens: usize) -> bool {
+        let Some(mut s) = self.receiving.remove(&id) else {
+            return false;
+        };
+        if tokens + 1 != s.prompt_len {
+            let why = format!("{tokens} positions arrived for a prompt of {}", s.prompt_len);
+            self.retire(s, Outcome::Aborted(AbortReason::Transfer(why)));
+            return true;
+        }
+        s.computed = tokens;
+        self.waiting.push_front(s);
+        true
+    }
+
+    /// Transferred request `id`'s KV did not arrive whole: it ends with `why`, and its pages go
+    /// back.
+    pub fn fail_transfer(&mut self, id: RequestId, why: String) -> bool {
+        match self.receiving.remove(&id) {
+            Some(s) => {
+                self.retire(s, Outcome::Aborted(AbortReason::Transfer(why)));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Admission: the request's own checks, then its tenant's KV budget.
+    fn admit(&self, req: GenerateRequest) -> Result<ValidRequest, Rejected> {
         let valid = req.validate(&self.limits())?;
         let r = valid.request();
         let needed = self.pool.pages_for(r.prompt.len() + r.max_tokens);
@@ -533,7 +658,7 @@ impl Engine {
                 reason: RejectReason::OverKvBudget { needed, budget },
             });
         }
-        self.enqueue(valid)
+        Ok(valid)
     }
 
     /// Queues a request that passed admission.
@@ -580,6 +705,7 @@ impl Engine {
             sampler: Sampler::new(r.sampling),
             text: TextStream::new(r.stop),
             opened: false,
+            prefill_only: false,
         });
         Ok(id)
     }
@@ -606,12 +732,26 @@ impl Engine {
             self.retire(seq, outcome);
             return true;
         }
-        false
+        if let Some(seq) = self.receiving.remove(&id) {
+            self.retire(seq, outcome);
+            return true;
+        }
+        self.release_prefilled(id)
     }
 
     /// Aborts everything pending (shutdown).
     pub fn abort_all(&mut self) -> Vec<Event> {
-        let all: Vec<Seq> = self.waiting.drain(..).chain(self.running.drain(..)).collect();
+        let held: Vec<RequestId> = self.held.keys().copied().collect();
+        for id in held {
+            self.release_prefilled(id);
+        }
+        let receiving: Vec<Seq> = self.receiving.drain().map(|(_, s)| s).collect();
+        let all: Vec<Seq> = self
+            .waiting
+            .drain(..)
+            .chain(self.running.drain(..))
+            .chain(receiving)
+            .collect();
         for s in all {
             self.retire(s, Outcome::Aborted(AbortReason::Shutdown));
         }
@@ -656,6 +796,12 @@ impl Engine {
                 break;
             };
             let s = &self.waiting[i];
+            // Its pages are open already: a transferred request whose prompt's KV arrived.
+            if s.opened {
+                let seq = self.waiting.remove(i).expect("index in range");
+                self.running.push(seq);
+                continue;
+            }
             if self.follows_a_prefill(s) {
                 passed.insert(s.id);
                 continue;
@@ -749,9 +895,9 @@ impl Engine {
     /// `floor` tokens if that is more (within `max_batch_tokens` and its prompt).
     fn prefill_chunk(&self, i: usize, work: Work, floor: usize) -> usize {
         let s = &self.running[i];
-        let left = s.tokens.len() - s.computed;
+        let left = s.target() - s.computed;
         let most = left.min(self.cfg.max_batch_tokens - work.tokens);
-        let chunk = |n: usize| Work::chunk(s.computed, n, n == left);
+        let chunk = |n: usize| Work::chunk(s.computed, n, s.samples_at(s.computed + n));
         let (mut lo, mut hi) = (0, most);
         // The cost only grows with the chunk: binary search for the last size that fits.
         while lo < hi {
@@ -783,8 +929,10 @@ impl Engine {
         let tenant_key = |o: u64| (OrdF64(self.served(o)), per_owner[&o]);
         // A running sequence has at least one token to compute: the last sampled one (a decode)
         // or the rest of its prompt (a prefill).
-        let (decodes, mut prefills): (Vec<usize>, Vec<usize>) =
-            (0..self.running.len()).partition(|&i| self.running[i].tokens.len() - self.running[i].computed == 1);
+        let (decodes, mut prefills): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| {
+            let s = &self.running[i];
+            !s.prefill_only && s.tokens.len() - s.computed == 1
+        });
         // Least served first; on a tie (a tenant just lifted to the others' counter), the tenant
         // with fewer sequences.
         prefills.sort_by_key(|&i| (tenant_key(self.running[i].owner), i));
@@ -807,7 +955,7 @@ impl Engine {
                 }
                 let s = &self.running[i];
                 plan.push((i, n));
-                work = work.plus(Work::chunk(s.computed, n, s.computed + n == s.tokens.len()));
+                work = work.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)));
                 floor = floor.saturating_sub(n);
             }
             let with_decodes = decodes
@@ -829,7 +977,7 @@ impl Engine {
             }
             let s = &self.running[i];
             plan.push((i, n));
-            work = work.plus(Work::chunk(s.computed, n, s.computed + n == s.tokens.len()));
+            work = work.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)));
             floor = floor.saturating_sub(n);
         }
         plan
@@ -838,6 +986,7 @@ impl Engine {
     /// Runs one step and returns its events.
     pub fn step(&mut self) -> Vec<Event> {
         self.admit_waiting();
+        self.hold_prefilled();
         let mut ends: Vec<Option<Outcome>> = vec![None; self.running.len()];
         let mut step = Vec::new();
         for (i, n) in self.plan() {
@@ -862,13 +1011,13 @@ impl Engine {
                         seq: s.id,
                         tokens: &s.tokens[s.computed..s.computed + n],
                         pos0: s.computed,
-                        want_logits: s.computed + n == s.tokens.len(),
+                        want_logits: s.samples_at(s.computed + n),
                     }
                 })
                 .collect();
             let work = step.iter().fold(Work::default(), |w, &(i, n)| {
                 let s = &self.running[i];
-                w.plus(Work::chunk(s.computed, n, s.computed + n == s.tokens.len()))
+                w.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)))
             });
             let started = Instant::now();
             let results = self
@@ -929,7 +1078,24 @@ impl Engine {
                 self.retire(seq, outcome);
             }
         }
+        self.hold_prefilled();
         std::mem::take(&mut self.events)
+    }
+
+    /// Moves prefill-only sequences that computed their part out of the running set: their
+    /// pages stay open for the transfer, and [`Event::Prefilled`] says so.
+    fn hold_prefilled(&mut self) {
+        for i in (0..self.running.len()).rev() {
+            let s = &self.running[i];
+            if s.prefill_only && s.computed >= s.target() {
+                let seq = self.running.swap_remove(i);
+                self.events.push(Event::Prefilled {
+                    id: seq.id,
+                    tokens: seq.computed,
+                });
+                self.held.insert(seq.id, seq);
+            }
+        }
     }
 
     /// Appends a sampled token to a sequence and emits its text; returns how the sequence ends,

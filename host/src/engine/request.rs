@@ -117,6 +117,14 @@ pub enum RejectReason {
         /// Budget.
         budget: usize,
     },
+    /// A transferred request needs its pages at once, and the pool has not that many free now.
+    #[error("request needs {needed} KV pages now to receive its prompt's KV; {available} are free")]
+    KvUnavailable {
+        /// Pages needed.
+        needed: usize,
+        /// Pages available to the tenant.
+        available: usize,
+    },
 }
 
 impl RejectReason {
@@ -129,6 +137,7 @@ impl RejectReason {
             RejectReason::InvalidParameter { .. } => "invalid_parameter",
             RejectReason::QueueFull { .. } => "queue_full",
             RejectReason::OverKvBudget { .. } => "kv_budget_exceeded",
+            RejectReason::KvUnavailable { .. } => "kv_unavailable",
         }
     }
 }
@@ -254,6 +263,9 @@ pub enum AbortReason {
     /// The engine is shutting down.
     #[error("the engine is shutting down")]
     Shutdown,
+    /// Its prompt's KV did not arrive whole from the prefill node (invariant 7).
+    #[error("KV transfer failed: {0}")]
+    Transfer(String),
 }
 
 /// How a scheduled request ended.

@@ -35,6 +35,7 @@ fn engine(max_batch_tokens: usize) -> Engine {
 #[derive(Default)]
 struct Runs {
     tokens: HashMap<RequestId, Vec<u32>>,
+    prefilled: HashMap<RequestId, usize>,
     outcomes: HashMap<RequestId, Outcome>,
     usage: HashMap<RequestId, Usage>,
 }
@@ -50,6 +51,13 @@ impl Runs {
                 Event::Done { id, outcome, usage, .. } => {
                     assert!(self.outcomes.insert(id, outcome).is_none(), "two Done events for {id}");
                     self.usage.insert(id, usage);
+                }
+                Event::Prefilled { id, tokens } => {
+                    assert!(!self.tokens.contains_key(&id), "a prefill-only request sampled");
+                    assert!(
+                        self.prefilled.insert(id, tokens).is_none(),
+                        "two Prefilled events for {id}"
+                    );
                 }
             }
         }
@@ -513,6 +521,111 @@ fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
     assert_eq!(runs.tokens[&neighbour], neighbour_alone, "its neighbour is unaffected");
     assert_eq!(e.kv_counters().tag_mismatches, 0);
     assert_quiescent(&mut e, &[1, 2]);
+}
+
+/// Moves prefill-only request `pid`'s pages from `p` into transferred request `did` of `d`,
+/// through encoded frames; `corrupt` flips a bit of that batch on the way.
+fn transfer_kv(
+    p: &Engine,
+    d: &mut Engine,
+    (pid, did, owner, tokens): (RequestId, RequestId, u64, usize),
+    corrupt: Option<u32>,
+) -> Result<(), crate::transfer::TransferError> {
+    use crate::transfer::wire::Frame;
+    use crate::transfer::{Inbound, Limits, Outbound};
+    let limits = Limits {
+        pages_per_batch: 2,
+        ..Limits::default()
+    };
+    let mut out = Outbound::new(p.pool(), pid, owner, tokens, limits);
+    let mut inb = Inbound::begin(d.pool_mut(), did, owner, out.begin())?;
+    while !out.done() {
+        while let Some(f) = out.next_frame(p.pool())? {
+            let mut b = f.encode();
+            if matches!(f, Frame::Batch { number, .. } if Some(number) == corrupt) {
+                let last = b.len() - 1;
+                b[last] ^= 1;
+            }
+            let f = Frame::decode(&b, 1 << 24).expect("whole frames").0;
+            let ack = inb.receive(d.pool_mut(), f)?;
+            out.receive(ack)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_disaggregated_request_decodes_what_a_whole_one_does() {
+    let prompt = sixteen_prompts()[2].clone();
+    // The reference computes the prompt in the same two parts a disaggregated request does: all
+    // but the last token, then the last token alone (attention over one new row and over many
+    // round differently, enough to change a greedy choice on this prompt).
+    let whole = {
+        let mut e = engine(prompt.len() - 1);
+        let id = e
+            .submit(GenerateRequest::greedy(7, prompt.clone(), 10))
+            .expect("admitted");
+        let mut runs = Runs::default();
+        runs.drain(&mut e);
+        runs.tokens[&id].clone()
+    };
+    let (mut p, mut d) = (engine(512), engine(512));
+    // The prefill node computes the prompt but its last token, and holds the pages.
+    let pid = p
+        .submit_prefill(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .expect("admitted");
+    let mut pruns = Runs::default();
+    pruns.drain(&mut p);
+    let tokens = pruns.prefilled[&pid];
+    assert_eq!(tokens, prompt.len() - 1);
+    assert!(p.kv_counters().pages_used > 0, "held for the transfer");
+    // The decode node opens the request with its own admission and receives the KV.
+    let did = d
+        .open_transfer(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .expect("admitted");
+    transfer_kv(&p, &mut d, (pid, did, 7, tokens), None).expect("transferred");
+    assert!(p.release_prefilled(pid));
+    assert!(d.finish_transfer(did, tokens));
+    let mut druns = Runs::default();
+    druns.drain(&mut d);
+    assert!(matches!(druns.outcomes[&did], Outcome::Finished(_)));
+    assert_eq!(
+        druns.tokens[&did], whole,
+        "decoding from transferred KV changes nothing"
+    );
+    assert_eq!(druns.usage[&did].prompt_tokens, prompt.len());
+    assert_quiescent(&mut p, &[7]);
+    assert_quiescent(&mut d, &[7]);
+}
+
+#[test]
+fn a_corrupted_transfer_fails_its_request_with_no_output_and_frees_both_sides() {
+    let prompt = sixteen_prompts()[2].clone();
+    let (mut p, mut d) = (engine(512), engine(512));
+    let pid = p
+        .submit_prefill(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .expect("admitted");
+    let mut pruns = Runs::default();
+    pruns.drain(&mut p);
+    let tokens = pruns.prefilled[&pid];
+    let did = d
+        .open_transfer(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .expect("admitted");
+    let e = transfer_kv(&p, &mut d, (pid, did, 7, tokens), Some(1)).expect_err("corrupted");
+    assert!(e.to_string().contains("checksum"), "{e}");
+    assert!(d.fail_transfer(did, e.to_string()));
+    assert!(p.release_prefilled(pid));
+    let mut druns = Runs::default();
+    druns.absorb(d.step());
+    assert!(
+        matches!(&druns.outcomes[&did], Outcome::Aborted(AbortReason::Transfer(why)) if why.contains("checksum")),
+        "{:?}",
+        druns.outcomes[&did]
+    );
+    assert!(!druns.tokens.contains_key(&did), "a failed transfer produced output");
+    assert_eq!(d.kv_counters().tag_mismatches, 0);
+    assert_quiescent(&mut p, &[7]);
+    assert_quiescent(&mut d, &[7]);
 }
 
 #[test]

@@ -72,6 +72,7 @@ pub fn abort_error(r: &AbortReason) -> ApiError {
             "the request was stopped by a KV isolation check; no data from it was returned",
         ),
         AbortReason::Kv(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "kv_unavailable", e.to_string()),
+        AbortReason::Transfer(e) => ApiError::new(StatusCode::BAD_GATEWAY, "kv_transfer_failed", e.clone()),
     }
 }
 

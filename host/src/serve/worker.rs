@@ -542,6 +542,11 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = l.tx.send((l.index, Update::Done { outcome, text, usage }));
                     }
                 }
+                // This worker submits no prefill-only requests (it serves whole requests); were
+                // one to end so, its pages go back at once.
+                Event::Prefilled { id, .. } => {
+                    engine.release_prefilled(id);
+                }
             }
         }
         publish(&engine);
