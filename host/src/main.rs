@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand};
 
 use warden::bench::{self, BenchConfig};
 use warden::chat::ChatMessage;
+use warden::cluster::Role;
 use warden::engine::request::{GenerateRequest, Outcome};
 use warden::engine::sampling::SamplingParams;
 use warden::engine::{Engine, EngineConfig, Event};
@@ -93,6 +94,12 @@ enum Command {
         /// Serve plain HTTP instead of HTTPS (for a TLS-terminating proxy in front).
         #[arg(long)]
         insecure_http: bool,
+        /// What this process is: `all` (API, engine and pool in one process), or one role of a
+        /// disaggregated cluster: `prefill` and `decode` nodes (each with its own pool,
+        /// listening on cluster.listen), and the `router` (the API; dispatches to the nodes in
+        /// cluster.prefill and cluster.decode).
+        #[arg(long, value_enum, default_value_t = Role::All)]
+        role: Role,
     },
     /// Manage tenants (directly, or through a running server's admin API).
     Tenant {
@@ -322,7 +329,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Serve {
             config: path,
             insecure_http,
-        } => serve(config(path.as_deref())?, ServeOptions { insecure_http }),
+            role,
+        } => serve(config(path.as_deref())?, ServeOptions { insecure_http, role }),
         Command::Tenant { op, store } => {
             let op = match op {
                 TenantOp::Create { name } => Op::TenantCreate(name),

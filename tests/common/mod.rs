@@ -100,45 +100,45 @@ impl Server {
 
     /// Starts a server on an existing data dir and config (a restart).
     pub fn start_with(data_dir: PathBuf, config: PathBuf) -> Server {
+        Self::start_as(data_dir, config, "all", &[])
+    }
+
+    /// Starts a router dispatching to `prefill` and `decode` nodes, with `extra` TOML and
+    /// environment `env`.
+    pub fn start_router(tag: &str, extra: &str, prefill: &[&Node], decode: &[&Node], env: &[(&str, &str)]) -> Server {
+        let data_dir = temp_dir(tag);
+        let config = data_dir.join("warden.toml");
+        let list = |nodes: &[&Node]| {
+            nodes
+                .iter()
+                .map(|n| format!("\"{}\"", n.addr))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        std::fs::write(
+            &config,
+            format!(
+                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\npolicies = {:?}\n{extra}\n[cluster]\nprefill = [{}]\ndecode = [{}]\nconnect_timeout_s = 60\n",
+                data_dir.join("data"),
+                model(),
+                data_dir.join("policies"),
+                list(prefill),
+                list(decode),
+            ),
+        )
+        .expect("write config");
+        Self::start_as(data_dir, config, "router", env)
+    }
+
+    /// Starts `warden serve --role role` on a data dir and config, with environment `env`.
+    pub fn start_as(data_dir: PathBuf, config: PathBuf, role: &str, env: &[(&str, &str)]) -> Server {
         let data = data_dir.join("data");
         let _ = std::fs::remove_file(data.join("server.json"));
-        let mut child = Command::new(warden_bin())
-            .args(["serve", "--config"])
-            .arg(&config)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start warden serve");
-        let (tx, rx) = mpsc::channel();
-        for pipe in [
-            Box::new(child.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
-            Box::new(child.stderr.take().expect("stderr")),
-        ] {
-            let tx = tx.clone();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    let _ = tx.send(line);
-                }
-            });
-        }
-        // Wait for "serving ... on URL", collecting the lines before it.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut lines = Vec::new();
-        let url = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(l) => {
-                    if let Some(u) = l.strip_prefix("serving ").and_then(|r| r.split(" on ").nth(1)) {
-                        break u.to_string();
-                    }
-                    lines.push(l);
-                }
-                Err(_) => {
-                    let _ = child.kill();
-                    panic!("the server did not start; it printed:\n{}", lines.join("\n"));
-                }
-            }
-        };
+        let (child, rx, url, lines) = spawn(&config, role, env, |l| {
+            l.strip_prefix("serving ")
+                .and_then(|r| r.split(" on ").nth(1))
+                .map(str::to_string)
+        });
         let default_key = lines
             .iter()
             .find_map(|l| l.split("API key (shown only now): ").nth(1).map(str::to_string));
@@ -242,6 +242,144 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+}
+
+/// Starts `warden serve --role role --config config` and waits for the line `ready` finds
+/// something in: the child, its output (the lines after that one), what `ready` found, and the
+/// lines before it.
+fn spawn(
+    config: &Path,
+    role: &str,
+    env: &[(&str, &str)],
+    ready: impl Fn(&str) -> Option<String>,
+) -> (Child, mpsc::Receiver<String>, String, Vec<String>) {
+    let mut child = Command::new(warden_bin())
+        .args(["serve", "--role", role, "--config"])
+        .arg(config)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start warden serve");
+    let (tx, rx) = mpsc::channel();
+    for pipe in [
+        Box::new(child.stdout.take().expect("stdout")) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().expect("stderr")),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let mut lines = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                if let Some(found) = ready(&l) {
+                    return (child, rx, found, lines);
+                }
+                lines.push(l);
+            }
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "warden serve --role {role} did not start; it printed:\n{}",
+                    lines.join("\n")
+                );
+            }
+        }
+    }
+}
+
+/// A prefill or decode node.
+pub struct Node {
+    child: Option<Child>,
+    /// Where it listens.
+    pub addr: std::net::SocketAddr,
+    /// What it printed after it started.
+    pub output: mpsc::Receiver<String>,
+    /// What it printed before.
+    pub startup: Vec<String>,
+}
+
+impl Node {
+    /// Starts a `role` node on a free loopback port with `extra` TOML in its config.
+    pub fn start(tag: &str, role: &str, extra: &str) -> Node {
+        let dir = temp_dir(tag);
+        let config = dir.join("node.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "data_dir = {:?}\nmodel = {:?}\n{extra}\n[cluster]\nlisten = \"127.0.0.1:0\"\n",
+                dir.join("data"),
+                model()
+            ),
+        )
+        .expect("write config");
+        let (child, output, addr, startup) = spawn(&config, role, &[], |l| {
+            l.contains(" node serving ")
+                .then(|| l.split(" on ").nth(1)?.split(' ').next().map(str::to_string))
+                .flatten()
+        });
+        Node {
+            child: Some(child),
+            addr: addr.parse().expect("a node prints its address"),
+            output,
+            startup,
+        }
+    }
+
+    /// Its metrics, over the cluster protocol.
+    pub async fn metrics(&self) -> String {
+        match warden::cluster::link::call(self.addr, &warden::cluster::link::Msg::Metrics).await {
+            Ok(warden::cluster::link::Msg::MetricsText { text }) => text,
+            other => panic!("node {} answered {other:?}", self.addr),
+        }
+    }
+
+    /// One metric's value (the first line starting with `series`).
+    pub async fn metric(&self, series: &str) -> f64 {
+        let m = self.metrics().await;
+        m.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
+    /// Waits (up to 20 s) until no page of its pool is in use or awaiting release; false if
+    /// some still are then.
+    pub async fn pages_return(&self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let used = self.metric("warden_kv_pages{state=\"used\"}").await;
+            let held = self.metric("warden_kv_pages{state=\"awaiting_release\"}").await;
+            if used == 0.0 && held == 0.0 {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Kills it with SIGKILL and waits for it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill9();
     }
 }
 

@@ -84,7 +84,7 @@ impl EngineConfig {
 }
 
 /// What the engine enforces of a tenant's policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TenantSettings {
     /// Its share when tenants contend for admission and for prefill tokens (at least 1).
     pub weight: u32,
@@ -154,7 +154,7 @@ pub enum Event {
 
 /// A sampled token's log-probability under the model (before sampling's penalties and
 /// temperature), with the most likely alternatives.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenLogprobs {
     /// Log-probability of the sampled token.
     pub logprob: f32,

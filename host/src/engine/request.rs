@@ -15,7 +15,7 @@ use crate::kv::KvError;
 pub type RequestId = u64;
 
 /// A generation request as a caller submits it.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     /// The tenant (the owner in every KV tag); must be non-zero.
     pub owner: u64,
@@ -64,7 +64,7 @@ pub struct AdmissionLimits {
 }
 
 /// Why admission refused a request.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, serde::Serialize, serde::Deserialize)]
 pub enum RejectReason {
     /// No prompt tokens.
     #[error("the prompt is empty")]
@@ -97,7 +97,8 @@ pub enum RejectReason {
     #[error("invalid {field}: {message}")]
     InvalidParameter {
         /// The field.
-        field: &'static str,
+        #[serde(deserialize_with = "known_field")]
+        field: FieldName,
         /// What is wrong, with the value.
         message: String,
     },
@@ -125,6 +126,29 @@ pub enum RejectReason {
         /// Pages available to the tenant.
         available: usize,
     },
+}
+
+/// A request field's name. (An alias, so serde reads it with [`known_field`] instead of
+/// borrowing it from the input.)
+pub type FieldName = &'static str;
+
+/// The request fields [`RejectReason::InvalidParameter`] names, so one read back from another
+/// node (see [`crate::cluster`]) names the same field; an unknown name reads as `request`.
+const FIELDS: [&str; 9] = [
+    "owner",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "sampling",
+    "top_logprobs",
+    "stop",
+];
+
+fn known_field<'de, D: serde::Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
+    let name = <String as serde::Deserialize>::deserialize(d)?;
+    Ok(FIELDS.into_iter().find(|f| *f == name).unwrap_or("request"))
 }
 
 impl RejectReason {
@@ -230,7 +254,7 @@ impl GenerateRequest {
 }
 
 /// Why a scheduled request finished normally.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FinishReason {
     /// An end-of-generation token or a stop string.
     Stop,
@@ -266,6 +290,15 @@ pub enum AbortReason {
     /// Its prompt's KV did not arrive whole from the prefill node (invariant 7).
     #[error("KV transfer failed: {0}")]
     Transfer(String),
+    /// On a router: the decode node ended it with this error (as its client would see it), or
+    /// the node failed.
+    #[error("{message}")]
+    Node {
+        /// The error's stable code.
+        code: &'static str,
+        /// Its message.
+        message: String,
+    },
 }
 
 /// How a scheduled request ended.
@@ -278,7 +311,7 @@ pub enum Outcome {
 }
 
 /// Token counts of a request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     /// Prompt tokens.
     pub prompt_tokens: usize,

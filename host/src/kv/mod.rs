@@ -175,7 +175,7 @@ pub enum KvError {
 }
 
 /// What [`KvPool::inspect`] tells a page's holder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PageInfo {
     /// Token slots written.
     pub written: u32,

@@ -32,6 +32,8 @@ pub struct ServeConfig {
     /// The per-tenant policy directory (`default.toml`, `tenants/<tenant>.toml`), reloaded on
     /// change and on SIGHUP. Default `policies`.
     pub policies: PathBuf,
+    /// Disaggregated prefill and decode (`warden serve --role ...`).
+    pub cluster: ClusterConfig,
 }
 
 impl Default for ServeConfig {
@@ -46,6 +48,55 @@ impl Default for ServeConfig {
             timeouts: TimeoutsConfig::default(),
             plugins: PluginsConfig::default(),
             policies: PathBuf::from("policies"),
+            cluster: ClusterConfig::default(),
+        }
+    }
+}
+
+/// Disaggregated serving: where a prefill or decode node listens, which nodes a router
+/// dispatches to, and the bounds of a KV transfer. Nodes speak to each other over loopback only
+/// (every address here must be one).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// Where a prefill or decode node listens, for the router and for other nodes. Default
+    /// `127.0.0.1:9100`.
+    pub listen: SocketAddr,
+    /// The prefill nodes a router dispatches to. Default: none.
+    pub prefill: Vec<SocketAddr>,
+    /// The decode nodes a router dispatches to. Default: none.
+    pub decode: Vec<SocketAddr>,
+    /// How long a router waits at start for every node to answer, in seconds. Default 120.
+    pub connect_timeout_s: u64,
+    /// Pages per transfer batch. Default 8.
+    pub pages_per_batch: usize,
+    /// Batches a prefill node sends ahead of the decode node's acknowledgements. Default 4.
+    pub batches_in_flight: usize,
+    /// Bytes of batches sent ahead of acknowledgements, in MiB. Default 64.
+    pub bytes_in_flight_mib: usize,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            prefill: Vec::new(),
+            decode: Vec::new(),
+            connect_timeout_s: 120,
+            pages_per_batch: 8,
+            batches_in_flight: 4,
+            bytes_in_flight_mib: 64,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// The transfer bounds.
+    pub fn transfer_limits(&self) -> crate::transfer::Limits {
+        crate::transfer::Limits {
+            pages_per_batch: self.pages_per_batch,
+            batches_in_flight: self.batches_in_flight,
+            bytes_in_flight: self.bytes_in_flight_mib << 20,
         }
     }
 }
@@ -264,7 +315,10 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 16] = [
+        let positive: [(&'static str, usize); 19] = [
+            ("cluster.pages_per_batch", self.cluster.pages_per_batch),
+            ("cluster.batches_in_flight", self.cluster.batches_in_flight),
+            ("cluster.bytes_in_flight_mib", self.cluster.bytes_in_flight_mib),
             ("plugins.max_component_bytes", self.plugins.max_component_bytes),
             ("plugins.max_config_bytes", self.plugins.max_config_bytes),
             ("plugins.max_per_tenant", self.plugins.max_per_tenant),
@@ -319,6 +373,28 @@ impl ServeConfig {
         }
         if self.limits.max_context == Some(0) {
             return Err(bad("limits.max_context", 0, "must be at least 1"));
+        }
+        if self.cluster.pages_per_batch > crate::cluster::MAX_PAGES_PER_BATCH {
+            return Err(bad(
+                "cluster.pages_per_batch",
+                self.cluster.pages_per_batch,
+                "must be at most 256",
+            ));
+        }
+        let nodes = [
+            ("cluster.listen", &[self.cluster.listen][..]),
+            ("cluster.prefill", &self.cluster.prefill),
+            ("cluster.decode", &self.cluster.decode),
+        ];
+        for (key, addrs) in nodes {
+            if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                return Err(ConfigError::Invalid {
+                    path: path.into(),
+                    key,
+                    value: a.to_string(),
+                    why: "nodes talk over loopback only: use a 127.0.0.0/8 or ::1 address",
+                });
+            }
         }
         if self.tls.cert.is_some() != self.tls.key.is_some() {
             return Err(ConfigError::Invalid {
@@ -376,5 +452,14 @@ mod tests {
         assert!(e.contains("kv.page_size = 0"), "{e}");
         let e = parse("[tls]\ncert = \"c.pem\"\n").unwrap_err().to_string();
         assert!(e.contains("tls.key"), "{e}");
+        let e = parse("[cluster]\ndecode = [\"10.0.0.2:9100\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("cluster.decode = 10.0.0.2:9100") && e.contains("loopback"),
+            "{e}"
+        );
+        let e = parse("[cluster]\npages_per_batch = 0\n").unwrap_err().to_string();
+        assert!(e.contains("cluster.pages_per_batch = 0"), "{e}");
     }
 }

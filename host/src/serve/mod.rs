@@ -34,6 +34,8 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
 use crate::chat::ChatTemplate;
+use crate::cluster::Role;
+use crate::cluster::router::Router;
 use crate::engine::request::AdmissionLimits;
 use crate::engine::{Engine, EngineConfig};
 use crate::loaded::LoadedModel;
@@ -42,7 +44,7 @@ use config::ServeConfig;
 use metrics::Metrics;
 use openai::RequestLimits;
 use store::Store;
-use worker::EngineHandle;
+use worker::{EngineHandle, LocalEngine};
 
 /// Everything a request handler reads.
 pub struct State {
@@ -101,40 +103,57 @@ pub fn server_info_path(data_dir: &Path) -> PathBuf {
 pub struct ServeOptions {
     /// Serve plain HTTP instead of HTTPS.
     pub insecure_http: bool,
+    /// What this process is: everything, or one role of a disaggregated cluster.
+    pub role: Role,
 }
 
-/// Runs the server until SIGTERM or SIGINT, then shuts down gracefully.
+/// A model's id in the API: its file's stem.
+pub(crate) fn model_id(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
+}
+
+/// Runs the server (or, for `--role prefill|decode`, a node) until SIGTERM or SIGINT, then
+/// shuts down gracefully.
 pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
+    if matches!(opts.role, Role::Prefill | Role::Decode) {
+        return crate::cluster::node::serve_node(cfg, opts.role);
+    }
     std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
     // The model and the engine first: a bad model or pool setting fails before any state changes.
     let loaded = LoadedModel::open(&cfg.model)?;
-    let model_id = cfg
-        .model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    let mut ec = EngineConfig::for_model(&loaded.model);
-    if let Some(m) = cfg.limits.max_context {
-        ec.max_context = m;
-    }
-    ec.max_batch_tokens = cfg.limits.max_batch_tokens;
-    ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
-    ec.max_running = cfg.limits.max_running;
-    ec.max_waiting = cfg.limits.queue;
-    ec.page_size = cfg.kv.page_size;
-    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
-    ec.prefix_cache = cfg.kv.prefix_cache;
-    ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
-    let mut engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
-        .context("starting the engine (see [kv] and [limits] in the config)")?;
-    let admission = engine.limits();
+    let model_id = model_id(&cfg.model);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("warden-http")
+        .build()?;
+    let metrics = Arc::new(Metrics::default());
+    // This process's engine, or (on a router) the cluster's nodes, once they agree.
+    let (engine, router) = match opts.role {
+        Role::Router => {
+            let digest =
+                crate::cluster::file_digest(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
+            let router = rt.block_on(Router::connect(&cfg.cluster, &digest, metrics.clone()))?;
+            (None, Some(Arc::new(router)))
+        }
+        _ => (Some(start_engine(&cfg, &loaded)?), None),
+    };
+    let (admission, pages, pinnable) = match (&engine, &router) {
+        (Some(e), _) => (e.limits(), e.kv_counters().pages_total, e.pinnable_pages()),
+        (None, Some(r)) => {
+            let (pages, pinnable) = r.pool_pages();
+            (r.admission(), pages, pinnable)
+        }
+        (None, None) => unreachable!("one of the two is built above"),
+    };
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
-    let pages = engine.kv_counters().pages_total;
     let bounds = crate::policy::Bounds {
         kv_pages: pages as u64,
         page_size: cfg.kv.page_size,
-        pin_pages: engine.pinnable_pages() as u64,
+        pin_pages: pinnable as u64,
     };
     let tk = loaded.tokenizer.clone();
     let tokenize: quota::Tokenize = Arc::new(move |text: &str| tk.encode(text, true));
@@ -142,12 +161,35 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         quota::Quotas::new(cfg.policies.clone(), bounds, tokenize, usage::UsageBook::open(&store)?)
             .context("loading the tenants' policies (see `policies` in the config)")?,
     );
-    for t in store.tenants()? {
-        engine.set_tenant(t.id, quotas.set().of(&t.name).tenant_settings());
-    }
-    engine
-        .set_public_prefixes(&quotas.set().public_prefixes())
-        .context("computing the public prefixes of the policies (public_prefixes in default.toml)")?;
+    let handle = match (engine, router) {
+        (Some(mut engine), _) => {
+            for t in store.tenants()? {
+                engine.set_tenant(t.id, quotas.set().of(&t.name).tenant_settings());
+            }
+            engine
+                .set_public_prefixes(&quotas.set().public_prefixes())
+                .context("computing the public prefixes of the policies (public_prefixes in default.toml)")?;
+            EngineHandle::Local(LocalEngine::start(engine, cfg.limits.queue, metrics.clone())?)
+        }
+        (None, Some(router)) => {
+            let handle = EngineHandle::Remote(router);
+            let set = quotas.set();
+            rt.block_on(async {
+                for t in store.tenants()? {
+                    handle
+                        .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
+                        .await;
+                }
+                handle
+                    .set_public_prefixes(set.public_prefixes())
+                    .await
+                    .map_err(|e| anyhow::anyhow!(e))
+                    .context("computing the public prefixes of the policies on the prefill nodes")
+            })?;
+            handle
+        }
+        (None, None) => unreachable!("one of the two is built above"),
+    };
     println!(
         "policies from {}: version {}",
         cfg.policies.display(),
@@ -159,8 +201,6 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         &cfg.data_dir,
         loaded.tokenizer.clone(),
     )?;
-    let metrics = Arc::new(Metrics::default());
-    let handle = EngineHandle::start(engine, cfg.limits.queue, metrics.clone())?;
     let tls = if opts.insecure_http {
         None
     } else {
@@ -194,12 +234,26 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         shutting_down: AtomicBool::new(false),
         quotas,
     });
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("warden-http")
-        .build()?;
     rt.block_on(run(state, tls))
+}
+
+/// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
+/// context (invariant 4) or a setting is impossible.
+pub(crate) fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> anyhow::Result<Engine> {
+    let mut ec = EngineConfig::for_model(&loaded.model);
+    if let Some(m) = cfg.limits.max_context {
+        ec.max_context = m;
+    }
+    ec.max_batch_tokens = cfg.limits.max_batch_tokens;
+    ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
+    ec.max_running = cfg.limits.max_running;
+    ec.max_waiting = cfg.limits.queue;
+    ec.page_size = cfg.kv.page_size;
+    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
+    ec.prefix_cache = cfg.kv.prefix_cache;
+    ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
+    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
+        .context("starting the engine (see [kv] and [limits] in the config)")
 }
 
 /// With an empty store: tenant `default` and its key (printed once). Always: an admin token in
@@ -297,7 +351,7 @@ async fn watch_policies(state: Arc<State>) {
     }
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
         // Without signal handlers, run until killed.

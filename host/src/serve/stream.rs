@@ -73,6 +73,15 @@ pub fn abort_error(r: &AbortReason) -> ApiError {
         ),
         AbortReason::Kv(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "kv_unavailable", e.to_string()),
         AbortReason::Transfer(e) => ApiError::new(StatusCode::BAD_GATEWAY, "kv_transfer_failed", e.clone()),
+        AbortReason::Node { code, message } => {
+            let status = match *code {
+                "isolation_violation" => StatusCode::INTERNAL_SERVER_ERROR,
+                "kv_unavailable" | "shutting_down" => StatusCode::SERVICE_UNAVAILABLE,
+                "cancelled" => StatusCode::BAD_REQUEST,
+                _ => StatusCode::BAD_GATEWAY,
+            };
+            ApiError::new(status, code, message.clone())
+        }
     }
 }
 

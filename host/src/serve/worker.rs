@@ -1,5 +1,7 @@
 //! The engine thread: owns the [`Engine`], takes jobs from a bounded queue, steps, and sends each
-//! request's tokens to its own channel.
+//! request's tokens to its own channel. On a prefill or decode node it also holds the ends of KV
+//! transfers ([`crate::cluster::ends`]); on a router the "engine" is the cluster's
+//! ([`crate::cluster::router`]), behind the same [`EngineHandle`].
 //!
 //! A job's channel is its lifeline: when the client goes away its receiver is dropped, and the
 //! next loop cancels the request through the engine's retirement path, so its pages return to the
@@ -17,10 +19,14 @@ use tokio::sync::{mpsc, oneshot};
 use super::metrics::Metrics;
 use super::openai::ApiError;
 use super::quota::Grant;
+use crate::cluster::ends::{Ends, Received};
+use crate::cluster::router::Router;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
 use crate::engine::{Engine, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, PageInfo};
 use crate::plugin::{BoxFuture, KvAccess};
+use crate::transfer::Limits;
+use crate::transfer::wire::Frame;
 use warden_kernels::attention::PageEntry;
 
 /// What a request's channel receives.
@@ -56,7 +62,7 @@ pub enum Update {
 #[derive(Debug, Default)]
 pub struct EndFlag(std::sync::atomic::AtomicU8);
 
-const END_STOP: u8 = 1;
+pub(crate) const END_STOP: u8 = 1;
 const END_CANCEL: u8 = 2;
 
 impl EndFlag {
@@ -70,7 +76,8 @@ impl EndFlag {
         self.0.store(END_CANCEL, Ordering::SeqCst);
     }
 
-    fn get(&self) -> u8 {
+    /// 0 while it runs; [`END_STOP`]-like values once ended (see `is_stop`).
+    pub(crate) fn get(&self) -> u8 {
         self.0.load(Ordering::Relaxed)
     }
 }
@@ -143,8 +150,35 @@ pub enum KvQuery {
     },
 }
 
+/// The prefill half of a disaggregated request, on a prefill node.
+pub struct PrefillJob {
+    /// The request.
+    pub req: GenerateRequest,
+    /// Its tenant's policy as the engine enforces it.
+    pub settings: TenantSettings,
+    /// The policy generation `settings` came from.
+    pub policy_generation: u64,
+    /// The transfer's bounds.
+    pub limits: Limits,
+    /// Where the transfer's frames go (to the decode node); its closing ends the request.
+    pub frames: mpsc::UnboundedSender<Frame>,
+}
+
+/// What admission said of a request submitted with an answer.
+type Admission = oneshot::Sender<Result<RequestId, Rejected>>;
+
 enum Cmd {
     Job(Box<Job>, Instant),
+    /// Decode node: open the decode half of a disaggregated request.
+    Open(Box<Job>, Instant, Admission),
+    /// Decode node: a frame of request `id`'s incoming transfer.
+    Frame(RequestId, Frame, oneshot::Sender<Result<Option<Received>, String>>),
+    /// Decode node: request `id`'s transfer broke off.
+    TransferFailed(RequestId, String),
+    /// Prefill node: compute a prompt and send its KV.
+    Prefill(Box<PrefillJob>, Admission),
+    /// Prefill node: the decode node's answer on request `id`'s transfer.
+    Answer(RequestId, Frame),
     /// Apply a tenant's policy (weight, KV), of a policy generation.
     TenantSettings(u64, TenantSettings, u64),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
@@ -163,15 +197,104 @@ const KV_QUEUE: usize = 1024;
 pub struct SeqSlot {
     id: OnceLock<RequestId>,
     ended: AtomicBool,
+    /// On a router: where the choice's KV questions go (to its decode node's connection).
+    remote: OnceLock<mpsc::UnboundedSender<KvQuery>>,
+}
+
+impl SeqSlot {
+    /// The choice was admitted as `id` (on a router: its decode node's id), and its KV
+    /// questions go to `remote` when set.
+    pub(crate) fn opened(&self, id: RequestId, remote: Option<mpsc::UnboundedSender<KvQuery>>) {
+        let _ = self.id.set(id);
+        if let Some(r) = remote {
+            let _ = self.remote.set(r);
+        }
+    }
+
+    /// The choice ended: its plugin's KV questions are answered without asking.
+    pub(crate) fn end(&self) {
+        self.ended.store(true, Ordering::SeqCst);
+    }
 }
 
 /// The queue is full: the caller answers 503.
 #[derive(Debug)]
 pub struct Busy;
 
-/// The handle the HTTP side holds.
+/// The handle the HTTP side holds: the engine thread of this process, or (on a router) the
+/// cluster's nodes.
 #[derive(Clone)]
-pub struct EngineHandle {
+pub enum EngineHandle {
+    /// This process's engine thread.
+    Local(LocalEngine),
+    /// A router's prefill and decode nodes.
+    Remote(Arc<Router>),
+}
+
+impl EngineHandle {
+    /// Queues a job without waiting; [`Busy`] when the queue is full.
+    pub fn submit(&self, job: Job) -> Result<(), Busy> {
+        match self {
+            EngineHandle::Local(l) => l.submit(job),
+            EngineHandle::Remote(r) => r.submit(job),
+        }
+    }
+
+    /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
+    pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
+        match self {
+            EngineHandle::Local(l) => l.set_tenant(owner, settings, generation).await,
+            EngineHandle::Remote(r) => r.set_tenant(owner, settings, generation).await,
+        }
+    }
+
+    /// Makes `prefixes` the public prefixes (see [`Engine::set_public_prefixes`]).
+    pub async fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> Result<(), String> {
+        match self {
+            EngineHandle::Local(l) => l.set_public_prefixes(prefixes).await,
+            EngineHandle::Remote(r) => r.set_public_prefixes(prefixes).await,
+        }
+    }
+
+    /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
+    pub async fn forget_tenant(&self, owner: u64) {
+        match self {
+            EngineHandle::Local(l) => l.forget_tenant(owner).await,
+            EngineHandle::Remote(r) => r.forget_tenant(owner).await,
+        }
+    }
+
+    /// Whether the engine can take work.
+    pub fn is_alive(&self) -> bool {
+        match self {
+            EngineHandle::Local(l) => l.is_alive(),
+            EngineHandle::Remote(r) => r.is_alive(),
+        }
+    }
+
+    /// Lets in-flight requests finish until `deadline`, cancels what remains; resolves when
+    /// they have ended.
+    pub async fn shutdown(&self, deadline: Instant) {
+        match self {
+            EngineHandle::Local(l) => l.shutdown(deadline).await,
+            EngineHandle::Remote(r) => r.shutdown(deadline).await,
+        }
+    }
+
+    /// Sends a KV question about the choice in `slot` without waiting; false when it cannot go
+    /// (the reply channel then closes).
+    fn ask(&self, slot: &SeqSlot, q: KvQuery) -> bool {
+        match (self, slot.remote.get()) {
+            (_, Some(remote)) => remote.send(q).is_ok(),
+            (EngineHandle::Local(l), None) => l.ask(q),
+            (EngineHandle::Remote(_), None) => false,
+        }
+    }
+}
+
+/// This process's engine thread.
+#[derive(Clone)]
+pub struct LocalEngine {
     tx: SyncSender<Cmd>,
     kv: SyncSender<KvQuery>,
     alive: Arc<AtomicBool>,
@@ -188,7 +311,7 @@ struct Live {
     last: Option<Instant>,
 }
 
-impl EngineHandle {
+impl LocalEngine {
     /// Starts the engine thread with a queue of `queue` jobs.
     pub fn start(engine: Engine, queue: usize, metrics: Arc<Metrics>) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::sync_channel(queue);
@@ -228,6 +351,45 @@ impl EngineHandle {
     /// or the thread is gone (the reply channel then closes).
     pub fn ask(&self, q: KvQuery) -> bool {
         self.kv.try_send(q).is_ok()
+    }
+
+    /// Decode node: opens the decode half of a disaggregated request; `admitted` answers with
+    /// its id, or with its rejection (which then ends it: no transfer begins).
+    pub fn open(&self, job: Job, admitted: Admission) -> Result<(), Busy> {
+        self.try_send(Cmd::Open(Box::new(job), Instant::now(), admitted))
+    }
+
+    /// Prefill node: computes a prompt (but its last token) and sends its KV through the job's
+    /// frames; `admitted` answers as for [`open`](Self::open).
+    pub fn prefill(&self, job: PrefillJob, admitted: Admission) -> Result<(), Busy> {
+        self.try_send(Cmd::Prefill(Box::new(job), admitted))
+    }
+
+    fn try_send(&self, cmd: Cmd) -> Result<(), Busy> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(Busy),
+            // The answer channel closes: the caller sees the engine is gone.
+            Err(TrySendError::Disconnected(_)) => Ok(()),
+        }
+    }
+
+    /// Decode node: a frame of request `id`'s incoming transfer, verified and written on the
+    /// engine thread; the answer to send back, or why the request failed.
+    pub async fn transfer_frame(&self, id: RequestId, frame: Frame) -> Result<Option<Received>, String> {
+        let (reply, rx) = oneshot::channel();
+        self.send_waiting(Cmd::Frame(id, frame, reply)).await;
+        rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+    }
+
+    /// Decode node: request `id`'s transfer broke off; it ends with `why`.
+    pub async fn transfer_failed(&self, id: RequestId, why: String) {
+        self.send_waiting(Cmd::TransferFailed(id, why)).await;
+    }
+
+    /// Prefill node: the decode node's answer (an `Ack` or an `Abort`) on request `id`'s transfer.
+    pub async fn transfer_answer(&self, id: RequestId, frame: Frame) {
+        self.send_waiting(Cmd::Answer(id, frame)).await;
     }
 
     /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
@@ -283,7 +445,8 @@ impl EngineHandle {
     }
 }
 
-/// A plugin's access to its own request's KV, through the engine thread.
+/// A plugin's access to its own request's KV, through the engine thread (on a router, through
+/// its decode node's connection).
 pub struct EngineKv {
     engine: EngineHandle,
     owner: u64,
@@ -311,7 +474,7 @@ impl EngineKv {
             return Box::pin(async { Err("the request has no sequence yet".to_string()) });
         };
         let (reply, rx) = oneshot::channel();
-        if !self.engine.ask(ask(id, reply)) {
+        if !self.engine.ask(&self.slot, ask(id, reply)) {
             return Box::pin(async { Err("the engine's queue is full; retry".to_string()) });
         }
         Box::pin(async move { rx.await.unwrap_or_else(|_| Err("the engine stopped".into())) })
@@ -329,11 +492,14 @@ impl KvAccess for EngineKv {
         let live = !self.slot.ended.load(Ordering::SeqCst);
         let asked = live
             && self.slot.id.get().is_some_and(|&id| {
-                self.engine.ask(KvQuery::Pages {
-                    id,
-                    owner: self.owner,
-                    reply,
-                })
+                self.engine.ask(
+                    &self.slot,
+                    KvQuery::Pages {
+                        id,
+                        owner: self.owner,
+                        reply,
+                    },
+                )
             });
         Box::pin(async move { if asked { rx.await.ok().flatten() } else { None } })
     }
@@ -359,7 +525,7 @@ impl KvAccess for EngineKv {
     }
 }
 
-fn outcome_label(o: &Outcome) -> &'static str {
+pub(crate) fn outcome_label(o: &Outcome) -> &'static str {
     match o {
         Outcome::Finished(FinishReason::Stop) => "stop",
         Outcome::Finished(FinishReason::Length) => "length",
@@ -384,10 +550,73 @@ impl Applied {
     }
 }
 
+fn outcome_message(o: &Outcome) -> String {
+    match o {
+        Outcome::Finished(f) => format!("finished ({})", f.as_str()),
+        Outcome::Aborted(r) => r.to_string(),
+    }
+}
+
+/// Submits a job (a whole request, or with `opened` the decode half of a disaggregated one,
+/// whose admission is answered there) and tracks it.
+#[allow(clippy::too_many_arguments)]
+fn start(
+    engine: &mut Engine,
+    ends: &mut Ends,
+    live: &mut HashMap<RequestId, Live>,
+    applied: &mut Applied,
+    metrics: &Metrics,
+    job: Box<Job>,
+    submitted: Instant,
+    opened: Option<Admission>,
+) {
+    let job = *job;
+    let owner = job.req.owner;
+    applied.apply(engine, owner, job.settings, job.policy_generation);
+    let r = match opened {
+        None => engine.submit(job.req),
+        Some(_) => engine.open_transfer(job.req),
+    };
+    match r {
+        Ok(id) => {
+            job.slot.opened(id, None);
+            live.insert(
+                id,
+                Live {
+                    index: job.index,
+                    tx: job.tx,
+                    stop: job.stop,
+                    slot: job.slot,
+                    grant: job.grant,
+                    tenant: job.tenant,
+                    submitted,
+                    last: None,
+                },
+            );
+            if let Some(admitted) = opened {
+                ends.add_receiver(id, owner);
+                let _ = admitted.send(Ok(id));
+            }
+        }
+        Err(rej) => {
+            metrics.rejected(&job.tenant, rej.reason.code());
+            match opened {
+                Some(admitted) => {
+                    let _ = admitted.send(Err(rej));
+                }
+                None => {
+                    let _ = job.tx.send((job.index, Update::Rejected(rej)));
+                }
+            }
+        }
+    }
+}
+
 fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &Metrics) {
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut applied = Applied::default();
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
+    let mut ends = Ends::default();
     let publish = |engine: &Engine| {
         let (waiting, running) = engine.queue_lengths();
         metrics.engine_state(engine.kv_counters(), waiting, running);
@@ -416,30 +645,56 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = job.tx.send((job.index, Update::ShuttingDown));
                         continue;
                     }
-                    applied.apply(&mut engine, job.req.owner, job.settings, job.policy_generation);
-                    match engine.submit(job.req) {
-                        Ok(id) => {
-                            let _ = job.slot.id.set(id);
-                            live.insert(
-                                id,
-                                Live {
-                                    index: job.index,
-                                    tx: job.tx,
-                                    stop: job.stop,
-                                    slot: job.slot,
-                                    grant: job.grant,
-                                    tenant: job.tenant,
-                                    submitted,
-                                    last: None,
-                                },
-                            );
-                        }
-                        Err(rej) => {
-                            metrics.rejected(&job.tenant, rej.reason.code());
-                            let _ = job.tx.send((job.index, Update::Rejected(rej)));
-                        }
+                    start(
+                        &mut engine,
+                        &mut ends,
+                        &mut live,
+                        &mut applied,
+                        metrics,
+                        job,
+                        submitted,
+                        None,
+                    );
+                }
+                // While shutting down, the answer channel drops unanswered: the node is going.
+                Cmd::Open(job, submitted, admitted) => {
+                    if shutdown.is_none() {
+                        start(
+                            &mut engine,
+                            &mut ends,
+                            &mut live,
+                            &mut applied,
+                            metrics,
+                            job,
+                            submitted,
+                            Some(admitted),
+                        );
                     }
                 }
+                Cmd::Prefill(job, admitted) => {
+                    if shutdown.is_some() {
+                        continue;
+                    }
+                    let PrefillJob {
+                        req,
+                        settings,
+                        policy_generation,
+                        limits,
+                        frames,
+                    } = *job;
+                    let owner = req.owner;
+                    applied.apply(&mut engine, owner, settings, policy_generation);
+                    let r = engine.submit_prefill(req);
+                    if let Ok(id) = r {
+                        ends.add_sender(id, owner, limits, frames);
+                    }
+                    let _ = admitted.send(r);
+                }
+                Cmd::Frame(id, frame, reply) => {
+                    let _ = reply.send(ends.receive(&mut engine, id, frame));
+                }
+                Cmd::TransferFailed(id, why) => ends.fail_receiving(&mut engine, id, why),
+                Cmd::Answer(id, frame) => ends.answer(&mut engine, id, frame),
                 Cmd::TenantSettings(owner, settings, generation) => {
                     applied.apply(&mut engine, owner, settings, generation)
                 }
@@ -500,6 +755,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
         for id in gone {
             engine.cancel(id);
         }
+        ends.sweep(&mut engine);
         let events = match &shutdown {
             Some((deadline, _)) if Instant::now() >= *deadline => engine.abort_all(),
             _ => engine.step(),
@@ -528,8 +784,9 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     text,
                     usage,
                 } => {
+                    ends.ended(id, &outcome_message(&outcome));
                     if let Some(l) = live.remove(&id) {
-                        l.slot.ended.store(true, Ordering::SeqCst);
+                        l.slot.end();
                         if let Some(g) = &l.grant {
                             g.record(&usage);
                         }
@@ -542,11 +799,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         let _ = l.tx.send((l.index, Update::Done { outcome, text, usage }));
                     }
                 }
-                // This worker submits no prefill-only requests (it serves whole requests); were
-                // one to end so, its pages go back at once.
-                Event::Prefilled { id, .. } => {
-                    engine.release_prefilled(id);
-                }
+                // A prefill node's request: its transfer begins (without one, its pages go).
+                Event::Prefilled { id, tokens } => ends.prefilled(&mut engine, id, tokens),
             }
         }
         publish(&engine);

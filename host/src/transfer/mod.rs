@@ -23,7 +23,7 @@ use crate::kv::{KvError, KvPool, SeqId};
 use wire::{Frame, PageFrame};
 
 /// Bounds on a transfer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     /// Pages per batch.
     pub pages_per_batch: usize,
@@ -310,6 +310,11 @@ impl Inbound {
             received: vec![false; tokens.div_ceil(page_size)],
             next_batch: 0,
         })
+    }
+
+    /// Prompt positions the transfer covers.
+    pub fn tokens(&self) -> usize {
+        self.tokens
     }
 
     /// Takes the next frame: verifies and writes a batch (answering its `Ack`), or on `End`

@@ -1,0 +1,424 @@
+//! The messages nodes and the router exchange, and their framing on a TCP connection.
+//!
+//! A packet is a kind byte, then either a JSON [`Msg`] (a little-endian `u32` length and the
+//! text) or a transfer [`Frame`] in its own bounded encoding ([`crate::transfer::wire`]). Every
+//! length is checked against a limit before anything is read or allocated: a message against
+//! [`MAX_MSG_BYTES`], a frame against the limit the reader was started with (0 where no frame
+//! belongs, so a frame there is refused unread).
+//!
+//! Every connection opens with [`Msg::Hello`] naming [`VERSION`]; then the opener's one request
+//! ([`Msg::Describe`], [`Msg::Generate`], [`Msg::Prefill`] or a control message) and whatever
+//! that request's exchange needs.
+
+use std::net::SocketAddr;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc;
+
+use super::NodeInfo;
+use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, Usage};
+use crate::engine::{TenantSettings, TokenLogprobs};
+use crate::kv::PageInfo;
+use crate::transfer::Limits;
+use crate::transfer::wire::{Frame, WireError};
+use warden_kernels::attention::PageEntry;
+
+/// The protocol's version; a peer that speaks another is refused.
+pub const VERSION: u32 = 1;
+
+/// Largest JSON message, in bytes (a prompt of the longest context is far less).
+pub const MAX_MSG_BYTES: usize = 16 << 20;
+
+const KIND_MSG: u8 = b'M';
+const KIND_FRAME: u8 = b'F';
+
+/// A request as the router dispatches it, and as a decode node passes it to a prefill node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Dispatch {
+    /// The request (its owner is the tenant's id).
+    pub req: GenerateRequest,
+    /// The tenant's policy as the engine enforces it.
+    pub settings: TenantSettings,
+    /// The policy generation `settings` came from.
+    pub generation: u64,
+    /// The prefill node to compute the prompt on.
+    pub prefill: SocketAddr,
+    /// The transfer's bounds.
+    pub limits: Limits,
+    /// A fault for the prefill node to inject into this transfer (test builds only).
+    #[cfg(debug_assertions)]
+    #[serde(default)]
+    pub fault: Option<super::faults::Fault>,
+}
+
+/// How a request ended, as the decode node tells the router.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ended {
+    /// It completed.
+    Finished(FinishReason),
+    /// The router (its client, or its plugin) cancelled it.
+    Cancelled,
+    /// The node shut down.
+    Shutdown,
+    /// Its prompt's KV did not arrive whole.
+    Transfer(String),
+    /// A tag check failed or the pool refused: the code and message the client sees.
+    Failed {
+        /// Stable code.
+        code: String,
+        /// Message.
+        message: String,
+    },
+}
+
+/// A page-table entry on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireEntry {
+    /// Page index in the decode node's pool.
+    pub page: u32,
+    /// Its epoch.
+    pub epoch: u32,
+    /// A public prefix's page.
+    pub public: bool,
+}
+
+impl From<PageEntry> for WireEntry {
+    fn from(e: PageEntry) -> Self {
+        Self {
+            page: e.page,
+            epoch: e.epoch,
+            public: e.public,
+        }
+    }
+}
+
+impl From<WireEntry> for PageEntry {
+    fn from(e: WireEntry) -> Self {
+        Self {
+            page: e.page,
+            epoch: e.epoch,
+            public: e.public,
+        }
+    }
+}
+
+/// A plugin's question about its own request's KV, forwarded by the router. It names no
+/// request and no tenant: the decode node answers for the connection's own request.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCall {
+    /// The page table.
+    Pages,
+    /// What the tenant may learn of a page.
+    Info(WireEntry),
+    /// Pin the first `n` tokens.
+    Pin(usize),
+    /// Unpin.
+    Unpin,
+}
+
+/// The answer to a [`KvCall`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvReply {
+    /// The page table, if the request is open.
+    Pages(Option<Vec<WireEntry>>),
+    /// A page's info.
+    Info(Result<PageInfo, String>),
+    /// Tokens pinned or pages unpinned.
+    Count(Result<usize, String>),
+}
+
+/// A JSON message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Msg {
+    /// Opens every connection.
+    Hello {
+        /// [`VERSION`].
+        version: u32,
+    },
+    /// Asks a node what it serves.
+    Describe,
+    /// Asks a node for its metrics (Prometheus text: its pool's pages by state, its requests).
+    Metrics,
+    /// A node's answer to `Metrics`.
+    MetricsText {
+        /// The exposition.
+        text: String,
+    },
+    /// A node's answer to `Describe`.
+    Info(NodeInfo),
+    /// Router → decode node: serve this request.
+    Generate(Box<Dispatch>),
+    /// Decode node → prefill node: compute this prompt and send its KV on this connection.
+    Prefill(Box<Dispatch>),
+    /// Decode node → router: admitted, with the node's id for it.
+    Opened {
+        /// The request's id on the decode node.
+        id: u64,
+    },
+    /// Decode node → router: admission refused it; nothing ran.
+    Rejected {
+        /// Why.
+        reason: RejectReason,
+    },
+    /// Decode node → router: a generated token.
+    Token {
+        /// Its id.
+        token: u32,
+        /// The text now safe to send.
+        text: String,
+        /// When asked for.
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// Decode node → router: the last message of a request.
+    Done {
+        /// How it ended.
+        ended: Ended,
+        /// Held-back text released at the end.
+        text: String,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// Router → decode node: end the request now, as finished (`stop`) or cancelled.
+    End {
+        /// Finished rather than cancelled.
+        stop: bool,
+    },
+    /// Router → decode node: a plugin's KV question.
+    Kv {
+        /// The router's number for the call.
+        call: u64,
+        /// The question.
+        query: KvCall,
+    },
+    /// Decode node → router: its answer.
+    KvAnswer {
+        /// The call answered.
+        call: u64,
+        /// The answer.
+        answer: KvReply,
+    },
+    /// Router → node: a tenant's policy.
+    Tenant {
+        /// The tenant.
+        owner: u64,
+        /// What the engine enforces.
+        settings: TenantSettings,
+        /// Its policy generation.
+        generation: u64,
+    },
+    /// Router → prefill node: the public prefixes.
+    PublicPrefixes {
+        /// Their tokens.
+        prefixes: Vec<Vec<u32>>,
+    },
+    /// Router → node: a tenant was deleted.
+    Forget {
+        /// The tenant.
+        owner: u64,
+    },
+    /// A node's answer to a control message.
+    Applied {
+        /// What went wrong, if anything.
+        error: Option<String>,
+    },
+    /// The peer broke the protocol; the connection ends.
+    Error {
+        /// What was wrong.
+        message: String,
+    },
+}
+
+/// What arrives on a connection.
+#[derive(Debug)]
+pub enum Packet {
+    /// A JSON message.
+    Msg(Msg),
+    /// A transfer frame.
+    Frame(Frame),
+}
+
+/// Why a connection's bytes are not packets.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    /// Reading failed, or the peer closed mid-packet.
+    #[error("reading from the peer: {0}")]
+    Io(#[from] std::io::Error),
+    /// An unknown kind byte.
+    #[error("unknown packet kind {0:#04x}")]
+    Kind(u8),
+    /// A message over [`MAX_MSG_BYTES`].
+    #[error("a message of {0} bytes, over the limit of {MAX_MSG_BYTES}")]
+    TooLarge(usize),
+    /// A message that is not one.
+    #[error("a malformed message: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A frame over the limit or malformed.
+    #[error("a bad transfer frame: {0}")]
+    Frame(#[from] WireError),
+}
+
+/// Encodes a message as a packet.
+pub fn encode_msg(m: &Msg) -> Vec<u8> {
+    let body = serde_json::to_vec(m).expect("messages serialize");
+    let mut out = Vec::with_capacity(body.len() + 5);
+    out.push(KIND_MSG);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Encodes a transfer frame as a packet.
+pub fn encode_frame(f: &Frame) -> Vec<u8> {
+    let body = f.encode();
+    let mut out = Vec::with_capacity(body.len() + 1);
+    out.push(KIND_FRAME);
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Writes a message.
+pub async fn send<W: AsyncWrite + Unpin>(w: &mut W, m: &Msg) -> std::io::Result<()> {
+    w.write_all(&encode_msg(m)).await
+}
+
+/// Writes a transfer frame.
+pub async fn send_frame<W: AsyncWrite + Unpin>(w: &mut W, f: &Frame) -> std::io::Result<()> {
+    w.write_all(&encode_frame(f)).await
+}
+
+/// Reads one packet; `None` when the peer closed between packets. Frames over `frame_limit`
+/// bytes are refused before they are read.
+pub async fn read<R: AsyncRead + Unpin>(r: &mut R, frame_limit: usize) -> Result<Option<Packet>, LinkError> {
+    let mut kind = [0u8; 1];
+    if r.read(&mut kind).await? == 0 {
+        return Ok(None);
+    }
+    let mut len = [0u8; 4];
+    r.read_exact(&mut len).await?;
+    let n = u32::from_le_bytes(len) as usize;
+    match kind[0] {
+        KIND_MSG => {
+            if n > MAX_MSG_BYTES {
+                return Err(LinkError::TooLarge(n));
+            }
+            let mut body = vec![0u8; n];
+            r.read_exact(&mut body).await?;
+            Ok(Some(Packet::Msg(serde_json::from_slice(&body)?)))
+        }
+        KIND_FRAME => {
+            if n > frame_limit {
+                return Err(LinkError::Frame(WireError::TooLarge {
+                    len: n,
+                    limit: frame_limit,
+                }));
+            }
+            let mut bytes = vec![0u8; 4 + n];
+            bytes[..4].copy_from_slice(&len);
+            r.read_exact(&mut bytes[4..]).await?;
+            let (frame, _) = Frame::decode(&bytes, frame_limit)?;
+            Ok(Some(Packet::Frame(frame)))
+        }
+        k => Err(LinkError::Kind(k)),
+    }
+}
+
+/// What a reader task hands on: packets, then at most one error; the channel closes at the
+/// end of the connection.
+pub type Incoming = mpsc::Receiver<Result<Packet, LinkError>>;
+
+/// Reads `r` on a task of its own (so a `select!` never loses half a packet), handing packets
+/// on through a small channel: a slow consumer slows the peer through TCP.
+pub fn reader(r: OwnedReadHalf, frame_limit: usize) -> Incoming {
+    let (tx, rx) = mpsc::channel(4);
+    tokio::spawn(async move {
+        let mut r = BufReader::with_capacity(64 << 10, r);
+        loop {
+            let p = read(&mut r, frame_limit).await;
+            let end = !matches!(p, Ok(Some(_)));
+            let item = match p {
+                Ok(Some(p)) => Ok(p),
+                Ok(None) => break,
+                Err(e) => Err(e),
+            };
+            if tx.send(item).await.is_err() || end {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Connects to a node and says hello.
+pub async fn connect(addr: SocketAddr) -> std::io::Result<(OwnedReadHalf, OwnedWriteHalf)> {
+    let tcp = TcpStream::connect(addr).await?;
+    let _ = tcp.set_nodelay(true);
+    let (r, mut w) = tcp.into_split();
+    send(&mut w, &Msg::Hello { version: VERSION }).await?;
+    Ok((r, w))
+}
+
+/// One control exchange with a node: connect, send `m`, read its one answer.
+pub async fn call(addr: SocketAddr, m: &Msg) -> Result<Msg, String> {
+    let (r, mut w) = connect(addr).await.map_err(|e| format!("connecting to {addr}: {e}"))?;
+    send(&mut w, m).await.map_err(|e| format!("writing to {addr}: {e}"))?;
+    let mut r = BufReader::new(r);
+    match read(&mut r, 0).await {
+        Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(format!("{addr} refused: {message}")),
+        Ok(Some(Packet::Msg(m))) => Ok(m),
+        Ok(Some(Packet::Frame(_))) => Err(format!("{addr} answered with a transfer frame")),
+        Ok(None) => Err(format!("{addr} closed the connection without an answer")),
+        Err(e) => Err(format!("{addr}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn packets_round_trip_and_limits_hold_before_reading() {
+        let m = Msg::Token {
+            token: 7,
+            text: "hi".into(),
+            logprobs: None,
+        };
+        let f = Frame::Ack { seq: 3, number: 1 };
+        let mut bytes = encode_msg(&m);
+        bytes.extend(encode_frame(&f));
+        let mut r = &bytes[..];
+        assert!(matches!(
+            read(&mut r, 1024).await,
+            Ok(Some(Packet::Msg(Msg::Token { token: 7, .. })))
+        ));
+        assert!(matches!(
+            read(&mut r, 1024).await,
+            Ok(Some(Packet::Frame(Frame::Ack { seq: 3, number: 1 })))
+        ));
+        assert!(matches!(read(&mut r, 1024).await, Ok(None)));
+        // A frame where none belongs is refused by its length alone.
+        let bytes = encode_frame(&f);
+        let mut r = &bytes[..];
+        assert!(matches!(
+            read(&mut r, 0).await,
+            Err(LinkError::Frame(WireError::TooLarge { .. }))
+        ));
+        // A message claiming more than the limit is refused before its body is read.
+        let mut bytes = vec![KIND_MSG];
+        bytes.extend_from_slice(&u32::MAX.to_le_bytes());
+        let mut r = &bytes[..];
+        assert!(matches!(read(&mut r, 0).await, Err(LinkError::TooLarge(_))));
+        // Unknown kinds and truncated packets are errors, not silence.
+        let mut r = &b"Z\0\0\0\0"[..];
+        assert!(matches!(read(&mut r, 0).await, Err(LinkError::Kind(b'Z'))));
+        let bytes = encode_msg(&m);
+        let mut r = &bytes[..bytes.len() - 1];
+        assert!(matches!(read(&mut r, 0).await, Err(LinkError::Io(_))));
+    }
+}

@@ -1,0 +1,107 @@
+//! Disaggregated serving: `warden serve --role prefill|decode|router` (`all` is the single
+//! process of [`crate::serve`]).
+//!
+//! A **prefill node** and a **decode node** each own a model and a KV pool, and each refuses to
+//! start when its pool cannot hold the maximum context (invariant 4). The **router** owns
+//! everything a client meets (HTTPS, keys, policies, plugins, usage) and no pool: it dispatches
+//! each admitted choice to a decode node, naming the prefill node its prompt is computed on.
+//!
+//! One request, one TCP connection per hop, so a connection's end is the request's end:
+//!
+//! ```text
+//! router ──Generate──▶ decode node: admits it and opens its pages (a refusal ends it here,
+//!    ▲                   before any transfer: invariant 1)
+//!    │                 decode ──Prefill──▶ prefill node: computes the prompt but its last token
+//!    │                 decode ◀──Begin, Batch…, End── prefill (bounded, acknowledged batches;
+//!    │                         the prefill node keeps its pages until the final Ack: invariant 7)
+//!    └──Opened, Token…, Done── decode: verifies, commits, decodes
+//! ```
+//!
+//! A client that goes away drops the router's connection; the decode node cancels the request
+//! through the engine's retirement path, which drops its connection to the prefill node, which
+//! lets its pages go. Pages are only ever read or written on their engine's thread, between
+//! steps, so none is freed while a transfer touches it.
+//!
+//! Nodes talk over loopback only (the configuration refuses other addresses). Modules: [`link`]
+//! (the messages and their framing), [`ends`] (the engine thread's ends of transfers), [`node`]
+//! (the prefill and decode processes), [`router`] (the router's engine backend), and, in test
+//! builds only, `faults` (what a prefill node can do wrong to a transfer, on the router's word).
+
+pub mod ends;
+#[cfg(debug_assertions)]
+pub mod faults;
+pub mod link;
+pub mod node;
+pub mod router;
+
+use serde::{Deserialize, Serialize};
+
+/// Most pages one transfer batch may carry (`cluster.pages_per_batch`).
+pub const MAX_PAGES_PER_BATCH: usize = 256;
+
+/// What a `warden serve` process is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Everything in one process: API, engine, pool.
+    #[default]
+    All,
+    /// Computes prompts and sends their KV to decode nodes.
+    Prefill,
+    /// Receives prompts' KV and generates.
+    Decode,
+    /// The API, keys, policies and plugins; dispatches to prefill and decode nodes.
+    Router,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::All => "all",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Router => "router",
+        })
+    }
+}
+
+/// What a node serves, as it answers a router's `Describe`: the router serves only when every
+/// node agrees on the model, the page size and the maximum context.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// The node's role.
+    pub role: Role,
+    /// The model's id (its file stem).
+    pub model: String,
+    /// SHA-256 of the model file, hex.
+    pub digest: String,
+    /// Token slots per KV page.
+    pub page_size: usize,
+    /// Most prompt plus completion tokens per request.
+    pub max_context: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Tokens the pool can hold for one sequence.
+    pub pool_tokens: usize,
+    /// Pages in the pool.
+    pub pages: usize,
+    /// Pages that may be pinned in prefix caches.
+    pub pinnable_pages: usize,
+}
+
+/// SHA-256 of a file, hex: how nodes show they serve the same model.
+pub fn file_digest(path: &std::path::Path) -> std::io::Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}

@@ -1,0 +1,498 @@
+//! A prefill or decode node: a model, an engine thread with its KV pool, and a loopback listener
+//! for the router and for other nodes.
+//!
+//! A decode node serves one request per router connection: it admits and opens it (a refusal
+//! ends it there, before any transfer), asks the named prefill node for the prompt's KV on a
+//! connection of its own, feeds each frame to the engine thread (which verifies and writes it,
+//! answering the acknowledgement), and streams the tokens back. A prefill node computes the
+//! prompt and sends its KV on the connection it was asked on, keeping its pages until the final
+//! acknowledgement. Either connection's end ends the request through the engine's retirement
+//! path.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+use super::link::{self, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet};
+use super::{MAX_PAGES_PER_BATCH, NodeInfo, Role};
+use crate::engine::request::{AbortReason, Outcome, RejectReason, Usage};
+use crate::kv::KvPool;
+use crate::loaded::LoadedModel;
+use crate::serve::config::ServeConfig;
+use crate::serve::metrics::Metrics;
+use crate::serve::stream::abort_error;
+use crate::serve::worker::{EndFlag, Job, KvQuery, LocalEngine, PrefillJob, SeqSlot, Update};
+use crate::transfer::wire::Frame;
+
+/// Largest frame a node reads where only acknowledgements and aborts belong.
+const ANSWER_FRAME_LIMIT: usize = 64 << 10;
+
+/// How long a decode node waits for the next frame of a transfer (the prompt may queue on the
+/// prefill node first) before it fails the request.
+const TRANSFER_IDLE: Duration = Duration::from_secs(120);
+
+struct Node {
+    info: NodeInfo,
+    metrics: Arc<Metrics>,
+    engine: LocalEngine,
+    /// Bytes of one full page's K and V: the unit of a batch's size limit.
+    page_bytes: usize,
+    queue: usize,
+}
+
+/// Runs a prefill or decode node until SIGTERM or SIGINT.
+pub fn serve_node(cfg: ServeConfig, role: Role) -> anyhow::Result<()> {
+    let loaded = LoadedModel::open(&cfg.model)?;
+    let engine = crate::serve::start_engine(&cfg, &loaded)?;
+    let digest = super::file_digest(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
+    let limits = engine.limits();
+    let info = NodeInfo {
+        role,
+        model: crate::serve::model_id(&cfg.model),
+        digest,
+        page_size: cfg.kv.page_size,
+        max_context: limits.max_context,
+        vocab: limits.vocab,
+        pool_tokens: limits.pool_tokens,
+        pages: engine.kv_counters().pages_total,
+        pinnable_pages: engine.pinnable_pages(),
+    };
+    let page_bytes = KvPool::page_bytes(engine.pool().shape(), engine.pool().n_layers());
+    let metrics = Arc::new(Metrics::default());
+    let handle = LocalEngine::start(engine, cfg.limits.queue, metrics.clone())?;
+    let node = Arc::new(Node {
+        info,
+        metrics,
+        engine: handle,
+        page_bytes,
+        queue: cfg.limits.queue,
+    });
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("warden-node")
+        .build()?;
+    rt.block_on(run(node, cfg))
+}
+
+async fn run(node: Arc<Node>, cfg: ServeConfig) -> anyhow::Result<()> {
+    let listener = TcpListener::bind(cfg.cluster.listen)
+        .await
+        .with_context(|| format!("listening on {} (cluster.listen)", cfg.cluster.listen))?;
+    let addr = listener.local_addr()?;
+    println!(
+        "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {})",
+        node.info.role, node.info.model, node.info.pages, node.info.page_size, node.info.max_context
+    );
+    let signal = crate::serve::shutdown_signal();
+    tokio::pin!(signal);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut signal => break,
+        };
+        // Loopback only: the configuration binds there, and this holds whatever it binds.
+        if !peer.ip().is_loopback() {
+            continue;
+        }
+        tokio::spawn(connection(node.clone(), tcp));
+    }
+    println!(
+        "shutting down: finishing in-flight requests (up to {} s)",
+        cfg.timeouts.shutdown_s
+    );
+    drop(listener);
+    node.engine
+        .shutdown(Instant::now() + Duration::from_secs(cfg.timeouts.shutdown_s))
+        .await;
+    println!("stopped");
+    Ok(())
+}
+
+/// The next message, or `None` for anything else (the peer closed, sent a frame, or broke
+/// the framing).
+async fn next_msg(rx: &mut Incoming) -> Option<Msg> {
+    match rx.recv().await {
+        Some(Ok(Packet::Msg(m))) => Some(m),
+        _ => None,
+    }
+}
+
+async fn refuse(w: &mut OwnedWriteHalf, message: String) {
+    let _ = link::send(w, &Msg::Error { message }).await;
+}
+
+async fn connection(node: Arc<Node>, tcp: TcpStream) {
+    let _ = tcp.set_nodelay(true);
+    let (r, mut w) = tcp.into_split();
+    let mut rx = link::reader(r, ANSWER_FRAME_LIMIT);
+    match next_msg(&mut rx).await {
+        Some(Msg::Hello { version }) if version == link::VERSION => {}
+        Some(Msg::Hello { version }) => {
+            return refuse(
+                &mut w,
+                format!("protocol version {version}; this node speaks {}", link::VERSION),
+            )
+            .await;
+        }
+        _ => return refuse(&mut w, "a connection opens with hello".into()).await,
+    }
+    let Some(m) = next_msg(&mut rx).await else {
+        return;
+    };
+    let role = node.info.role;
+    let answer = match (role, m) {
+        (_, Msg::Describe) => Msg::Info(node.info.clone()),
+        (_, Msg::Metrics) => Msg::MetricsText {
+            text: node.metrics.render(),
+        },
+        (Role::Decode, Msg::Generate(d)) => return decode(&node, *d, rx, w).await,
+        (Role::Prefill, Msg::Prefill(d)) => return prefill(&node, *d, rx, w).await,
+        (
+            _,
+            Msg::Tenant {
+                owner,
+                settings,
+                generation,
+            },
+        ) => {
+            node.engine.set_tenant(owner, settings, generation).await;
+            Msg::Applied { error: None }
+        }
+        (Role::Prefill, Msg::PublicPrefixes { prefixes }) => Msg::Applied {
+            error: node.engine.set_public_prefixes(prefixes).await.err(),
+        },
+        (_, Msg::Forget { owner }) => {
+            node.engine.forget_tenant(owner).await;
+            Msg::Applied { error: None }
+        }
+        (role, m) => {
+            let kind = serde_json::to_value(&m)
+                .ok()
+                .and_then(|v| v.get("type").and_then(|t| t.as_str().map(String::from)))
+                .unwrap_or_default();
+            return refuse(&mut w, format!("a {role} node does not take {kind}")).await;
+        }
+    };
+    let _ = link::send(&mut w, &answer).await;
+}
+
+/// How a request ended, as the router is told.
+fn ended(outcome: &Outcome) -> Ended {
+    match outcome {
+        Outcome::Finished(f) => Ended::Finished(*f),
+        Outcome::Aborted(AbortReason::Cancelled) => Ended::Cancelled,
+        Outcome::Aborted(AbortReason::Shutdown) => Ended::Shutdown,
+        Outcome::Aborted(AbortReason::Transfer(why)) => Ended::Transfer(why.clone()),
+        Outcome::Aborted(r) => {
+            let e = abort_error(r);
+            Ended::Failed {
+                code: e.code.to_string(),
+                message: e.message,
+            }
+        }
+    }
+}
+
+/// The prefill connection of a decode request, while its transfer runs.
+struct Upstream {
+    rx: Incoming,
+    w: OwnedWriteHalf,
+    /// The prefill node's name for the sequence (from `Begin`), for the frames sent back.
+    seq: u64,
+}
+
+async fn next_upstream(up: &mut Option<Upstream>) -> Option<Result<Packet, link::LinkError>> {
+    match up {
+        Some(u) => u.rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A decode node's request: admit and open it, fetch its prompt's KV, stream its tokens.
+async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWriteHalf) {
+    if !d.prefill.ip().is_loopback() {
+        return refuse(&mut w, format!("prefill node {} is not a loopback address", d.prefill)).await;
+    }
+    let owner = d.req.owner;
+    let (tx, mut updates) = mpsc::unbounded_channel();
+    let stop = Arc::new(EndFlag::default());
+    let job = Job {
+        req: d.req.clone(),
+        tenant: owner.to_string(),
+        index: 0,
+        tx,
+        stop: stop.clone(),
+        slot: Arc::new(SeqSlot::default()),
+        settings: d.settings,
+        policy_generation: d.generation,
+        grant: None,
+    };
+    let (admitted, answer) = oneshot::channel();
+    if node.engine.open(job, admitted).is_err() {
+        let reason = RejectReason::QueueFull { limit: node.queue };
+        let _ = link::send(&mut w, &Msg::Rejected { reason }).await;
+        return;
+    }
+    let id = match answer.await {
+        Ok(Ok(id)) => id,
+        Ok(Err(rej)) => {
+            let _ = link::send(&mut w, &Msg::Rejected { reason: rej.reason }).await;
+            return;
+        }
+        Err(_) => {
+            let done = Msg::Done {
+                ended: Ended::Shutdown,
+                text: String::new(),
+                usage: Usage::default(),
+            };
+            let _ = link::send(&mut w, &done).await;
+            return;
+        }
+    };
+    if link::send(&mut w, &Msg::Opened { id }).await.is_err() {
+        return;
+    }
+    let mut up = match ask_prefill(node, &d).await {
+        Ok(u) => Some(u),
+        Err(why) => {
+            node.engine.transfer_failed(id, why).await;
+            None
+        }
+    };
+    let (kv_tx, mut kv_rx) = mpsc::unbounded_channel::<(u64, KvReply)>();
+    let idle = tokio::time::sleep(TRANSFER_IDLE);
+    tokio::pin!(idle);
+    loop {
+        tokio::select! {
+            () = &mut idle, if up.is_some() => {
+                up = None;
+                let why = format!("no transfer frame from the prefill node in {} s", TRANSFER_IDLE.as_secs());
+                node.engine.transfer_failed(id, why).await;
+            }
+            p = next_upstream(&mut up) => {
+                idle.as_mut().reset(tokio::time::Instant::now() + TRANSFER_IDLE);
+                let Some(u) = up.as_mut() else { continue };
+                let failed = match p {
+                    Some(Ok(Packet::Frame(f))) => {
+                        if let Frame::Begin { seq, .. } = f {
+                            u.seq = seq;
+                        }
+                        match node.engine.transfer_frame(id, f).await {
+                            Ok(None) => None,
+                            Ok(Some(r)) => {
+                                let sent = link::send_frame(&mut u.w, &r.ack).await;
+                                if r.complete {
+                                    // The prefill node lets its pages go on this Ack.
+                                    up = None;
+                                }
+                                sent.err().map(|e| format!("answering the prefill node: {e}"))
+                            }
+                            Err(why) => {
+                                let _ = link::send_frame(&mut u.w, &Frame::Abort { seq: u.seq, reason: why }).await;
+                                up = None;
+                                None
+                            }
+                        }
+                    }
+                    Some(Ok(Packet::Msg(Msg::Error { message }))) => Some(format!("the prefill node refused: {message}")),
+                    Some(Ok(Packet::Msg(_))) => Some("the prefill node sent a message where a frame was due".into()),
+                    Some(Err(e)) => Some(format!("from the prefill node: {e}")),
+                    None => Some("the prefill node closed the connection before the transfer ended".into()),
+                };
+                if let Some(why) = failed {
+                    up = None;
+                    node.engine.transfer_failed(id, why).await;
+                }
+            }
+            p = router.recv() => match p {
+                Some(Ok(Packet::Msg(Msg::End { stop: s }))) => {
+                    if s { stop.stop() } else { stop.cancel() }
+                }
+                Some(Ok(Packet::Msg(Msg::Kv { call, query }))) => ask_kv(node, id, owner, call, query, kv_tx.clone()),
+                // The router went away (its client did) or broke the protocol: returning drops
+                // the request's channel, and the engine cancels it.
+                _ => return,
+            },
+            u = updates.recv() => {
+                let msg = match u {
+                    Some((_, Update::Token { text, token, logprobs })) => {
+                        if link::send(&mut w, &Msg::Token { token, text, logprobs }).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Some((_, Update::Done { outcome, text, usage })) => Msg::Done { ended: ended(&outcome), text, usage },
+                    Some((_, Update::Rejected(r))) => Msg::Rejected { reason: r.reason },
+                    Some((_, Update::Failed(e))) => Msg::Done {
+                        ended: Ended::Failed { code: e.code.into(), message: e.message },
+                        text: String::new(),
+                        usage: Usage::default(),
+                    },
+                    Some((_, Update::ShuttingDown)) | None => Msg::Done {
+                        ended: Ended::Shutdown,
+                        text: String::new(),
+                        usage: Usage::default(),
+                    },
+                };
+                let _ = link::send(&mut w, &msg).await;
+                return;
+            }
+            Some((call, answer)) = kv_rx.recv() => {
+                if link::send(&mut w, &Msg::KvAnswer { call, answer }).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Asks the dispatch's prefill node for the prompt's KV.
+async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, String> {
+    let (r, mut w) = link::connect(d.prefill)
+        .await
+        .map_err(|e| format!("connecting to the prefill node {}: {e}", d.prefill))?;
+    link::send(&mut w, &Msg::Prefill(Box::new(d.clone())))
+        .await
+        .map_err(|e| format!("writing to the prefill node {}: {e}", d.prefill))?;
+    // A batch holds at most `pages_per_batch` pages: anything larger is refused unread.
+    let pages = d.limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
+    let limit = pages * (node.page_bytes + 64) + 1024;
+    Ok(Upstream {
+        rx: link::reader(r, limit),
+        w,
+        seq: 0,
+    })
+}
+
+/// Answers a plugin's KV question about the connection's own request `id` of `owner`.
+fn ask_kv(node: &Node, id: u64, owner: u64, call: u64, query: KvCall, out: mpsc::UnboundedSender<(u64, KvReply)>) {
+    let engine = node.engine.clone();
+    tokio::spawn(async move {
+        let gone = || "the engine's queue is full; retry".to_string();
+        let answer = match query {
+            KvCall::Pages => {
+                let (reply, rx) = oneshot::channel();
+                let asked = engine.ask(KvQuery::Pages { id, owner, reply });
+                let pages = if asked { rx.await.ok().flatten() } else { None };
+                KvReply::Pages(pages.map(|p| p.into_iter().map(Into::into).collect()))
+            }
+            KvCall::Info(entry) => {
+                let (reply, rx) = oneshot::channel();
+                let entry = entry.into();
+                let r = if engine.ask(KvQuery::Info { owner, entry, reply }) {
+                    rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+                } else {
+                    Err(gone())
+                };
+                KvReply::Info(r)
+            }
+            KvCall::Pin(tokens) => {
+                let (reply, rx) = oneshot::channel();
+                let r = if engine.ask(KvQuery::Pin {
+                    id,
+                    owner,
+                    tokens,
+                    reply,
+                }) {
+                    rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+                } else {
+                    Err(gone())
+                };
+                KvReply::Count(r)
+            }
+            KvCall::Unpin => {
+                let (reply, rx) = oneshot::channel();
+                let r = if engine.ask(KvQuery::Unpin { id, owner, reply }) {
+                    rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+                } else {
+                    Err(gone())
+                };
+                KvReply::Count(r)
+            }
+        };
+        let _ = out.send((call, answer));
+    });
+}
+
+/// A prefill node's request: compute the prompt and send its KV on this connection, until the
+/// decode node's final acknowledgement (or its going away) lets the pages go.
+async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWriteHalf) {
+    let (frames_tx, mut frames) = mpsc::unbounded_channel();
+    let mut limits = d.limits;
+    limits.pages_per_batch = limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
+    let job = PrefillJob {
+        req: d.req,
+        settings: d.settings,
+        policy_generation: d.generation,
+        limits,
+        frames: frames_tx,
+    };
+    #[cfg(debug_assertions)]
+    let mut fault = super::faults::Injector::new(d.fault);
+    let (admitted, answer) = oneshot::channel();
+    let refused = |reason: String| Frame::Abort { seq: 0, reason };
+    if node.engine.prefill(job, admitted).is_err() {
+        let _ = link::send_frame(&mut w, &refused("the prefill node's queue is full".into())).await;
+        return;
+    }
+    let id = match answer.await {
+        Ok(Ok(id)) => id,
+        Ok(Err(rej)) => {
+            let why = format!("the prefill node refused the request: {}", rej.reason);
+            let _ = link::send_frame(&mut w, &refused(why)).await;
+            return;
+        }
+        Err(_) => {
+            let _ = link::send_frame(&mut w, &refused("the prefill node is shutting down".into())).await;
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            f = frames.recv() => match f {
+                Some(f) => {
+                    #[cfg(debug_assertions)]
+                    let sent = fault.send(&mut w, f).await;
+                    #[cfg(not(debug_assertions))]
+                    let sent = link::send_frame(&mut w, &f).await;
+                    if sent.is_err() {
+                        return;
+                    }
+                }
+                // The engine is done with the transfer: acknowledged, or failed (its Abort sent).
+                None => return,
+            },
+            p = decode.recv() => match p {
+                Some(Ok(Packet::Frame(f))) => node.engine.transfer_answer(id, f).await,
+                // The decode node went away: returning closes the frames channel, and the
+                // engine ends the request and lets its pages go.
+                _ => return,
+            },
+        }
+    }
+}
+
+/// A node's listening address, for messages.
+pub fn describe(addr: SocketAddr, info: &NodeInfo) -> String {
+    format!(
+        "{} node {addr} (model {} sha256 {}, page size {}, max context {})",
+        info.role,
+        info.model,
+        &info.digest[..info.digest.len().min(12)],
+        info.page_size,
+        info.max_context
+    )
+}

@@ -1,0 +1,427 @@
+//! The router's engine: the cluster's nodes behind [`crate::serve::worker::EngineHandle`].
+//!
+//! At start it asks every configured node what it serves and refuses to serve until all agree
+//! on the model, the page size and the maximum context. Each job (one choice of an admitted
+//! request) then gets a connection to a decode node, naming the prefill node for its prompt; the
+//! decode node's messages become the job's updates, the job's usage is booked from its `Done`,
+//! and the job's end (its client gone, its plugin's stop) reaches the node as the connection's
+//! end or an `End` message. Nodes are picked round-robin.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use tokio::sync::{Notify, mpsc, oneshot, watch};
+
+use super::link::{self, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
+use super::node::describe;
+use super::{NodeInfo, Role};
+use crate::engine::TenantSettings;
+use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
+use crate::kv::PageInfo;
+use crate::serve::config::ClusterConfig;
+use crate::serve::metrics::Metrics;
+use crate::serve::worker::{Busy, END_STOP, Job, KvQuery, Update, outcome_label};
+use crate::transfer::Limits;
+use warden_kernels::attention::PageEntry;
+
+/// The cluster as the router sees it.
+pub struct Router {
+    prefill: Vec<SocketAddr>,
+    decode: Vec<SocketAddr>,
+    next: AtomicUsize,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    in_flight: AtomicUsize,
+    idle: Notify,
+    /// Raised when shutdown's deadline passes: jobs still running end.
+    closing: watch::Sender<bool>,
+    /// What every node agreed on.
+    agreed: NodeInfo,
+    /// The smallest pool's figures.
+    smallest: NodeInfo,
+    /// Faults to inject, by tenant name (test builds only).
+    #[cfg(debug_assertions)]
+    faults: HashMap<String, super::faults::Fault>,
+}
+
+impl Router {
+    /// Asks every node in `cluster` what it serves, waiting up to `cluster.connect_timeout_s`
+    /// for each; refuses when a node has the wrong role, or when the nodes (and the router's own
+    /// model file, `digest`) disagree on the model, the page size or the maximum context.
+    pub async fn connect(cluster: &ClusterConfig, digest: &str, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+        if cluster.prefill.is_empty() || cluster.decode.is_empty() {
+            bail!("a router needs at least one prefill and one decode node: set cluster.prefill and cluster.decode");
+        }
+        let deadline = Instant::now() + Duration::from_secs(cluster.connect_timeout_s);
+        let nodes = cluster
+            .prefill
+            .iter()
+            .map(|a| (*a, Role::Prefill))
+            .chain(cluster.decode.iter().map(|a| (*a, Role::Decode)));
+        let mut infos: Vec<(SocketAddr, NodeInfo)> = Vec::new();
+        for (addr, role) in nodes {
+            let info = describe_node(addr, deadline).await?;
+            if info.role != role {
+                bail!("{addr} is configured as a {role} node but is a {} node", info.role);
+            }
+            println!("cluster: {}", describe(addr, &info));
+            infos.push((addr, info));
+        }
+        let (first_addr, first) = infos[0].clone();
+        if first.digest != digest {
+            bail!(
+                "{} serves another model file than the router's (sha256 {} here): every node and the router serve the same model",
+                describe(first_addr, &first),
+                &digest[..digest.len().min(12)]
+            );
+        }
+        for (addr, info) in &infos[1..] {
+            let same = info.digest == first.digest
+                && info.page_size == first.page_size
+                && info.max_context == first.max_context;
+            if !same {
+                bail!(
+                    "the nodes disagree: {} but {}; the router serves only when every node agrees on model, page size and max context",
+                    describe(first_addr, &first),
+                    describe(*addr, info)
+                );
+            }
+        }
+        let smallest = NodeInfo {
+            vocab: infos.iter().map(|(_, i)| i.vocab).min().unwrap_or(0),
+            pool_tokens: infos.iter().map(|(_, i)| i.pool_tokens).min().unwrap_or(0),
+            pages: infos.iter().map(|(_, i)| i.pages).min().unwrap_or(0),
+            pinnable_pages: infos.iter().map(|(_, i)| i.pinnable_pages).min().unwrap_or(0),
+            ..first.clone()
+        };
+        Ok(Self {
+            prefill: cluster.prefill.clone(),
+            decode: cluster.decode.clone(),
+            next: AtomicUsize::new(0),
+            limits: cluster.transfer_limits(),
+            metrics,
+            in_flight: AtomicUsize::new(0),
+            idle: Notify::new(),
+            closing: watch::channel(false).0,
+            agreed: first,
+            smallest,
+            #[cfg(debug_assertions)]
+            faults: super::faults::from_env(),
+        })
+    }
+
+    /// The admission limits every node enforces.
+    pub fn admission(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            max_context: self.agreed.max_context,
+            vocab: self.smallest.vocab,
+            pool_tokens: self.smallest.pool_tokens,
+        }
+    }
+
+    /// The smallest node's pool: pages in it, and pages pinnable.
+    pub fn pool_pages(&self) -> (usize, usize) {
+        (self.smallest.pages, self.smallest.pinnable_pages)
+    }
+
+    /// Dispatches a job; it never waits (the decode node's admission answers in its updates).
+    pub fn submit(self: &Arc<Self>, job: Job) -> Result<(), Busy> {
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(self.clone().run(job));
+        Ok(())
+    }
+
+    async fn run(self: Arc<Self>, job: Job) {
+        struct InFlight(Arc<Router>);
+        impl Drop for InFlight {
+            fn drop(&mut self) {
+                if self.0.in_flight.fetch_sub(1, Ordering::SeqCst) == 1 {
+                    self.0.idle.notify_waiters();
+                }
+            }
+        }
+        let _counted = InFlight(self.clone());
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let decode = self.decode[n % self.decode.len()];
+        let prefill = self.prefill[n % self.prefill.len()];
+        let mut closing = self.closing.subscribe();
+        let submitted = Instant::now();
+        let Job {
+            req,
+            tenant,
+            index,
+            tx,
+            stop,
+            slot,
+            settings,
+            policy_generation,
+            grant,
+        } = job;
+        let failed = |why: String| {
+            slot.end();
+            self.metrics.request_done(&tenant, "failed", 0, 0);
+            let outcome = Outcome::Aborted(AbortReason::Node {
+                code: "node_failed",
+                message: why,
+            });
+            let _ = tx.send((
+                index,
+                Update::Done {
+                    outcome,
+                    text: String::new(),
+                    usage: Usage::default(),
+                },
+            ));
+        };
+        let dispatch = Dispatch {
+            req,
+            settings,
+            generation: policy_generation,
+            prefill,
+            limits: self.limits,
+            #[cfg(debug_assertions)]
+            fault: self.faults.get(&tenant).copied(),
+        };
+        let (r, mut w) = match link::connect(decode).await {
+            Ok(c) => c,
+            Err(e) => return failed(format!("the decode node {decode} is unreachable: {e}")),
+        };
+        if let Err(e) = link::send(&mut w, &Msg::Generate(Box::new(dispatch))).await {
+            return failed(format!("writing to the decode node {decode}: {e}"));
+        }
+        let mut rx = link::reader(r, 0);
+        let (kv_tx, mut kv_rx) = mpsc::unbounded_channel::<KvQuery>();
+        let mut kv_tx = Some(kv_tx);
+        let mut calls: HashMap<u64, Pending> = HashMap::new();
+        let mut call = 0u64;
+        let mut tick = tokio::time::interval(Duration::from_millis(10));
+        let mut end_sent = false;
+        let mut last: Option<Instant> = None;
+        loop {
+            tokio::select! {
+                p = rx.recv() => match p {
+                    Some(Ok(Packet::Msg(Msg::Opened { id }))) => slot.opened(id, kv_tx.take()),
+                    Some(Ok(Packet::Msg(Msg::Token { token, text, logprobs }))) => {
+                        let now = Instant::now();
+                        match last {
+                            None => self.metrics.first_token(now - submitted),
+                            Some(t) => self.metrics.inter_token(now - t),
+                        }
+                        last = Some(now);
+                        let _ = tx.send((index, Update::Token { text, token, logprobs }));
+                    }
+                    Some(Ok(Packet::Msg(Msg::Done { ended, text, usage }))) => {
+                        slot.end();
+                        let outcome = outcome(ended);
+                        if let Some(g) = &grant {
+                            g.record(&usage);
+                        }
+                        self.metrics.request_done(&tenant, outcome_label(&outcome), usage.prompt_tokens, usage.completion_tokens);
+                        let _ = tx.send((index, Update::Done { outcome, text, usage }));
+                        return;
+                    }
+                    Some(Ok(Packet::Msg(Msg::Rejected { reason }))) => {
+                        slot.end();
+                        self.metrics.rejected(&tenant, reason.code());
+                        let _ = tx.send((index, Update::Rejected(Rejected { reason })));
+                        return;
+                    }
+                    Some(Ok(Packet::Msg(Msg::KvAnswer { call, answer }))) => {
+                        if let Some(p) = calls.remove(&call) {
+                            p.answer(answer);
+                        }
+                    }
+                    Some(Ok(Packet::Msg(Msg::Error { message }))) => {
+                        return failed(format!("the decode node {decode} refused: {message}"));
+                    }
+                    Some(Ok(_)) => return failed(format!("the decode node {decode} broke the protocol")),
+                    Some(Err(e)) => return failed(format!("from the decode node {decode}: {e}")),
+                    None => return failed(format!("the decode node {decode} closed the connection")),
+                },
+                // The client went away: dropping the connection cancels the request there.
+                _ = tx.closed() => return,
+                _ = tick.tick(), if !end_sent => {
+                    let e = stop.get();
+                    if e != 0 {
+                        end_sent = true;
+                        if link::send(&mut w, &Msg::End { stop: e == END_STOP }).await.is_err() {
+                            return failed(format!("writing to the decode node {decode}"));
+                        }
+                    }
+                }
+                Some(q) = kv_rx.recv() => {
+                    call += 1;
+                    let (query, pending) = Pending::of(q);
+                    calls.insert(call, pending);
+                    if link::send(&mut w, &Msg::Kv { call, query }).await.is_err() {
+                        return failed(format!("writing to the decode node {decode}"));
+                    }
+                }
+                _ = closing.changed() => {
+                    slot.end();
+                    let _ = tx.send((index, Update::ShuttingDown));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Sends `m` to every node in `nodes`, returning what went wrong.
+    async fn broadcast(nodes: &[SocketAddr], m: Msg) -> Vec<String> {
+        let mut errors = Vec::new();
+        for &addr in nodes {
+            match link::call(addr, &m).await {
+                Ok(Msg::Applied { error: None }) => {}
+                Ok(Msg::Applied { error: Some(e) }) => errors.push(format!("{addr}: {e}")),
+                Ok(_) => errors.push(format!("{addr}: an answer that is not one")),
+                Err(e) => errors.push(e),
+            }
+        }
+        errors
+    }
+
+    fn all_nodes(&self) -> Vec<SocketAddr> {
+        self.prefill.iter().chain(&self.decode).copied().collect()
+    }
+
+    /// Applies a tenant's policy on every node.
+    pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
+        let m = Msg::Tenant {
+            owner,
+            settings,
+            generation,
+        };
+        for e in Self::broadcast(&self.all_nodes(), m).await {
+            eprintln!("cluster: applying tenant {owner}'s policy: {e}");
+        }
+    }
+
+    /// Makes `prefixes` the public prefixes on every prefill node (where prompts are computed).
+    pub async fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> Result<(), String> {
+        let errors = Self::broadcast(&self.prefill, Msg::PublicPrefixes { prefixes }).await;
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(errors.join("; "))
+        }
+    }
+
+    /// Drops a deleted tenant's caches on every node.
+    pub async fn forget_tenant(&self, owner: u64) {
+        for e in Self::broadcast(&self.all_nodes(), Msg::Forget { owner }).await {
+            eprintln!("cluster: forgetting tenant {owner}: {e}");
+        }
+    }
+
+    /// The router takes work while it runs; each job finds out whether its nodes do.
+    pub fn is_alive(&self) -> bool {
+        true
+    }
+
+    /// Lets jobs run until `deadline`, then ends those left; resolves when all have ended.
+    pub async fn shutdown(&self, deadline: Instant) {
+        let wait_idle = async {
+            while self.in_flight.load(Ordering::SeqCst) > 0 {
+                let notified = self.idle.notified();
+                if self.in_flight.load(Ordering::SeqCst) == 0 {
+                    break;
+                }
+                let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+            }
+        };
+        if tokio::time::timeout_at(deadline.into(), wait_idle).await.is_err() {
+            let _ = self.closing.send(true);
+            let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                while self.in_flight.load(Ordering::SeqCst) > 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            })
+            .await;
+        }
+    }
+}
+
+/// Asks `addr` what it serves, retrying until `deadline` (nodes may still be loading).
+async fn describe_node(addr: SocketAddr, deadline: Instant) -> anyhow::Result<NodeInfo> {
+    let mut said = false;
+    loop {
+        match link::call(addr, &Msg::Describe).await {
+            Ok(Msg::Info(info)) => return Ok(info),
+            Ok(_) => bail!("{addr} answered Describe with something else: is it a warden node?"),
+            Err(e) => {
+                if Instant::now() >= deadline {
+                    bail!("node {addr} did not answer before cluster.connect_timeout_s: {e}");
+                }
+                if !said {
+                    println!("cluster: waiting for node {addr} ({e})");
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+/// How a request ended, from the decode node's word.
+fn outcome(e: Ended) -> Outcome {
+    match e {
+        Ended::Finished(f) => Outcome::Finished(f),
+        Ended::Cancelled => Outcome::Aborted(AbortReason::Cancelled),
+        Ended::Shutdown => Outcome::Aborted(AbortReason::Shutdown),
+        Ended::Transfer(why) => Outcome::Aborted(AbortReason::Transfer(why)),
+        Ended::Failed { code, message } => {
+            let code = ["isolation_violation", "kv_unavailable", "cancelled", "shutting_down"]
+                .into_iter()
+                .find(|c| *c == code)
+                .unwrap_or("node_failed");
+            Outcome::Aborted(AbortReason::Node { code, message })
+        }
+    }
+}
+
+/// A plugin's KV question waiting for the decode node's answer.
+enum Pending {
+    Pages(oneshot::Sender<Option<Vec<PageEntry>>>),
+    Info(oneshot::Sender<Result<PageInfo, String>>),
+    Count(oneshot::Sender<Result<usize, String>>),
+}
+
+impl Pending {
+    /// The call to send for `q` (its id and owner are the connection's own), and where its
+    /// answer goes.
+    fn of(q: KvQuery) -> (KvCall, Self) {
+        match q {
+            KvQuery::Pages { reply, .. } => (KvCall::Pages, Pending::Pages(reply)),
+            KvQuery::Info { entry, reply, .. } => (KvCall::Info(entry.into()), Pending::Info(reply)),
+            KvQuery::Pin { tokens, reply, .. } => (KvCall::Pin(tokens), Pending::Count(reply)),
+            KvQuery::Unpin { reply, .. } => (KvCall::Unpin, Pending::Count(reply)),
+        }
+    }
+
+    fn answer(self, a: KvReply) {
+        match (self, a) {
+            (Pending::Pages(r), KvReply::Pages(p)) => {
+                let _ = r.send(p.map(|p| p.into_iter().map(Into::into).collect()));
+            }
+            (Pending::Info(r), KvReply::Info(i)) => {
+                let _ = r.send(i);
+            }
+            (Pending::Count(r), KvReply::Count(c)) => {
+                let _ = r.send(c);
+            }
+            (Pending::Pages(r), _) => {
+                let _ = r.send(None);
+            }
+            (Pending::Info(r), _) => {
+                let _ = r.send(Err("the decode node answered another question".into()));
+            }
+            (Pending::Count(r), _) => {
+                let _ = r.send(Err("the decode node answered another question".into()));
+            }
+        }
+    }
+}

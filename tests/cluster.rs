@@ -1,0 +1,233 @@
+//! Disaggregated serving through real processes on loopback: a prefill node, a decode node and a
+//! router (`warden serve --role ...`), against the single-process server.
+
+mod common;
+
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::Method;
+use warden::serve::client::Proto;
+
+use common::{MODEL, Node, Server, chat_body, content, rt, sse_content};
+
+const NODE: &str = "[kv]\nmemory_mib = 64\n[limits]\nmax_context = 2048\n";
+
+#[test]
+fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
+    let prefill = Node::start("c-prefill", "prefill", NODE);
+    let decode = Node::start("c-decode", "decode", NODE);
+    let router = Server::start_router("c-router", "", &[&prefill], &[&decode], &[]);
+    let one = Server::start("c-all", NODE);
+    rt().block_on(async {
+        let ask = "What is the capital of France? Answer in one word.";
+        let mut answers = Vec::new();
+        for s in [&router, &one] {
+            let r = s
+                .client()
+                .request(
+                    Method::POST,
+                    "/v1/chat/completions",
+                    Some(s.key()),
+                    Some(chat_body(MODEL, ask, 12, false)),
+                )
+                .await
+                .expect("request");
+            assert_eq!(r.status, 200, "{}", r.text());
+            let v = r.json().expect("json");
+            answers.push((content(&r), v["usage"].clone()));
+            // Streamed as well.
+            let r = s
+                .client()
+                .request(
+                    Method::POST,
+                    "/v1/chat/completions",
+                    Some(s.key()),
+                    Some(chat_body(MODEL, ask, 12, true)),
+                )
+                .await
+                .expect("request");
+            assert_eq!(r.status, 200, "{}", r.text());
+            assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
+            assert!(sse_content(&r.text()).contains("Paris"), "{}", r.text());
+        }
+        let ((cluster, cu), (single, su)) = (&answers[0], &answers[1]);
+        assert!(
+            cluster.contains("Paris") && single.contains("Paris"),
+            "{cluster:?} / {single:?}"
+        );
+        assert_eq!(cu["prompt_tokens"], su["prompt_tokens"], "{cu} / {su}");
+        assert!(cu["completion_tokens"].as_u64().unwrap_or(0) > 0, "{cu}");
+        // Rejected at the router: never dispatched, so no node saw it.
+        let long = "word ".repeat(3000);
+        let r = router
+            .client()
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(router.key()),
+                Some(chat_body(MODEL, &long, 8, false)),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert_eq!(r.json().expect("json")["error"]["code"], "context_length_exceeded");
+        // Every page went back on both nodes, and the decode node counted its requests.
+        assert!(prefill.pages_return().await, "{}", prefill.metrics().await);
+        assert!(decode.pages_return().await, "{}", decode.metrics().await);
+        let m = decode.metrics().await;
+        assert!(
+            m.contains("outcome=\"length\"} 2") || m.contains("outcome=\"stop\"}"),
+            "{m}"
+        );
+        // The router's metrics count the requests by tenant.
+        assert!(
+            router
+                .metric("warden_requests_total{tenant=\"default\",outcome=\"rejected\"}")
+                .await
+                >= 1.0
+        );
+    });
+}
+
+#[test]
+fn a_client_that_goes_away_mid_stream_frees_pages_on_both_nodes() {
+    let prefill = Node::start("d-prefill", "prefill", NODE);
+    let decode = Node::start("d-decode", "decode", NODE);
+    let router = Server::start_router("d-router", "", &[&prefill], &[&decode], &[]);
+    rt().block_on(async {
+        let body = serde_json::json!({
+            "model": MODEL, "messages": [{"role": "user", "content": "Write a very long essay about the history of Rome."}],
+            "max_tokens": 400, "stream": true, "temperature": 0,
+        });
+        let r = router
+            .client()
+            .send(
+                Proto::Http1,
+                Method::POST,
+                "/v1/chat/completions",
+                Some(router.key()),
+                Some(body.to_string().into_bytes()),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status(), 200);
+        let mut b = r.into_body();
+        // A first token arrives: the transfer is done and decode is running.
+        let mut seen = String::new();
+        while !seen.contains("\"content\"") {
+            let f = tokio::time::timeout(Duration::from_secs(30), b.frame())
+                .await
+                .expect("a chunk in time")
+                .expect("a frame")
+                .expect("bytes");
+            if let Some(d) = f.data_ref() {
+                seen.push_str(&String::from_utf8_lossy(d));
+            }
+        }
+        assert!(decode.metric("warden_kv_pages{state=\"used\"}").await > 0.0);
+        drop(b);
+        assert!(decode.pages_return().await, "{}", decode.metrics().await);
+        assert!(prefill.pages_return().await, "{}", prefill.metrics().await);
+        let m = decode.metrics().await;
+        assert!(m.contains("outcome=\"cancelled\"} 1"), "{m}");
+    });
+}
+
+#[test]
+fn killing_the_decode_node_fails_its_requests_and_the_prefill_pool_recovers() {
+    let prefill = Node::start("k-prefill", "prefill", NODE);
+    let mut decode = Node::start("k-decode", "decode", NODE);
+    let router = Server::start_router("k-router", "", &[&prefill], &[&decode], &[]);
+    rt().block_on(async {
+        let client = router.client();
+        let key = router.key().to_string();
+        let mut tasks = Vec::new();
+        for i in 0..4 {
+            let (client, key) = (client.clone(), key.clone());
+            tasks.push(tokio::spawn(async move {
+                let ask = format!("Request {i}: {}", "tell me a long story about the sea. ".repeat(40));
+                client
+                    .request(
+                        Method::POST,
+                        "/v1/chat/completions",
+                        Some(&key),
+                        Some(chat_body(MODEL, &ask, 300, true)),
+                    )
+                    .await
+            }));
+        }
+        // Kill the decode node while the requests are in flight (their prompts prefill first).
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        decode.kill9();
+        for t in tasks {
+            let r = t.await.expect("task").expect("a reply");
+            let text = r.text();
+            let failed = r.status != 200 || text.contains("\"error\"");
+            assert!(failed, "a request whose decode node died must not succeed: {text}");
+            assert!(!text.contains("data: [DONE]") || text.contains("\"error\""), "{text}");
+        }
+        // The prefill node let every page go: finished transfers were acknowledged, the rest
+        // ended with their connection.
+        assert!(prefill.pages_return().await, "{}", prefill.metrics().await);
+    });
+}
+
+#[test]
+fn a_router_refuses_nodes_that_disagree_and_a_node_refuses_a_pool_below_its_context() {
+    let prefill = Node::start("r-prefill", "prefill", NODE);
+    let decode = Node::start(
+        "r-decode",
+        "decode",
+        "[kv]\nmemory_mib = 64\npage_size = 32\n[limits]\nmax_context = 2048\n",
+    );
+    let dir = common::temp_dir("r-router");
+    let config = dir.join("warden.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\n[cluster]\nprefill = [\"{}\"]\ndecode = [\"{}\"]\n",
+            dir.join("data"),
+            common::model(),
+            prefill.addr,
+            decode.addr
+        ),
+    )
+    .expect("config");
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["serve", "--role", "router", "--config"])
+        .arg(&config)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("disagree") && err.contains("page size 16") && err.contains("page size 32"),
+        "{err}"
+    );
+    // Invariant 4, per role: a decode node whose pool cannot hold the max context does not start.
+    let dir = common::temp_dir("r-small");
+    let config = dir.join("node.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "model = {:?}\n[kv]\nmemory_mib = 1\n[limits]\nmax_context = 8192\n[cluster]\nlisten = \"127.0.0.1:0\"\n",
+            common::model()
+        ),
+    )
+    .expect("config");
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["serve", "--role", "decode", "--config"])
+        .arg(&config)
+        .output()
+        .expect("run");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("8192"), "{err}");
+    // A node refuses what is not its role's work, with the reason.
+    rt().block_on(async {
+        let m = warden::cluster::link::Msg::PublicPrefixes { prefixes: vec![] };
+        let e = warden::cluster::link::call(decode.addr, &m).await.unwrap_err();
+        assert!(e.contains("a decode node does not take public_prefixes"), "{e}");
+    });
+}
