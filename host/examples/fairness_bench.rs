@@ -105,7 +105,7 @@ fn run(e: &mut Engine, flood: bool, seed: u64) -> (Vec<f64>, f64) {
                     }
                 }
                 // The bench submits whole requests only.
-                Event::Prefilled { .. } => {}
+                Event::Prefilled { .. } | Event::Opened { .. } => {}
             }
         }
     }

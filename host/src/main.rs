@@ -429,8 +429,9 @@ fn generate(l: &LoadedModel, req: GenerateRequest) -> anyhow::Result<()> {
                         Outcome::Aborted(why) => bail!("generation aborted: {why}"),
                     };
                 }
-                // Only prefill-only submissions end so; this submits a whole request.
+                // Only disaggregated halves end so or wait so; this submits a whole request.
                 Event::Prefilled { .. } => bail!("the request ended as prefill-only"),
+                Event::Opened { .. } => bail!("the request waits for a transfer"),
             }
         }
     }

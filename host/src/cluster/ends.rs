@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::Engine;
 use crate::engine::request::RequestId;
@@ -29,6 +29,8 @@ struct Sending {
 /// An opened request's receiving end.
 struct Receiving {
     owner: u64,
+    /// Told when its pages open (the transfer may begin).
+    ready: Option<oneshot::Sender<()>>,
     /// Set by `Begin`.
     inbound: Option<Inbound>,
 }
@@ -63,9 +65,24 @@ impl Ends {
         );
     }
 
-    /// Opened request `id` of tenant `owner` receives its prompt's KV.
-    pub fn add_receiver(&mut self, id: RequestId, owner: u64) {
-        self.receiving.insert(id, Receiving { owner, inbound: None });
+    /// Admitted request `id` of tenant `owner` receives its prompt's KV once its pages open;
+    /// `ready` is told then.
+    pub fn add_receiver(&mut self, id: RequestId, owner: u64, ready: oneshot::Sender<()>) {
+        self.receiving.insert(
+            id,
+            Receiving {
+                owner,
+                ready: Some(ready),
+                inbound: None,
+            },
+        );
+    }
+
+    /// Request `id`'s pages opened ([`crate::engine::Event::Opened`]): its transfer may begin.
+    pub fn opened(&mut self, id: RequestId) {
+        if let Some(ready) = self.receiving.get_mut(&id).and_then(|r| r.ready.take()) {
+            let _ = ready.send(());
+        }
     }
 
     /// Request `id` computed its prompt's first `tokens` positions: its transfer begins.

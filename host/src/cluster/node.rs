@@ -26,7 +26,7 @@ use crate::loaded::LoadedModel;
 use crate::serve::config::ServeConfig;
 use crate::serve::metrics::Metrics;
 use crate::serve::stream::abort_error;
-use crate::serve::worker::{EndFlag, Job, KvQuery, LocalEngine, PrefillJob, SeqSlot, Update};
+use crate::serve::worker::{EndFlag, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, Update};
 use crate::transfer::wire::Frame;
 
 /// Largest frame a node reads where only acknowledgements and aborts belong.
@@ -241,7 +241,8 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
         grant: None,
     };
     let (admitted, answer) = oneshot::channel();
-    if node.engine.open(job, admitted).is_err() {
+    let (ready, mut opened) = oneshot::channel();
+    if node.engine.open(job, Opening { admitted, ready }).is_err() {
         let reason = RejectReason::QueueFull { limit: node.queue };
         let _ = link::send(&mut w, &Msg::Rejected { reason }).await;
         return;
@@ -265,18 +266,28 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
     if link::send(&mut w, &Msg::Opened { id }).await.is_err() {
         return;
     }
-    let mut up = match ask_prefill(node, &d).await {
-        Ok(u) => Some(u),
-        Err(why) => {
-            node.engine.transfer_failed(id, why).await;
-            None
-        }
-    };
+    // The prefill node is asked once this node's pages are open: a full pool holds the request
+    // in the queue here, not as computed KV on the prefill node.
+    let mut up: Option<Upstream> = None;
+    let mut waiting = true;
     let (kv_tx, mut kv_rx) = mpsc::unbounded_channel::<(u64, KvReply)>();
     let idle = tokio::time::sleep(TRANSFER_IDLE);
     tokio::pin!(idle);
     loop {
         tokio::select! {
+            r = &mut opened, if waiting => {
+                waiting = false;
+                // Without a sender, the request ended first; its Done is on the way.
+                if r.is_ok() {
+                    match ask_prefill(node, &d).await {
+                        Ok(u) => {
+                            idle.as_mut().reset(tokio::time::Instant::now() + TRANSFER_IDLE);
+                            up = Some(u);
+                        }
+                        Err(why) => node.engine.transfer_failed(id, why).await,
+                    }
+                }
+            }
             () = &mut idle, if up.is_some() => {
                 up = None;
                 let why = format!("no transfer frame from the prefill node in {} s", TRANSFER_IDLE.as_secs());

@@ -130,6 +130,12 @@ pub enum Event {
         /// The token's log-probability and the top alternatives, when the request asked.
         logprobs: Option<TokenLogprobs>,
     },
+    /// A transferred request's pages are open: its prompt's KV may arrive (see
+    /// [`Engine::open_transfer`]).
+    Opened {
+        /// Request.
+        id: RequestId,
+    },
     /// A prefill-only request computed its prompt (but its last token), and its pages wait for
     /// their transfer: the last event for this id. The caller transfers them and then calls
     /// [`Engine::release_prefilled`].
@@ -201,6 +207,8 @@ struct Seq {
     /// A prefill node's half of a disaggregated request: compute the prompt but its last token,
     /// then hand the pages to a transfer instead of sampling.
     prefill_only: bool,
+    /// A decode node's half: waiting for pages to receive its prompt's KV in.
+    awaits_kv: bool,
 }
 
 impl Seq {
@@ -588,28 +596,18 @@ impl Engine {
         }
     }
 
-    /// Opens the decode half of a disaggregated request: admitted like [`submit`](Self::submit),
-    /// and given its pages at once, for the prompt's KV to arrive in (through
-    /// [`Engine::pool_mut`] and the returned id, with [`crate::transfer::Inbound`]). Refused
-    /// when the pages are not free now. It is scheduled once [`finish_transfer`](Self::finish_transfer)
-    /// says the KV arrived whole, or ends with [`fail_transfer`](Self::fail_transfer)'s error.
+    /// Opens the decode half of a disaggregated request: admitted like [`submit`](Self::submit)
+    /// and queued with the others; when its turn comes and the pool has its pages, they open
+    /// (no prefill runs) and [`Event::Opened`] says its prompt's KV may arrive (through
+    /// [`Engine::pool_mut`] and its id, with [`crate::transfer::Inbound`]). It is scheduled once
+    /// [`finish_transfer`](Self::finish_transfer) says the KV arrived whole, or ends with
+    /// [`fail_transfer`](Self::fail_transfer)'s error.
     pub fn open_transfer(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
         let valid = self.admit(req)?;
         let id = self.enqueue(valid)?;
-        let mut s = self.waiting.pop_back().expect("just queued");
-        let needed = self.pool.pages_for(s.prompt_len + s.max_tokens);
-        if let Err(e) = self.pool.open(id, s.owner, needed, &[]) {
-            let available = match e {
-                KvError::PoolExhausted { available, .. } => available,
-                KvError::OwnerBudget { budget, in_use, .. } => budget.saturating_sub(in_use),
-                _ => 0,
-            };
-            return Err(Rejected {
-                reason: RejectReason::KvUnavailable { needed, available },
-            });
+        if let Some(s) = self.waiting.back_mut() {
+            s.awaits_kv = true;
         }
-        s.opened = true;
-        self.receiving.insert(id, s);
         Ok(id)
     }
 
@@ -706,6 +704,7 @@ impl Engine {
             text: TextStream::new(r.stop),
             opened: false,
             prefill_only: false,
+            awaits_kv: false,
         });
         Ok(id)
     }
@@ -791,24 +790,29 @@ impl Engine {
         // Prompt tokens admitted in this pass, per tenant (over its weight): counted in the
         // order at once, so one tenant does not take every free slot before a step runs.
         let mut admitted: HashMap<u64, f64> = HashMap::new();
+        // Transferred requests whose prompt's KV arrived hold their pages already: they take
+        // the first free slots, so the pages they hold never wait behind a request that needs
+        // more pages than are free (which would wait for them forever).
+        while self.running.len() < self.cfg.max_running {
+            let Some(i) = self.waiting.iter().position(|s| s.opened) else {
+                break;
+            };
+            let seq = self.waiting.remove(i).expect("index in range");
+            self.running.push(seq);
+        }
         while self.running.len() < self.cfg.max_running {
             let Some(i) = self.next_to_admit(&passed, &admitted) else {
                 break;
             };
             let s = &self.waiting[i];
-            // Its pages are open already: a transferred request whose prompt's KV arrived.
-            if s.opened {
-                let seq = self.waiting.remove(i).expect("index in range");
-                self.running.push(seq);
-                continue;
-            }
-            if self.follows_a_prefill(s) {
+            if !s.awaits_kv && self.follows_a_prefill(s) {
                 passed.insert(s.id);
                 continue;
             }
             let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
             // The last prompt token is always computed: its logits give the first output token.
-            let reusable = if self.prefix_cache_for(s.owner) {
+            // A transferred prompt's KV all comes from the prefill node.
+            let reusable = if self.prefix_cache_for(s.owner) && !s.awaits_kv {
                 &s.tokens[..s.prompt_len.saturating_sub(1)]
             } else {
                 &[]
@@ -820,7 +824,13 @@ impl Engine {
                     seq.opened = true;
                     seq.computed = cached;
                     seq.cached = cached;
-                    self.running.push(seq);
+                    if seq.awaits_kv {
+                        seq.awaits_kv = false;
+                        self.events.push(Event::Opened { id: seq.id });
+                        self.receiving.insert(seq.id, seq);
+                    } else {
+                        self.running.push(seq);
+                    }
                 }
                 Err(KvError::OwnerBudget { .. }) => {
                     passed.insert(s.id);

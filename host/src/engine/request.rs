@@ -118,14 +118,6 @@ pub enum RejectReason {
         /// Budget.
         budget: usize,
     },
-    /// A transferred request needs its pages at once, and the pool has not that many free now.
-    #[error("request needs {needed} KV pages now to receive its prompt's KV; {available} are free")]
-    KvUnavailable {
-        /// Pages needed.
-        needed: usize,
-        /// Pages available to the tenant.
-        available: usize,
-    },
 }
 
 /// A request field's name. (An alias, so serde reads it with [`known_field`] instead of
@@ -161,7 +153,6 @@ impl RejectReason {
             RejectReason::InvalidParameter { .. } => "invalid_parameter",
             RejectReason::QueueFull { .. } => "queue_full",
             RejectReason::OverKvBudget { .. } => "kv_budget_exceeded",
-            RejectReason::KvUnavailable { .. } => "kv_unavailable",
         }
     }
 }

@@ -36,6 +36,7 @@ fn engine(max_batch_tokens: usize) -> Engine {
 struct Runs {
     tokens: HashMap<RequestId, Vec<u32>>,
     prefilled: HashMap<RequestId, usize>,
+    opened: std::collections::HashSet<RequestId>,
     outcomes: HashMap<RequestId, Outcome>,
     usage: HashMap<RequestId, Usage>,
 }
@@ -51,6 +52,9 @@ impl Runs {
                 Event::Done { id, outcome, usage, .. } => {
                     assert!(self.outcomes.insert(id, outcome).is_none(), "two Done events for {id}");
                     self.usage.insert(id, usage);
+                }
+                Event::Opened { id } => {
+                    assert!(self.opened.insert(id), "two Opened events for {id}");
                 }
                 Event::Prefilled { id, tokens } => {
                     assert!(!self.tokens.contains_key(&id), "a prefill-only request sampled");
@@ -583,10 +587,13 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     let did = d
         .open_transfer(GenerateRequest::greedy(7, prompt.clone(), 10))
         .expect("admitted");
+    // Its pages open in its turn (at once here): no prefill runs for it.
+    let mut druns = Runs::default();
+    druns.absorb(d.step());
+    assert!(druns.opened.contains(&did) && druns.tokens.is_empty());
     transfer_kv(&p, &mut d, (pid, did, 7, tokens), None).expect("transferred");
     assert!(p.release_prefilled(pid));
     assert!(d.finish_transfer(did, tokens));
-    let mut druns = Runs::default();
     druns.drain(&mut d);
     assert!(matches!(druns.outcomes[&did], Outcome::Finished(_)));
     assert_eq!(
@@ -611,11 +618,14 @@ fn a_corrupted_transfer_fails_its_request_with_no_output_and_frees_both_sides() 
     let did = d
         .open_transfer(GenerateRequest::greedy(7, prompt.clone(), 10))
         .expect("admitted");
+    // Its pages open in its turn (at once here): no prefill runs for it.
+    let mut druns = Runs::default();
+    druns.absorb(d.step());
+    assert!(druns.opened.contains(&did) && druns.tokens.is_empty());
     let e = transfer_kv(&p, &mut d, (pid, did, 7, tokens), Some(1)).expect_err("corrupted");
     assert!(e.to_string().contains("checksum"), "{e}");
     assert!(d.fail_transfer(did, e.to_string()));
     assert!(p.release_prefilled(pid));
-    let mut druns = Runs::default();
     druns.absorb(d.step());
     assert!(
         matches!(&druns.outcomes[&did], Outcome::Aborted(AbortReason::Transfer(why)) if why.contains("checksum")),

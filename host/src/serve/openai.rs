@@ -68,7 +68,7 @@ impl ApiError {
 impl From<RejectReason> for ApiError {
     fn from(r: RejectReason) -> Self {
         let status = match r {
-            RejectReason::QueueFull { .. } | RejectReason::KvUnavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RejectReason::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::BAD_REQUEST,
         };
         let param = match &r {

@@ -167,10 +167,18 @@ pub struct PrefillJob {
 /// What admission said of a request submitted with an answer.
 type Admission = oneshot::Sender<Result<RequestId, Rejected>>;
 
+/// Where a decode node's request hears of its admission, and then of its pages opening.
+pub struct Opening {
+    /// Its id, or its rejection (which ends it: no transfer begins).
+    pub admitted: Admission,
+    /// Its pages opened: the transfer may begin.
+    pub ready: oneshot::Sender<()>,
+}
+
 enum Cmd {
     Job(Box<Job>, Instant),
     /// Decode node: open the decode half of a disaggregated request.
-    Open(Box<Job>, Instant, Admission),
+    Open(Box<Job>, Instant, Opening),
     /// Decode node: a frame of request `id`'s incoming transfer.
     Frame(RequestId, Frame, oneshot::Sender<Result<Option<Received>, String>>),
     /// Decode node: request `id`'s transfer broke off.
@@ -353,10 +361,10 @@ impl LocalEngine {
         self.kv.try_send(q).is_ok()
     }
 
-    /// Decode node: opens the decode half of a disaggregated request; `admitted` answers with
-    /// its id, or with its rejection (which then ends it: no transfer begins).
-    pub fn open(&self, job: Job, admitted: Admission) -> Result<(), Busy> {
-        self.try_send(Cmd::Open(Box::new(job), Instant::now(), admitted))
+    /// Decode node: opens the decode half of a disaggregated request; `opening` hears of its
+    /// admission, then of its pages opening (they wait their turn in the queue).
+    pub fn open(&self, job: Job, opening: Opening) -> Result<(), Busy> {
+        self.try_send(Cmd::Open(Box::new(job), Instant::now(), opening))
     }
 
     /// Prefill node: computes a prompt (but its last token) and sends its KV through the job's
@@ -568,7 +576,7 @@ fn start(
     metrics: &Metrics,
     job: Box<Job>,
     submitted: Instant,
-    opened: Option<Admission>,
+    opened: Option<Opening>,
 ) {
     let job = *job;
     let owner = job.req.owner;
@@ -593,16 +601,16 @@ fn start(
                     last: None,
                 },
             );
-            if let Some(admitted) = opened {
-                ends.add_receiver(id, owner);
-                let _ = admitted.send(Ok(id));
+            if let Some(o) = opened {
+                ends.add_receiver(id, owner, o.ready);
+                let _ = o.admitted.send(Ok(id));
             }
         }
         Err(rej) => {
             metrics.rejected(&job.tenant, rej.reason.code());
             match opened {
-                Some(admitted) => {
-                    let _ = admitted.send(Err(rej));
+                Some(o) => {
+                    let _ = o.admitted.send(Err(rej));
                 }
                 None => {
                     let _ = job.tx.send((job.index, Update::Rejected(rej)));
@@ -617,17 +625,22 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
     let mut applied = Applied::default();
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
     let mut ends = Ends::default();
+    let mut stalled = false;
     let publish = |engine: &Engine| {
         let (waiting, running) = engine.queue_lengths();
         metrics.engine_state(engine.kv_counters(), waiting, running);
     };
     publish(&engine);
     loop {
-        // Block for work only when there is nothing to step.
+        // Block for work when there is nothing to step, and briefly when the last step could
+        // do nothing (requests wait for pages that transfers or held prompts keep): then a
+        // command (a frame, an acknowledgement) is what makes progress.
         let mut cmds = Vec::new();
-        if !engine.has_work() {
+        if !engine.has_work() || stalled {
             let wait = if shutdown.is_some() {
                 Duration::ZERO
+            } else if engine.has_work() {
+                Duration::from_millis(2)
             } else {
                 Duration::from_millis(500)
             };
@@ -657,7 +670,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     );
                 }
                 // While shutting down, the answer channel drops unanswered: the node is going.
-                Cmd::Open(job, submitted, admitted) => {
+                Cmd::Open(job, submitted, opening) => {
                     if shutdown.is_none() {
                         start(
                             &mut engine,
@@ -667,7 +680,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                             metrics,
                             job,
                             submitted,
-                            Some(admitted),
+                            Some(opening),
                         );
                     }
                 }
@@ -756,10 +769,12 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
             engine.cancel(id);
         }
         ends.sweep(&mut engine);
+        let computed = engine.tokens_computed();
         let events = match &shutdown {
             Some((deadline, _)) if Instant::now() >= *deadline => engine.abort_all(),
             _ => engine.step(),
         };
+        stalled = events.is_empty() && engine.tokens_computed() == computed;
         for ev in events {
             match ev {
                 Event::Token {
@@ -801,6 +816,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                 }
                 // A prefill node's request: its transfer begins (without one, its pages go).
                 Event::Prefilled { id, tokens } => ends.prefilled(&mut engine, id, tokens),
+                // A decode node's request: its transfer may begin.
+                Event::Opened { id } => ends.opened(id),
             }
         }
         publish(&engine);

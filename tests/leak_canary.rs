@@ -1,0 +1,376 @@
+//! The leak-canary suite: many tenants' requests, each carrying a unique random canary and
+//! asking the model to repeat it, through the single-process server and through a
+//! disaggregated cluster with every transfer fault injected. It tries to make Warden show one
+//! tenant's text to another the ways the 2026 engine did (over-length prompts near the pool's
+//! capacity, chunked prefills, cancellations at random points, broken transfers) and asserts:
+//!
+//! - no response body, SSE chunk or error message carries a canary other than its own;
+//! - no log line of any process and no metric of any process carries a canary at all;
+//! - no over-length or faulted request succeeds;
+//! - at the end every page of every pool is free again.
+//!
+//! `WARDEN_CANARY_REQUESTS` sets the requests per mode (default 1000).
+
+mod common;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use hyper::Method;
+use rand::{Rng, SeedableRng};
+use warden::serve::client::{Client, Proto};
+use warden::tokenizer::Tokenizer;
+
+use common::{MODEL, Node, Server, rt};
+
+const TENANTS: usize = 8;
+const MAX_CONTEXT: usize = 512;
+const MAX_TOKENS: usize = 12;
+/// A pool of about four maximum contexts, prefill chunks of 64 tokens, no prefix cache (so "every
+/// page free" is exact).
+const ENGINE: &str =
+    "[kv]\nmemory_mib = 24\nprefix_cache = false\n[limits]\nmax_context = 512\nmax_batch_tokens = 64\nqueue = 1024\n";
+const CONCURRENCY: usize = 12;
+
+/// The faults the cluster's tenants get (tenant 0 none; `delay` must still succeed).
+const FAULTS: [&str; TENANTS] = [
+    "",
+    "drop",
+    "truncate",
+    "corrupt",
+    "duplicate",
+    "reorder",
+    "delay",
+    "retag",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A short chat asking to repeat the canary, streamed or not.
+    Chat { stream: bool },
+    /// A completion prompt a few tokens under the max context (chunked prefill, a full pool).
+    NearCapacity,
+    /// A completion prompt a few tokens over the max context.
+    OverLength,
+    /// A stream the client drops after `after` ms.
+    Cancel { after: u64 },
+}
+
+struct Req {
+    tenant: usize,
+    canary: String,
+    kind: Kind,
+    body: Vec<u8>,
+    path: &'static str,
+}
+
+/// What came back.
+#[derive(Debug, Default)]
+struct Seen {
+    status: u16,
+    text: String,
+    cancelled: bool,
+}
+
+fn canary(rng: &mut impl Rng) -> String {
+    format!("CANARY{:012x}", rng.random::<u64>() & 0xffff_ffff_ffff)
+}
+
+/// Every canary-shaped string in `text`.
+fn canaries(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("CANARY") {
+        let tail = &rest[i..];
+        let hex = tail[6..].chars().take_while(|c| c.is_ascii_hexdigit()).count();
+        if hex >= 12 {
+            out.push(&tail[..18]);
+        }
+        rest = &tail[6..];
+    }
+    out
+}
+
+/// `head` then filler words, as long as fits in `tokens` tokens.
+fn padded(tok: &Tokenizer, head: &str, tokens: usize) -> String {
+    const WORDS: [&str; 8] = [
+        "river", "stone", "lantern", "orchard", "copper", "meadow", "harbor", "violet",
+    ];
+    let mut words = 8 * tokens;
+    loop {
+        let text = format!(
+            "{head} {}",
+            (0..words).map(|i| WORDS[i % WORDS.len()]).collect::<Vec<_>>().join(" ")
+        );
+        let n = tok.encode(&text, true).len();
+        if n <= tokens {
+            return text;
+        }
+        words = words.saturating_sub((n - tokens).div_ceil(2).max(1));
+    }
+}
+
+fn plan(n: usize, tok: &Tokenizer, seed: u64) -> Vec<Req> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            let tenant = i % TENANTS;
+            let canary = canary(&mut rng);
+            let kind = match rng.random_range(0..100) {
+                0..35 => Kind::Chat { stream: false },
+                35..70 => Kind::Chat { stream: true },
+                70..80 => Kind::NearCapacity,
+                80..90 => Kind::OverLength,
+                _ => Kind::Cancel {
+                    after: rng.random_range(0..400),
+                },
+            };
+            let ask = format!("Repeat this code exactly, nothing else: {canary}. The code is {canary}.");
+            let chat = |stream| {
+                serde_json::json!({
+                    "model": MODEL, "messages": [{"role": "user", "content": ask}],
+                    "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream,
+                })
+            };
+            let completion = |tokens| {
+                let prompt = padded(tok, &format!("Code {canary}. Repeat the code {canary}:"), tokens);
+                serde_json::json!({"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": MAX_TOKENS})
+            };
+            let (path, body) = match kind {
+                Kind::Chat { stream } => ("/v1/chat/completions", chat(stream)),
+                Kind::Cancel { .. } => ("/v1/chat/completions", chat(true)),
+                Kind::NearCapacity => ("/v1/completions", completion(MAX_CONTEXT - MAX_TOKENS - 4)),
+                Kind::OverLength => {
+                    let over = rng.random_range(1..24);
+                    let mut p = completion(MAX_CONTEXT + over + 8);
+                    // Padding stops at or under the target: make sure it is over the limit.
+                    let prompt = p["prompt"].as_str().unwrap_or_default().to_string();
+                    p["prompt"] = format!("{prompt} {}", "harbor ".repeat(16)).into();
+                    ("/v1/completions", p)
+                }
+            };
+            Req {
+                tenant,
+                canary,
+                kind,
+                body: body.to_string().into_bytes(),
+                path,
+            }
+        })
+        .collect()
+}
+
+async fn send(client: &Client, key: &str, r: &Req) -> Seen {
+    let resp = match client
+        .send(Proto::Http1, Method::POST, r.path, Some(key), Some(r.body.clone()))
+        .await
+    {
+        Ok(resp) => resp,
+        Err(e) => panic!("request failed at the transport: {e}"),
+    };
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut text = Vec::new();
+    let deadline = match r.kind {
+        Kind::Cancel { after } => Some(tokio::time::Instant::now() + Duration::from_millis(after)),
+        _ => None,
+    };
+    loop {
+        let frame = match deadline {
+            Some(d) => match tokio::time::timeout_at(d, body.frame()).await {
+                Ok(f) => f,
+                Err(_) => {
+                    // The client goes away mid-response.
+                    return Seen {
+                        status,
+                        text: String::from_utf8_lossy(&text).into_owned(),
+                        cancelled: true,
+                    };
+                }
+            },
+            None => body.frame().await,
+        };
+        match frame {
+            Some(Ok(f)) => {
+                if let Some(d) = f.data_ref() {
+                    text.extend_from_slice(d);
+                }
+            }
+            Some(Err(e)) => panic!("reading a response: {e}"),
+            None => break,
+        }
+    }
+    Seen {
+        status,
+        text: String::from_utf8_lossy(&text).into_owned(),
+        cancelled: false,
+    }
+}
+
+/// Whether a response is a success: a 200 whose body carries no error.
+fn succeeded(s: &Seen) -> bool {
+    s.status == 200 && !s.text.contains("\"error\"") && !s.cancelled
+}
+
+/// Runs the plan against `server`; returns the counts by outcome.
+async fn run(mode: &str, server: &Server, reqs: Vec<Req>, faults: &[&'static str; TENANTS]) -> BTreeMap<String, usize> {
+    let mut keys = Vec::new();
+    for t in 0..TENANTS {
+        keys.push(server.tenant_with_key(&format!("canary-{t}")).await);
+    }
+    let all: Arc<HashSet<String>> = Arc::new(reqs.iter().map(|r| r.canary.clone()).collect());
+    assert_eq!(all.len(), reqs.len(), "canaries are unique");
+    let client = server.client();
+    let sem = Arc::new(tokio::sync::Semaphore::new(CONCURRENCY));
+    let mut tasks = Vec::new();
+    for r in reqs {
+        let (client, key, sem, all) = (client.clone(), keys[r.tenant].clone(), sem.clone(), all.clone());
+        let fault = faults[r.tenant];
+        let mode = mode.to_string();
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await.expect("semaphore");
+            let seen = send(&client, &key, &r).await;
+            for c in canaries(&seen.text) {
+                assert!(
+                    c == r.canary || !all.contains(c),
+                    "{mode}: tenant {}'s response carries another request's canary {c}: {}",
+                    r.tenant,
+                    seen.text
+                );
+            }
+            let ok = succeeded(&seen);
+            if r.kind == Kind::OverLength {
+                assert!(
+                    !ok && seen.status == 400,
+                    "{mode}: an over-length request: {} {}",
+                    seen.status,
+                    seen.text
+                );
+                assert!(seen.text.contains("context_length_exceeded"), "{}", seen.text);
+            }
+            let faulted = !fault.is_empty() && fault != "delay" && r.kind != Kind::OverLength;
+            if faulted && !seen.cancelled {
+                assert!(
+                    !ok,
+                    "{mode}: a request whose transfer was {fault}ed succeeded: {}",
+                    seen.text
+                );
+                assert!(
+                    seen.text.contains("kv_transfer_failed"),
+                    "{mode}: {fault}: {}",
+                    seen.text
+                );
+            }
+            match () {
+                _ if seen.cancelled => "cancelled by the client".to_string(),
+                _ if ok => "succeeded".to_string(),
+                _ => {
+                    let code = seen
+                        .text
+                        .split("\"code\":\"")
+                        .nth(1)
+                        .and_then(|t| t.split('"').next())
+                        .unwrap_or("?");
+                    format!("failed: {} {code}", seen.status)
+                }
+            }
+        }));
+    }
+    let mut counts = BTreeMap::new();
+    for t in tasks {
+        *counts.entry(t.await.expect("a request task")).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// No canary in any line of `lines`.
+fn clean(what: &str, lines: &[String]) {
+    for l in lines {
+        assert!(canaries(l).is_empty(), "{what} carries a canary: {l}");
+    }
+}
+
+fn drain(rx: &std::sync::mpsc::Receiver<String>) -> Vec<String> {
+    rx.try_iter().collect()
+}
+
+fn requests() -> usize {
+    std::env::var("WARDEN_CANARY_REQUESTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
+}
+
+fn tokenizer() -> Tokenizer {
+    let g = warden::gguf::Gguf::open(&common::model()).expect("model");
+    Tokenizer::from_gguf(&g).expect("tokenizer")
+}
+
+#[test]
+fn no_canary_crosses_tenants_in_one_process() {
+    let tok = tokenizer();
+    let server = Server::start("canary-all", ENGINE);
+    let reqs = plan(requests(), &tok, 1);
+    rt().block_on(async {
+        let counts = run("all", &server, reqs, &[""; TENANTS]).await;
+        println!("all mode, by outcome: {counts:#?}");
+        assert!(counts.get("succeeded").copied().unwrap_or(0) > 0, "{counts:?}");
+        let free = server.metric("warden_kv_pages{state=\"free\"}").await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        let mut free_now = free;
+        while free_now != server.metric("warden_kv_pages_total").await && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            free_now = server.metric("warden_kv_pages{state=\"free\"}").await;
+        }
+        assert_eq!(
+            free_now,
+            server.metric("warden_kv_pages_total").await,
+            "{}",
+            server.metrics().await
+        );
+        clean("the metrics", &[server.metrics().await]);
+    });
+    clean("the server's log", &drain(&server.output));
+}
+
+#[test]
+fn no_canary_crosses_tenants_in_a_cluster_with_every_transfer_fault() {
+    let tok = tokenizer();
+    let prefill = Node::start("canary-prefill", "prefill", ENGINE);
+    let decode = Node::start("canary-decode", "decode", ENGINE);
+    let faults: String = (0..TENANTS)
+        .filter(|t| !FAULTS[*t].is_empty())
+        .map(|t| format!("canary-{t}={}", FAULTS[t]))
+        .collect::<Vec<_>>()
+        .join(",");
+    let router = Server::start_router(
+        "canary-router",
+        ENGINE,
+        &[&prefill],
+        &[&decode],
+        &[("WARDEN_TRANSFER_FAULTS", &faults)],
+    );
+    let reqs = plan(requests(), &tok, 2);
+    rt().block_on(async {
+        let counts = run("disaggregated", &router, reqs, &FAULTS).await;
+        println!("disaggregated mode, by outcome: {counts:#?}");
+        assert!(counts.get("succeeded").copied().unwrap_or(0) > 0, "{counts:?}");
+        assert!(counts.keys().any(|k| k.contains("kv_transfer_failed")), "{counts:?}");
+        for n in [&prefill, &decode] {
+            assert!(n.pages_return().await, "{}", n.metrics().await);
+            let m = n.metrics().await;
+            let free = m
+                .lines()
+                .find_map(|l| l.strip_prefix("warden_kv_pages{state=\"free\"} "));
+            let total = m.lines().find_map(|l| l.strip_prefix("warden_kv_pages_total "));
+            assert_eq!(free, total, "{m}");
+            clean("a node's metrics", &[m]);
+        }
+        clean("the router's metrics", &[router.metrics().await]);
+    });
+    clean("the router's log", &drain(&router.output));
+    clean("the prefill node's log", &drain(&prefill.output));
+    clean("the decode node's log", &drain(&decode.output));
+}
