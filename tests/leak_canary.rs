@@ -304,7 +304,7 @@ fn requests() -> usize {
 }
 
 fn tokenizer() -> Tokenizer {
-    let g = warden::gguf::Gguf::open(&common::model()).expect("model");
+    let g = warden::gguf::Gguf::open(common::model()).expect("model");
     Tokenizer::from_gguf(&g).expect("tokenizer")
 }
 
