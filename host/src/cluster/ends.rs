@@ -8,6 +8,7 @@
 //! [`Ends::sweep`] ends its request through the engine's retirement path.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
@@ -22,8 +23,8 @@ struct Sending {
     frames: mpsc::UnboundedSender<Frame>,
     owner: u64,
     limits: Limits,
-    /// Set once its prompt is computed.
-    out: Option<Outbound>,
+    /// Set once its prompt is computed, with the time its `Begin` went.
+    out: Option<(Outbound, Instant)>,
 }
 
 /// An opened request's receiving end.
@@ -49,6 +50,21 @@ pub struct Received {
 pub struct Ends {
     sending: HashMap<RequestId, Sending>,
     receiving: HashMap<RequestId, Receiving>,
+    finished: Vec<Finished>,
+}
+
+/// A sending end's outcome, for the metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished {
+    /// `acknowledged`, `failed` (an error on either side) or `abandoned` (the decode node went
+    /// away, or the request ended before its prompt was computed).
+    pub outcome: &'static str,
+    /// Pages the transfer carries.
+    pub pages: usize,
+    /// Encoded bytes sent.
+    pub bytes: usize,
+    /// Seconds from `Begin` to now.
+    pub seconds: f64,
 }
 
 impl Ends {
@@ -93,7 +109,7 @@ impl Ends {
         };
         let out = Outbound::new(engine.pool(), id, s.owner, tokens, s.limits);
         let _ = s.frames.send(out.begin());
-        s.out = Some(out);
+        s.out = Some((out, Instant::now()));
         self.pump(engine, id);
     }
 
@@ -102,7 +118,7 @@ impl Ends {
         let Some(s) = self.sending.get_mut(&id) else {
             return;
         };
-        let Some(out) = s.out.as_mut() else {
+        let Some((out, _)) = s.out.as_mut() else {
             return;
         };
         loop {
@@ -119,9 +135,31 @@ impl Ends {
     /// Gives up on sending `id`: tells the decode node why, and lets the pages go.
     fn fail_sending(&mut self, engine: &mut Engine, id: RequestId, why: String) {
         if let Some(s) = self.sending.remove(&id) {
+            self.finish("failed", &s);
             let _ = s.frames.send(Frame::Abort { seq: id, reason: why });
         }
         engine.cancel(id);
+    }
+
+    fn finish(&mut self, outcome: &'static str, s: &Sending) {
+        let (pages, bytes, seconds) = match &s.out {
+            Some((out, began)) => {
+                let (pages, bytes) = out.sent();
+                (pages, bytes, began.elapsed().as_secs_f64())
+            }
+            None => (0, 0, 0.0),
+        };
+        self.finished.push(Finished {
+            outcome,
+            pages,
+            bytes,
+            seconds,
+        });
+    }
+
+    /// The sending ends that finished since the last call.
+    pub fn take_finished(&mut self) -> Vec<Finished> {
+        std::mem::take(&mut self.finished)
     }
 
     /// The decode node's answer on `id`'s transfer: the next batches go, or, on the final
@@ -130,13 +168,15 @@ impl Ends {
         let Some(s) = self.sending.get_mut(&id) else {
             return;
         };
-        let Some(out) = s.out.as_mut() else {
+        let Some((out, _)) = s.out.as_mut() else {
             let why = "the decode node answered before the transfer began".to_string();
             return self.fail_sending(engine, id, why);
         };
         match out.receive(frame) {
             Ok(()) if out.done() => {
-                self.sending.remove(&id);
+                if let Some(s) = self.sending.remove(&id) {
+                    self.finish("acknowledged", &s);
+                }
                 engine.release_prefilled(id);
             }
             Ok(()) => self.pump(engine, id),
@@ -148,6 +188,7 @@ impl Ends {
     /// decode node why; a receiver is forgotten.
     pub fn ended(&mut self, id: RequestId, why: &str) {
         if let Some(s) = self.sending.remove(&id) {
+            self.finish("abandoned", &s);
             let _ = s.frames.send(Frame::Abort {
                 seq: id,
                 reason: format!("the prefill node ended the request: {why}"),
@@ -207,13 +248,10 @@ impl Ends {
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
-            self.sending.remove(&id);
+            if let Some(s) = self.sending.remove(&id) {
+                self.finish("abandoned", &s);
+            }
             engine.cancel(id);
         }
-    }
-
-    /// Transfers in progress, sending and receiving.
-    pub fn len(&self) -> (usize, usize) {
-        (self.sending.len(), self.receiving.len())
     }
 }

@@ -25,7 +25,8 @@
 //! Nodes talk over loopback only (the configuration refuses other addresses). Modules: [`link`]
 //! (the messages and their framing), [`ends`] (the engine thread's ends of transfers), [`node`]
 //! (the prefill and decode processes), [`router`] (the router's engine backend), and, in test
-//! builds only, `faults` (what a prefill node can do wrong to a transfer, on the router's word).
+//! builds only, `faults` (what a prefill node can do wrong to a transfer, on the router's word)
+//! and `lifecycle_model` (the request lifecycle and transfer, model-checked with `stateright`).
 
 pub mod ends;
 #[cfg(debug_assertions)]
@@ -33,6 +34,9 @@ pub mod faults;
 pub mod link;
 pub mod node;
 pub mod router;
+
+#[cfg(test)]
+mod lifecycle_model;
 
 use serde::{Deserialize, Serialize};
 

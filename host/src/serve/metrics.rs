@@ -62,6 +62,10 @@ struct Inner {
     running: usize,
     policy_version: String,
     policy_reload_failures: u64,
+    transfers: BTreeMap<&'static str, u64>,
+    transfer_pages: u64,
+    transfer_bytes: u64,
+    transfer_seconds: f64,
 }
 
 /// The metrics registry.
@@ -129,6 +133,20 @@ impl Metrics {
             m.policy_version = version.to_string();
             m.policy_reload_failures = reload_failures;
         });
+    }
+
+    /// A prefill node's transfer ended: `outcome` (`acknowledged`, `failed`, `abandoned`); an
+    /// acknowledged one sent `pages` pages in `bytes` encoded bytes over `seconds` from its
+    /// `Begin` to its final acknowledgement.
+    pub fn transfer_done(&self, outcome: &'static str, pages: usize, bytes: usize, seconds: f64) {
+        self.with(|m| {
+            *m.transfers.entry(outcome).or_default() += 1;
+            if outcome == "acknowledged" {
+                m.transfer_pages += pages as u64;
+                m.transfer_bytes += bytes as u64;
+                m.transfer_seconds += seconds;
+            }
+        })
     }
 
     /// The engine's current pool counters and queue.
@@ -246,6 +264,30 @@ impl Metrics {
                 "# HELP warden_policy_reload_failures_total Policy reloads refused (a bad file; the previous set stayed in force).\n# TYPE warden_policy_reload_failures_total counter\nwarden_policy_reload_failures_total {}",
                 m.policy_reload_failures
             );
+            if !m.transfers.is_empty() {
+                let _ = writeln!(
+                    o,
+                    "# HELP warden_transfers_total KV transfers a prefill node sent, by outcome.\n# TYPE warden_transfers_total counter"
+                );
+                for (outcome, n) in &m.transfers {
+                    let _ = writeln!(o, "warden_transfers_total{{outcome=\"{outcome}\"}} {n}");
+                }
+                let _ = writeln!(
+                    o,
+                    "# HELP warden_transfer_pages_total KV pages of acknowledged transfers.\n# TYPE warden_transfer_pages_total counter\nwarden_transfer_pages_total {}",
+                    m.transfer_pages
+                );
+                let _ = writeln!(
+                    o,
+                    "# HELP warden_transfer_bytes_total Encoded bytes of acknowledged transfers.\n# TYPE warden_transfer_bytes_total counter\nwarden_transfer_bytes_total {}",
+                    m.transfer_bytes
+                );
+                let _ = writeln!(
+                    o,
+                    "# HELP warden_transfer_seconds_total Time acknowledged transfers took, from Begin to the final Ack, summed.\n# TYPE warden_transfer_seconds_total counter\nwarden_transfer_seconds_total {}",
+                    m.transfer_seconds
+                );
+            }
             m.ttft.render(
                 &mut o,
                 "warden_time_to_first_token_seconds",

@@ -775,6 +775,9 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
             _ => engine.step(),
         };
         stalled = events.is_empty() && engine.tokens_computed() == computed;
+        for f in ends.take_finished() {
+            metrics.transfer_done(f.outcome, f.pages, f.bytes, f.seconds);
+        }
         for ev in events {
             match ev {
                 Event::Token {

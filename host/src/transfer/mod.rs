@@ -137,6 +137,8 @@ pub struct Outbound {
     sent: u32,
     /// Sent and unacknowledged batches: (number, encoded bytes), oldest first.
     in_flight: std::collections::VecDeque<(u32, usize)>,
+    /// Encoded bytes of every batch sent.
+    bytes_sent: usize,
     ended: bool,
     acked_end: bool,
 }
@@ -159,6 +161,7 @@ impl Outbound {
             next_page: 0,
             sent: 0,
             in_flight: Default::default(),
+            bytes_sent: 0,
             ended: false,
             acked_end: false,
         }
@@ -218,6 +221,7 @@ impl Outbound {
         };
         let size = frame.encode().len();
         self.in_flight.push_back((self.sent, size));
+        self.bytes_sent += size;
         self.sent += 1;
         self.next_page = end;
         Ok(Some(frame))
@@ -256,6 +260,11 @@ impl Outbound {
     /// Batches sent and not yet acknowledged, and their bytes.
     pub fn in_flight(&self) -> (usize, usize) {
         (self.in_flight.len(), self.in_flight.iter().map(|&(_, b)| b).sum())
+    }
+
+    /// Pages the transfer carries, and the encoded bytes of the batches sent so far.
+    pub fn sent(&self) -> (usize, usize) {
+        (self.pages, self.bytes_sent)
     }
 
     /// Whether the receiver acknowledged the whole transfer: only then may the sender close its

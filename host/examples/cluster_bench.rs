@@ -1,0 +1,231 @@
+//! Disaggregated serving against one process, on this machine, in one run: starts `warden serve`
+//! as a prefill node, a decode node and a router (on loopback), and as `--role all`, then sends
+//! each the same kind of requests, alternating between them so noise hits both alike:
+//!
+//! - time to first token of a streamed completion, one request at a time, for prompts of each
+//!   length (distinct token ids every time, so no prefix cache helps);
+//! - the KV transfers the prefill node measured: pages and MB per second of a transfer (from its
+//!   `Begin` to the decode node's final acknowledgement), and pages per transfer.
+//!
+//! ```sh
+//! cargo build --release && cargo run --release --example cluster_bench -- --repeats 5 --lengths 128,512,1536
+//! ```
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use http_body_util::BodyExt;
+use hyper::Method;
+use warden::cluster::link::{self, Msg};
+use warden::serve::client::{Client, Proto};
+
+#[derive(Parser)]
+struct Args {
+    /// Prompt lengths, in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "128,512,1536")]
+    lengths: Vec<usize>,
+    /// Requests per length and mode.
+    #[arg(long, default_value_t = 5)]
+    repeats: usize,
+    /// The model.
+    #[arg(long, default_value = warden::DEFAULT_MODEL)]
+    model: PathBuf,
+}
+
+/// A `warden serve` process, killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `warden serve --role role` with `config`, and returns it with what `ready` found in
+/// the first line it recognises.
+fn start(
+    bin: &Path,
+    role: &str,
+    config: &Path,
+    ready: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<(Proc, String)> {
+    let mut child = Command::new(bin)
+        .args(["serve", "--role", role, "--config"])
+        .arg(config)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let out = child.stdout.take().context("stdout")?;
+    let mut lines = BufReader::new(out).lines();
+    let proc = Proc(child);
+    let mut key = None;
+    while let Some(l) = lines.next().transpose()? {
+        if let Some(k) = l.split("API key (shown only now): ").nth(1) {
+            key = Some(k.to_string());
+        }
+        if let Some(found) = ready(&l) {
+            // Keep draining its output so it never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
+            let found = match key {
+                Some(k) => format!("{found} {k}"),
+                None => found,
+            };
+            return Ok((proc, found));
+        }
+    }
+    bail!("warden serve --role {role} exited before it was ready")
+}
+
+fn node(bin: &Path, dir: &Path, role: &str, model: &Path) -> anyhow::Result<(Proc, SocketAddr)> {
+    let config = dir.join(format!("{role}.toml"));
+    std::fs::write(
+        &config,
+        format!("model = {model:?}\n[cluster]\nlisten = \"127.0.0.1:0\"\n"),
+    )?;
+    let (p, addr) = start(bin, role, &config, |l| {
+        l.contains(" node serving ")
+            .then(|| l.split(" on ").nth(1)?.split(' ').next().map(str::to_string))
+            .flatten()
+    })?;
+    Ok((p, addr.parse()?))
+}
+
+/// A server (`all` or `router`): the process, a client and its default tenant's key.
+fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> anyhow::Result<(Proc, Client, String)> {
+    let data = dir.join(format!("{role}-data"));
+    let config = dir.join(format!("{role}.toml"));
+    std::fs::write(
+        &config,
+        format!("listen = \"127.0.0.1:0\"\ndata_dir = {data:?}\nmodel = {model:?}\n{extra}\n"),
+    )?;
+    let (p, found) = start(bin, role, &config, |l| {
+        l.strip_prefix("serving ")
+            .and_then(|r| r.split(" on ").nth(1))
+            .map(str::to_string)
+    })?;
+    let (url, key) = found.split_once(' ').context("a new data dir prints the default key")?;
+    let client = Client::new(url, Some(&data.join("tls/cert.pem")))?;
+    Ok((p, client, key.to_string()))
+}
+
+/// Time to the first streamed token of a completion of `prompt`.
+async fn ttft(client: &Client, key: &str, prompt: Vec<u32>) -> anyhow::Result<Duration> {
+    let body = serde_json::json!({
+        "model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": true,
+    });
+    let t0 = Instant::now();
+    let r = client
+        .send(
+            Proto::Http1,
+            Method::POST,
+            "/v1/completions",
+            Some(key),
+            Some(body.to_string().into_bytes()),
+        )
+        .await?;
+    if r.status() != 200 {
+        let text = r.into_body().collect().await?.to_bytes();
+        bail!("status: {}", String::from_utf8_lossy(&text));
+    }
+    let mut b = r.into_body();
+    let mut seen = Vec::new();
+    let mut first = None;
+    while let Some(f) = b.frame().await {
+        if let Some(d) = f?.data_ref() {
+            seen.extend_from_slice(d);
+            if first.is_none() && String::from_utf8_lossy(&seen).contains("\"text\"") {
+                first = Some(t0.elapsed());
+            }
+        }
+    }
+    first.context("no token arrived")
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let bin = std::env::current_exe()?
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("warden"))
+        .context("the binary's folder")?;
+    if !bin.exists() {
+        bail!("{} is missing: run `cargo build --release` first", bin.display());
+    }
+    let model = std::fs::canonicalize(&args.model).with_context(|| format!("model {}", args.model.display()))?;
+    let dir = std::env::temp_dir().join(format!("warden-cluster-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (_prefill, p_addr) = node(&bin, &dir, "prefill", &model)?;
+    let (_decode, d_addr) = node(&bin, &dir, "decode", &model)?;
+    let cluster = format!("[cluster]\nprefill = [\"{p_addr}\"]\ndecode = [\"{d_addr}\"]\n");
+    let (_router, rc, rkey) = server(&bin, &dir, "router", &model, &cluster)?;
+    let (_all, ac, akey) = server(&bin, &dir, "all", &model, "")?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let mut next_id = 1000u32;
+    let mut prompt = |n: usize| {
+        (0..n)
+            .map(|_| {
+                next_id = 1000 + (next_id - 1000 + 7919) % 40000;
+                next_id
+            })
+            .collect::<Vec<u32>>()
+    };
+    println!(
+        "time to first token, median of {} (ms); one machine, both modes in this run, alternating:",
+        args.repeats
+    );
+    println!("{:>8} {:>10} {:>14} {:>8}", "prompt", "all", "disaggregated", "ratio");
+    rt.block_on(async {
+        // Warm both (first requests pay page faults of the mapped weights).
+        ttft(&ac, &akey, prompt(32)).await?;
+        ttft(&rc, &rkey, prompt(32)).await?;
+        for &n in &args.lengths {
+            let (mut a, mut d) = (Vec::new(), Vec::new());
+            for _ in 0..args.repeats {
+                a.push(ttft(&ac, &akey, prompt(n)).await?.as_secs_f64() * 1e3);
+                d.push(ttft(&rc, &rkey, prompt(n)).await?.as_secs_f64() * 1e3);
+            }
+            let (a, d) = (median(&mut a), median(&mut d));
+            println!("{n:>8} {a:>10.1} {d:>14.1} {:>7.2}x", d / a);
+        }
+        let m = match link::call(p_addr, &Msg::Metrics).await {
+            Ok(Msg::MetricsText { text }) => text,
+            other => bail!("the prefill node answered {other:?}"),
+        };
+        let n = metric(&m, "warden_transfers_total{outcome=\"acknowledged\"}");
+        let pages = metric(&m, "warden_transfer_pages_total");
+        let bytes = metric(&m, "warden_transfer_bytes_total");
+        let secs = metric(&m, "warden_transfer_seconds_total");
+        println!(
+            "KV transfers (prefill node, Begin to final Ack): {n} transfers, {pages} pages, {:.1} MB; {:.1} pages/transfer, {:.2} ms/transfer; {:.0} pages/s, {:.0} MB/s per transfer",
+            bytes / 1e6,
+            pages / n.max(1.0),
+            secs / n.max(1.0) * 1e3,
+            pages / secs.max(1e-9),
+            bytes / 1e6 / secs.max(1e-9)
+        );
+        Ok::<_, anyhow::Error>(())
+    })?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
