@@ -116,9 +116,9 @@ fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> anyh
 }
 
 /// Time to the first streamed token of a completion of `prompt`.
-async fn ttft(client: &Client, key: &str, prompt: Vec<u32>) -> anyhow::Result<Duration> {
+async fn ttft(client: &Client, key: &str, model: &str, prompt: Vec<u32>) -> anyhow::Result<Duration> {
     let body = serde_json::json!({
-        "model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": true,
+        "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": true,
     });
     let t0 = Instant::now();
     let r = client
@@ -170,6 +170,10 @@ fn main() -> anyhow::Result<()> {
         bail!("{} is missing: run `cargo build --release` first", bin.display());
     }
     let model = std::fs::canonicalize(&args.model).with_context(|| format!("model {}", args.model.display()))?;
+    let id = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let dir = std::env::temp_dir().join(format!("warden-cluster-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (_prefill, p_addr) = node(&bin, &dir, "prefill", &model)?;
@@ -197,13 +201,13 @@ fn main() -> anyhow::Result<()> {
     println!("{:>8} {:>10} {:>14} {:>8}", "prompt", "all", "disaggregated", "ratio");
     rt.block_on(async {
         // Warm both (first requests pay page faults of the mapped weights).
-        ttft(&ac, &akey, prompt(32)).await?;
-        ttft(&rc, &rkey, prompt(32)).await?;
+        ttft(&ac, &akey, &id, prompt(32)).await?;
+        ttft(&rc, &rkey, &id, prompt(32)).await?;
         for &n in &args.lengths {
             let (mut a, mut d) = (Vec::new(), Vec::new());
             for _ in 0..args.repeats {
-                a.push(ttft(&ac, &akey, prompt(n)).await?.as_secs_f64() * 1e3);
-                d.push(ttft(&rc, &rkey, prompt(n)).await?.as_secs_f64() * 1e3);
+                a.push(ttft(&ac, &akey, &id, prompt(n)).await?.as_secs_f64() * 1e3);
+                d.push(ttft(&rc, &rkey, &id, prompt(n)).await?.as_secs_f64() * 1e3);
             }
             let (a, d) = (median(&mut a), median(&mut d));
             println!("{n:>8} {a:>10.1} {d:>14.1} {:>7.2}x", d / a);

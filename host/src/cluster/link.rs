@@ -276,10 +276,9 @@ pub fn encode_msg(m: &Msg) -> Vec<u8> {
 
 /// Encodes a transfer frame as a packet.
 pub fn encode_frame(f: &Frame) -> Vec<u8> {
-    let body = f.encode();
-    let mut out = Vec::with_capacity(body.len() + 1);
+    let mut out = Vec::with_capacity(1 + f.encoded_len());
     out.push(KIND_FRAME);
-    out.extend_from_slice(&body);
+    f.encode_into(&mut out);
     out
 }
 

@@ -93,6 +93,20 @@ pub struct NodeInfo {
     pub pinnable_pages: usize,
 }
 
+impl NodeInfo {
+    /// What the node at `addr` serves, for messages.
+    pub fn describe(&self, addr: std::net::SocketAddr) -> String {
+        format!(
+            "{} node {addr} (model {} sha256 {}, page size {}, max context {})",
+            self.role,
+            self.model,
+            &self.digest[..self.digest.len().min(12)],
+            self.page_size,
+            self.max_context
+        )
+    }
+}
+
 /// SHA-256 of a file, hex: how nodes show they serve the same model.
 pub fn file_digest(path: &std::path::Path) -> std::io::Result<String> {
     use sha2::{Digest, Sha256};

@@ -9,7 +9,6 @@
 //! acknowledgement. Either connection's end ends the request through the engine's retirement
 //! path.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -494,16 +493,4 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWri
             },
         }
     }
-}
-
-/// A node's listening address, for messages.
-pub fn describe(addr: SocketAddr, info: &NodeInfo) -> String {
-    format!(
-        "{} node {addr} (model {} sha256 {}, page size {}, max context {})",
-        info.role,
-        info.model,
-        &info.digest[..info.digest.len().min(12)],
-        info.page_size,
-        info.max_context
-    )
 }

@@ -17,7 +17,6 @@ use anyhow::bail;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::link::{self, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
-use super::node::describe;
 use super::{NodeInfo, Role};
 use crate::engine::TenantSettings;
 use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
@@ -68,14 +67,14 @@ impl Router {
             if info.role != role {
                 bail!("{addr} is configured as a {role} node but is a {} node", info.role);
             }
-            println!("cluster: {}", describe(addr, &info));
+            println!("cluster: {}", info.describe(addr));
             infos.push((addr, info));
         }
         let (first_addr, first) = infos[0].clone();
         if first.digest != digest {
             bail!(
                 "{} serves another model file than the router's (sha256 {} here): every node and the router serve the same model",
-                describe(first_addr, &first),
+                first.describe(first_addr),
                 &digest[..digest.len().min(12)]
             );
         }
@@ -86,8 +85,8 @@ impl Router {
             if !same {
                 bail!(
                     "the nodes disagree: {} but {}; the router serves only when every node agrees on model, page size and max context",
-                    describe(first_addr, &first),
-                    describe(*addr, info)
+                    first.describe(first_addr),
+                    info.describe(*addr)
                 );
             }
         }

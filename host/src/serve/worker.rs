@@ -76,7 +76,7 @@ impl EndFlag {
         self.0.store(END_CANCEL, Ordering::SeqCst);
     }
 
-    /// 0 while it runs; [`END_STOP`]-like values once ended (see `is_stop`).
+    /// 0 while it runs; `END_STOP` or `END_CANCEL` once ended.
     pub(crate) fn get(&self) -> u8 {
         self.0.load(Ordering::Relaxed)
     }

@@ -219,7 +219,7 @@ impl Outbound {
             number: self.sent,
             pages,
         };
-        let size = frame.encode().len();
+        let size = frame.encoded_len();
         self.in_flight.push_back((self.sent, size));
         self.bytes_sent += size;
         self.sent += 1;

@@ -107,7 +107,36 @@ const ABORT: u8 = 5;
 impl Frame {
     /// The frame's bytes, length prefix included.
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = vec![0u8; 4];
+        let mut b = Vec::with_capacity(self.encoded_len());
+        self.encode_into(&mut b);
+        b
+    }
+
+    /// How many bytes [`encode`](Self::encode) makes, without encoding.
+    pub fn encoded_len(&self) -> usize {
+        let body = match self {
+            Frame::Begin { .. } => 8 + 8 + 4,
+            Frame::Batch { pages, .. } => {
+                8 + 8
+                    + 4
+                    + 4
+                    + pages
+                        .iter()
+                        .map(|p| 4 + 4 + 4 + 8 + 4 + 2 * (p.data.k.len() + p.data.v.len()))
+                        .sum::<usize>()
+            }
+            Frame::End { .. } => 8 + 4 + 4,
+            Frame::Ack { .. } => 8 + 4,
+            Frame::Abort { reason, .. } => 8 + 4 + reason.len(),
+        };
+        4 + 1 + body
+    }
+
+    /// Appends the frame's bytes, length prefix included, to `out`.
+    pub fn encode_into(&self, out: &mut Vec<u8>) {
+        let start = out.len();
+        let mut b = std::mem::take(out);
+        b.extend_from_slice(&[0u8; 4]);
         match self {
             Frame::Begin { seq, owner, tokens } => {
                 b.push(BEGIN);
@@ -155,9 +184,9 @@ impl Frame {
                 b.extend_from_slice(reason.as_bytes());
             }
         }
-        let len = (b.len() - 4) as u32;
-        b[..4].copy_from_slice(&len.to_le_bytes());
-        b
+        let len = (b.len() - start - 4) as u32;
+        b[start..start + 4].copy_from_slice(&len.to_le_bytes());
+        *out = b;
     }
 
     /// The frame at the start of `bytes`, and how many bytes it took. A body over `limit` bytes
@@ -340,6 +369,7 @@ mod tests {
         let mut stream = Vec::new();
         for f in frames() {
             let b = f.encode();
+            assert_eq!(f.encoded_len(), b.len(), "{f:?}");
             assert_eq!(Frame::decode(&b, 1 << 20).unwrap(), (f.clone(), b.len()));
             stream.extend(b);
         }
