@@ -91,16 +91,8 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> anyhow::Result<()> {
     let signal = crate::serve::shutdown_signal();
     tokio::pin!(signal);
     loop {
-        let (tcp, peer) = tokio::select! {
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    eprintln!("accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut signal => break,
+        let Some((tcp, peer)) = crate::serve::accept(&listener, signal.as_mut()).await else {
+            break;
         };
         // Loopback only: the configuration binds there, and this holds whatever it binds.
         if !peer.ip().is_loopback() {

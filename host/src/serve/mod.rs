@@ -351,6 +351,26 @@ async fn watch_policies(state: Arc<State>) {
     }
 }
 
+/// The next connection, or `None` once `stop` resolves. An accept error (out of descriptors,
+/// say) backs off instead of spinning.
+pub(crate) async fn accept<F: std::future::Future<Output = ()>>(
+    listener: &TcpListener,
+    mut stop: std::pin::Pin<&mut F>,
+) -> Option<(tokio::net::TcpStream, SocketAddr)> {
+    loop {
+        tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => return Some(a),
+                Err(e) => {
+                    eprintln!("accept: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            _ = &mut stop => return None,
+        }
+    }
+}
+
 pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
@@ -404,17 +424,8 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
             p = permits.clone().acquire_owned() => p?,
             _ = &mut signal => break,
         };
-        let (tcp, _) = tokio::select! {
-            a = listener.accept() => match a {
-                Ok(a) => a,
-                Err(e) => {
-                    // Out of descriptors or similar: back off instead of spinning.
-                    eprintln!("accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut signal => break,
+        let Some((tcp, _)) = accept(&listener, signal.as_mut()).await else {
+            break;
         };
         let _ = tcp.set_nodelay(true);
         let (state, h1, h2, acceptor) = (state.clone(), h1.clone(), h2.clone(), acceptor.clone());
