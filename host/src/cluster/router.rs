@@ -23,6 +23,7 @@ use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Us
 use crate::kv::PageInfo;
 use crate::serve::config::ClusterConfig;
 use crate::serve::metrics::Metrics;
+use crate::serve::quota::Grant;
 use crate::serve::worker::{Busy, END_STOP, Job, KvQuery, Update, outcome_label};
 use crate::transfer::Limits;
 use warden_kernels::attention::PageEntry;
@@ -158,9 +159,12 @@ impl Router {
             slot,
             settings,
             policy_generation,
-            grant,
+            mut grant,
         } = job;
-        let failed = |why: String| {
+        // Every ending lets the request's grant go before its answer leaves, so a client that
+        // sends its next request on seeing this one end finds its quota released.
+        let failed = |grant: Option<Arc<Grant>>, why: String| {
+            drop(grant);
             slot.end();
             self.metrics.request_done(&tenant, "failed", 0, 0);
             let outcome = Outcome::Aborted(AbortReason::Node {
@@ -187,10 +191,10 @@ impl Router {
         };
         let (r, mut w) = match link::connect(decode).await {
             Ok(c) => c,
-            Err(e) => return failed(format!("the decode node {decode} is unreachable: {e}")),
+            Err(e) => return failed(grant.take(), format!("the decode node {decode} is unreachable: {e}")),
         };
         if let Err(e) = link::send(&mut w, &Msg::Generate(Box::new(dispatch))).await {
-            return failed(format!("writing to the decode node {decode}: {e}"));
+            return failed(grant.take(), format!("writing to the decode node {decode}: {e}"));
         }
         let mut rx = link::reader(r, 0);
         let (kv_tx, mut kv_rx) = mpsc::unbounded_channel::<KvQuery>();
@@ -216,7 +220,7 @@ impl Router {
                     Some(Ok(Packet::Msg(Msg::Done { ended, text, usage }))) => {
                         slot.end();
                         let outcome = outcome(ended);
-                        if let Some(g) = &grant {
+                        if let Some(g) = grant.take() {
                             g.record(&usage);
                         }
                         self.metrics.request_done(&tenant, outcome_label(&outcome), usage.prompt_tokens, usage.completion_tokens);
@@ -224,6 +228,7 @@ impl Router {
                         return;
                     }
                     Some(Ok(Packet::Msg(Msg::Rejected { reason }))) => {
+                        drop(grant.take());
                         slot.end();
                         self.metrics.rejected(&tenant, reason.code());
                         let _ = tx.send((index, Update::Rejected(Rejected { reason })));
@@ -235,11 +240,11 @@ impl Router {
                         }
                     }
                     Some(Ok(Packet::Msg(Msg::Error { message }))) => {
-                        return failed(format!("the decode node {decode} refused: {message}"));
+                        return failed(grant.take(), format!("the decode node {decode} refused: {message}"));
                     }
-                    Some(Ok(_)) => return failed(format!("the decode node {decode} broke the protocol")),
-                    Some(Err(e)) => return failed(format!("from the decode node {decode}: {e}")),
-                    None => return failed(format!("the decode node {decode} closed the connection")),
+                    Some(Ok(_)) => return failed(grant.take(), format!("the decode node {decode} broke the protocol")),
+                    Some(Err(e)) => return failed(grant.take(), format!("from the decode node {decode}: {e}")),
+                    None => return failed(grant.take(), format!("the decode node {decode} closed the connection")),
                 },
                 // The client went away: dropping the connection cancels the request there.
                 _ = tx.closed() => return,
@@ -248,7 +253,7 @@ impl Router {
                     if e != 0 {
                         end_sent = true;
                         if link::send(&mut w, &Msg::End { stop: e == END_STOP }).await.is_err() {
-                            return failed(format!("writing to the decode node {decode}"));
+                            return failed(grant.take(), format!("writing to the decode node {decode}"));
                         }
                     }
                 }
@@ -257,10 +262,11 @@ impl Router {
                     let (query, pending) = Pending::of(q);
                     calls.insert(call, pending);
                     if link::send(&mut w, &Msg::Kv { call, query }).await.is_err() {
-                        return failed(format!("writing to the decode node {decode}"));
+                        return failed(grant.take(), format!("writing to the decode node {decode}"));
                     }
                 }
                 _ = closing.changed() => {
+                    drop(grant.take());
                     slot.end();
                     let _ = tx.send((index, Update::ShuttingDown));
                     return;

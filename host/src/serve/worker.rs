@@ -608,6 +608,8 @@ fn start(
         }
         Err(rej) => {
             metrics.rejected(&job.tenant, rej.reason.code());
+            // The grant goes before the answer, as for a request that ends.
+            drop(job.grant);
             match opened {
                 Some(o) => {
                     let _ = o.admitted.send(Err(rej));
@@ -778,6 +780,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
         for f in ends.take_finished() {
             metrics.transfer_done(f.outcome, f.pages, f.bytes, f.seconds);
         }
+        // The pool's state after the step is published before anyone hears what the step did.
+        publish(&engine);
         for ev in events {
             match ev {
                 Event::Token {
@@ -803,9 +807,11 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     usage,
                 } => {
                     ends.ended(id, &outcome_message(&outcome));
-                    if let Some(l) = live.remove(&id) {
+                    if let Some(mut l) = live.remove(&id) {
                         l.slot.end();
-                        if let Some(g) = &l.grant {
+                        // Booked and let go before the answer leaves: a client that sends its
+                        // next request on seeing this one end finds its refund made.
+                        if let Some(g) = l.grant.take() {
                             g.record(&usage);
                         }
                         metrics.request_done(

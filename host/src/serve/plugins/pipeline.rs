@@ -187,20 +187,31 @@ impl Output {
                     _ = tx.closed() => None,
                 };
                 let Some((i, u)) = msg else { break };
-                for u in stage.apply(i, u).await {
+                let updates = stage.apply(i, u).await;
+                if stage.choices.iter().all(|c| c.done) {
+                    // The fuel is booked and the grant let go before the last answer leaves.
+                    stage.finish();
+                    for u in updates {
+                        let _ = tx.send((i, u));
+                    }
+                    return;
+                }
+                for u in updates {
                     if tx.send((i, u)).is_err() {
                         break 'run;
                     }
                 }
-                if stage.choices.iter().all(|c| c.done) {
-                    break;
-                }
             }
-            for c in &mut stage.choices {
-                stage.reporter.flush_logs(&stage.resolved, &mut c.instance);
-            }
+            stage.finish();
         });
         out
+    }
+
+    /// Writes the instances' logs, books their fuel and drops the stage's hold on the grant.
+    fn finish(mut self) {
+        for c in &mut self.choices {
+            self.reporter.flush_logs(&self.resolved, &mut c.instance);
+        }
     }
 
     async fn apply(&mut self, i: usize, u: Update) -> Vec<Update> {
