@@ -231,3 +231,78 @@ fn a_router_refuses_nodes_that_disagree_and_a_node_refuses_a_pool_below_its_cont
         assert!(e.contains("a decode node does not take public_prefixes"), "{e}");
     });
 }
+
+/// Requests a node finished (its `warden_requests_total` by tenant, outcome stop or length).
+fn finished(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("warden_requests_total{")
+                && (l.contains("outcome=\"stop\"") || l.contains("outcome=\"length\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn a_router_routes_around_a_dead_or_disagreeing_decode_node_and_takes_it_back() {
+    let prefill = Node::start("h-prefill", "prefill", NODE);
+    let a = Node::start("h-decode-a", "decode", NODE);
+    let mut b = Node::start("h-decode-b", "decode", NODE);
+    let b_addr = b.addr.to_string();
+    let router = Server::start_router("h-router", "", &[&prefill], &[&a, &b], &[]);
+    let up = format!("warden_cluster_node_up{{role=\"decode\",node=\"{b_addr}\"}}");
+    rt().block_on(async {
+        let ask = |n: usize| {
+            let (c, key) = (router.client(), router.key().to_string());
+            async move {
+                for i in 0..n {
+                    let r = c
+                        .request(
+                            Method::POST,
+                            "/v1/chat/completions",
+                            Some(&key),
+                            Some(chat_body(MODEL, &format!("Say hello {i}."), 4, false)),
+                        )
+                        .await
+                        .expect("request");
+                    assert_eq!(r.status, 200, "request {i}: {}", r.text());
+                }
+            }
+        };
+        ask(2).await;
+        assert!(
+            finished(&b.metrics().await) >= 1.0,
+            "round-robin reaches both decode nodes"
+        );
+        assert!(router.metrics().await.contains(&format!("{up} 1")));
+
+        // A dead decode node: no request fails, the router tries the next one, and says so.
+        b.kill9();
+        ask(4).await;
+        assert!(router.metrics().await.contains(&format!("{up} 0")));
+
+        // Back on the same address but serving another max context: the probe keeps it out.
+        let other = Node::start_on(
+            "h-decode-b2",
+            "decode",
+            "[kv]\nmemory_mib = 64\n[limits]\nmax_context = 1024\n",
+            &b_addr,
+        );
+        tokio::time::sleep(3 * warden::cluster::health::PROBE_EVERY).await;
+        ask(4).await;
+        assert_eq!(finished(&other.metrics().await), 0.0, "a disagreeing node gets no work");
+        assert!(router.metrics().await.contains(&format!("{up} 0")));
+        drop(other);
+
+        // Back as it was: the probe takes it back and it serves again.
+        let again = Node::start_on("h-decode-b3", "decode", NODE, &b_addr);
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while !router.metrics().await.contains(&format!("{up} 1")) {
+            assert!(std::time::Instant::now() < deadline, "{}", router.metrics().await);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        ask(4).await;
+        assert!(finished(&again.metrics().await) >= 1.0, "{}", again.metrics().await);
+    });
+}

@@ -311,12 +311,17 @@ pub struct Node {
 impl Node {
     /// Starts a `role` node on a free loopback port with `extra` TOML in its config.
     pub fn start(tag: &str, role: &str, extra: &str) -> Node {
+        Self::start_on(tag, role, extra, "127.0.0.1:0")
+    }
+
+    /// Starts a `role` node listening on `listen`.
+    pub fn start_on(tag: &str, role: &str, extra: &str, listen: &str) -> Node {
         let dir = temp_dir(tag);
         let config = dir.join("node.toml");
         std::fs::write(
             &config,
             format!(
-                "data_dir = {:?}\nmodel = {:?}\n{extra}\n[cluster]\nlisten = \"127.0.0.1:0\"\n",
+                "data_dir = {:?}\nmodel = {:?}\n{extra}\n[cluster]\nlisten = \"{listen}\"\n",
                 dir.join("data"),
                 model()
             ),

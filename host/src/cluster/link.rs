@@ -27,7 +27,7 @@ use crate::transfer::wire::{Frame, WireError};
 use warden_kernels::attention::PageEntry;
 
 /// The protocol's version; a peer that speaks another is refused.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 /// Largest JSON message, in bytes (a prompt of the longest context is far less).
 pub const MAX_MSG_BYTES: usize = 16 << 20;
@@ -46,6 +46,8 @@ pub struct Dispatch {
     pub generation: u64,
     /// The prefill node to compute the prompt on.
     pub prefill: SocketAddr,
+    /// What the router's nodes agreed to serve; a node serving anything else refuses.
+    pub agreed: super::Agreement,
     /// The transfer's bounds.
     pub limits: Limits,
     /// A fault for the prefill node to inject into this transfer (test builds only).

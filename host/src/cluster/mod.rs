@@ -24,13 +24,15 @@
 //!
 //! Nodes talk over loopback only (the configuration refuses other addresses). Modules: [`link`]
 //! (the messages and their framing), [`ends`] (the engine thread's ends of transfers), [`node`]
-//! (the prefill and decode processes), [`router`] (the router's engine backend), and, in test
+//! (the prefill and decode processes), [`router`] (the router's engine backend), [`health`]
+//! (which nodes the router may send work to), and, in test
 //! builds only, `faults` (what a prefill node can do wrong to a transfer, on the router's word)
 //! and `lifecycle_model` (the request lifecycle and transfer, model-checked with `stateright`).
 
 pub mod ends;
 #[cfg(debug_assertions)]
 pub mod faults;
+pub mod health;
 pub mod link;
 pub mod node;
 pub mod router;
@@ -94,6 +96,15 @@ pub struct NodeInfo {
 }
 
 impl NodeInfo {
+    /// What of it every node must share.
+    pub fn agreement(&self) -> Agreement {
+        Agreement {
+            digest: self.digest.clone(),
+            page_size: self.page_size,
+            max_context: self.max_context,
+        }
+    }
+
     /// What the node at `addr` serves, for messages.
     pub fn describe(&self, addr: std::net::SocketAddr) -> String {
         format!(
@@ -104,6 +115,36 @@ impl NodeInfo {
             self.page_size,
             self.max_context
         )
+    }
+}
+
+/// What every node of a cluster must serve alike. The router checks it when it starts and each
+/// time its probe finds a node answering; every request carries it, and a node that serves
+/// something else refuses the request (a node restarted with another model or page size gets no
+/// work between two probes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Agreement {
+    /// SHA-256 of the model file, hex.
+    pub digest: String,
+    /// Token slots per KV page.
+    pub page_size: usize,
+    /// Most prompt plus completion tokens per request.
+    pub max_context: usize,
+}
+
+impl Agreement {
+    /// Whether `node` at `addr` serves what was agreed; if not, what differs.
+    pub fn check(&self, node: &NodeInfo, addr: std::net::SocketAddr) -> Result<(), String> {
+        if *self == node.agreement() {
+            return Ok(());
+        }
+        Err(format!(
+            "{} but the cluster agreed on sha256 {}, page size {}, max context {}",
+            node.describe(addr),
+            &self.digest[..self.digest.len().min(12)],
+            self.page_size,
+            self.max_context
+        ))
     }
 }
 
@@ -122,4 +163,53 @@ pub fn file_digest(path: &std::path::Path) -> std::io::Result<String> {
         h.update(&buf[..n]);
     }
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_agrees_only_on_the_same_model_page_size_and_context() {
+        let node = NodeInfo {
+            role: Role::Decode,
+            model: "m".into(),
+            digest: "ab".repeat(32),
+            page_size: 16,
+            max_context: 2048,
+            vocab: 10,
+            pool_tokens: 4096,
+            pages: 256,
+            pinnable_pages: 64,
+        };
+        let addr = "127.0.0.1:9".parse().expect("an address");
+        let agreed = node.agreement();
+        assert_eq!(agreed.check(&node, addr), Ok(()));
+        let other = NodeInfo {
+            pages: 3,
+            pool_tokens: 48,
+            ..node.clone()
+        };
+        assert_eq!(agreed.check(&other, addr), Ok(()), "pools may differ");
+        for changed in [
+            NodeInfo {
+                page_size: 32,
+                ..node.clone()
+            },
+            NodeInfo {
+                max_context: 1024,
+                ..node.clone()
+            },
+            NodeInfo {
+                digest: "cd".repeat(32),
+                ..node.clone()
+            },
+        ] {
+            let e = agreed.check(&changed, addr).expect_err("a disagreement");
+            assert!(
+                e.contains("127.0.0.1:9") && e.contains("agreed on sha256 ababab"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -217,6 +217,9 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
     if !d.prefill.ip().is_loopback() {
         return refuse(&mut w, format!("prefill node {} is not a loopback address", d.prefill)).await;
     }
+    if let Err(why) = agrees(node, &d, &w) {
+        return refuse(&mut w, why).await;
+    }
     let owner = d.req.owner;
     let (tx, mut updates) = mpsc::unbounded_channel();
     let stop = Arc::new(EndFlag::default());
@@ -431,7 +434,21 @@ fn ask_kv(node: &Node, id: u64, owner: u64, call: u64, query: KvCall, out: mpsc:
 
 /// A prefill node's request: compute the prompt and send its KV on this connection, until the
 /// decode node's final acknowledgement (or its going away) lets the pages go.
+/// Whether this node serves what the request's cluster agreed on (a node restarted with another
+/// model, page size or context refuses work until the router's probe takes it out).
+fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), String> {
+    let addr = w
+        .local_addr()
+        .unwrap_or_else(|_| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+    d.agreed.check(&node.info, addr)
+}
+
 async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWriteHalf) {
+    let refused = |reason: String| Frame::Abort { seq: 0, reason };
+    if let Err(why) = agrees(node, &d, &w) {
+        let _ = link::send_frame(&mut w, &refused(why)).await;
+        return;
+    }
     let (frames_tx, mut frames) = mpsc::unbounded_channel();
     let mut limits = d.limits;
     limits.pages_per_batch = limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
@@ -445,7 +462,6 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWri
     #[cfg(debug_assertions)]
     let mut fault = super::faults::Injector::new(d.fault);
     let (admitted, answer) = oneshot::channel();
-    let refused = |reason: String| Frame::Abort { seq: 0, reason };
     if node.engine.prefill(job, admitted).is_err() {
         let _ = link::send_frame(&mut w, &refused("the prefill node's queue is full".into())).await;
         return;

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
+use super::health::Health;
 use super::link::{self, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
 use super::{NodeInfo, Role};
 use crate::engine::TenantSettings;
@@ -32,6 +33,8 @@ use warden_kernels::attention::PageEntry;
 pub struct Router {
     prefill: Vec<SocketAddr>,
     decode: Vec<SocketAddr>,
+    /// Which of them are up.
+    health: Arc<Health>,
     next: AtomicUsize,
     limits: Limits,
     metrics: Arc<Metrics>,
@@ -80,10 +83,7 @@ impl Router {
             );
         }
         for (addr, info) in &infos[1..] {
-            let same = info.digest == first.digest
-                && info.page_size == first.page_size
-                && info.max_context == first.max_context;
-            if !same {
+            if info.agreement() != first.agreement() {
                 bail!(
                     "the nodes disagree: {} but {}; the router serves only when every node agrees on model, page size and max context",
                     first.describe(first_addr),
@@ -98,15 +98,19 @@ impl Router {
             pinnable_pages: infos.iter().map(|(_, i)| i.pinnable_pages).min().unwrap_or(0),
             ..first.clone()
         };
+        let health = Arc::new(Health::new(&cluster.prefill, &cluster.decode, metrics.clone()));
+        let closing = watch::channel(false).0;
+        tokio::spawn(health.clone().probe(first.agreement(), closing.subscribe()));
         Ok(Self {
             prefill: cluster.prefill.clone(),
             decode: cluster.decode.clone(),
+            health,
             next: AtomicUsize::new(0),
             limits: cluster.transfer_limits(),
             metrics,
             in_flight: AtomicUsize::new(0),
             idle: Notify::new(),
-            closing: watch::channel(false).0,
+            closing,
             agreed: first,
             smallest,
             #[cfg(debug_assertions)]
@@ -146,8 +150,8 @@ impl Router {
         }
         let _counted = InFlight(self.clone());
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let decode = self.decode[n % self.decode.len()];
-        let prefill = self.prefill[n % self.prefill.len()];
+        // When every node of a role is down, try one anyway: the request fails naming it.
+        let prefill = (self.health.pick(Role::Prefill, n, &[])).unwrap_or(self.prefill[n % self.prefill.len()]);
         let mut closing = self.closing.subscribe();
         let submitted = Instant::now();
         let Job {
@@ -185,13 +189,27 @@ impl Router {
             settings,
             generation: policy_generation,
             prefill,
+            agreed: self.agreed.agreement(),
             limits: self.limits,
             #[cfg(debug_assertions)]
             fault: self.faults.get(&tenant).copied(),
         };
-        let (r, mut w) = match link::connect(decode).await {
-            Ok(c) => c,
-            Err(e) => return failed(grant.take(), format!("the decode node {decode} is unreachable: {e}")),
+        // A decode node that cannot be reached has been sent nothing: the next one up is tried.
+        let (mut tried, mut errors) = (Vec::new(), Vec::new());
+        let (decode, r, mut w) = loop {
+            let decode = match self.health.pick(Role::Decode, n, &tried) {
+                Some(d) => d,
+                None if tried.is_empty() => self.decode[n % self.decode.len()],
+                None => return failed(grant.take(), errors.join("; ")),
+            };
+            match link::connect(decode).await {
+                Ok((r, w)) => break (decode, r, w),
+                Err(e) => {
+                    self.health.set(decode, false, &format!("unreachable: {e}"));
+                    errors.push(format!("the decode node {decode} is unreachable: {e}"));
+                    tried.push(decode);
+                }
+            }
         };
         if let Err(e) = link::send(&mut w, &Msg::Generate(Box::new(dispatch))).await {
             return failed(grant.take(), format!("writing to the decode node {decode}: {e}"));

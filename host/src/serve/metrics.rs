@@ -63,6 +63,8 @@ struct Inner {
     policy_version: String,
     policy_reload_failures: u64,
     transfers: BTreeMap<&'static str, u64>,
+    /// A router's nodes, by role and address: up or not.
+    nodes: BTreeMap<(String, String), bool>,
     transfer_pages: u64,
     transfer_bytes: u64,
     transfer_seconds: f64,
@@ -133,6 +135,13 @@ impl Metrics {
             m.policy_version = version.to_string();
             m.policy_reload_failures = reload_failures;
         });
+    }
+
+    /// A router's node (`role`, `addr`) is up or down.
+    pub fn node_up(&self, role: crate::cluster::Role, addr: std::net::SocketAddr, up: bool) {
+        self.with(|m| {
+            m.nodes.insert((role.to_string(), addr.to_string()), up);
+        })
     }
 
     /// A prefill node's transfer ended: `outcome` (`acknowledged`, `failed`, `abandoned`); an
@@ -264,6 +273,15 @@ impl Metrics {
                 "# HELP warden_policy_reload_failures_total Policy reloads refused (a bad file; the previous set stayed in force).\n# TYPE warden_policy_reload_failures_total counter\nwarden_policy_reload_failures_total {}",
                 m.policy_reload_failures
             );
+            if !m.nodes.is_empty() {
+                let _ = writeln!(
+                    o,
+                    "# HELP warden_cluster_node_up Whether the router sends work to a node (it answers its probe and agrees with the cluster).\n# TYPE warden_cluster_node_up gauge"
+                );
+                for ((role, node), up) in &m.nodes {
+                    let _ = writeln!(o, "warden_cluster_node_up{{role=\"{role}\",node=\"{node}\"}} {}", u8::from(*up));
+                }
+            }
             if !m.transfers.is_empty() {
                 let _ = writeln!(
                     o,

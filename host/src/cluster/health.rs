@@ -1,0 +1,140 @@
+//! Which nodes the router may send work to.
+//!
+//! A node is *down* from the moment a connection to it fails, or a probe finds it silent or
+//! serving something other than what the cluster agreed on, until a probe finds it answering and
+//! agreeing again. The router probes every node each [`PROBE_EVERY`] and picks among the nodes
+//! that are up, round-robin; when none of a role is up it tries them anyway (the request then
+//! fails with `node_failed`, naming the node).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::link::{self, Msg};
+use super::{Agreement, Role};
+use crate::serve::metrics::Metrics;
+
+/// How often the router asks every node what it serves.
+pub const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// How long a probe waits for a node's answer.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
+struct Node {
+    addr: SocketAddr,
+    role: Role,
+    up: AtomicBool,
+}
+
+/// The nodes of one router, each up or down.
+pub struct Health {
+    nodes: Vec<Node>,
+    metrics: Arc<Metrics>,
+}
+
+impl Health {
+    /// Every node up (the router has just heard from each of them).
+    pub fn new(prefill: &[SocketAddr], decode: &[SocketAddr], metrics: Arc<Metrics>) -> Self {
+        let nodes: Vec<Node> = prefill
+            .iter()
+            .map(|a| (*a, Role::Prefill))
+            .chain(decode.iter().map(|a| (*a, Role::Decode)))
+            .map(|(addr, role)| Node {
+                addr,
+                role,
+                up: AtomicBool::new(true),
+            })
+            .collect();
+        for n in &nodes {
+            metrics.node_up(n.role, n.addr, true);
+        }
+        Self { nodes, metrics }
+    }
+
+    /// The `n`th of `role`'s nodes, counting only those up, skipping `except`; `None` when
+    /// every other node of the role is down.
+    pub fn pick(&self, role: Role, n: usize, except: &[SocketAddr]) -> Option<SocketAddr> {
+        let up: Vec<SocketAddr> = self
+            .nodes
+            .iter()
+            .filter(|x| x.role == role && x.up.load(Ordering::Relaxed) && !except.contains(&x.addr))
+            .map(|x| x.addr)
+            .collect();
+        (!up.is_empty()).then(|| up[n % up.len()])
+    }
+
+    /// Marks `addr` up or down, saying so when that changes it.
+    pub fn set(&self, addr: SocketAddr, up: bool, why: &str) {
+        let Some(node) = self.nodes.iter().find(|x| x.addr == addr) else {
+            return;
+        };
+        if node.up.swap(up, Ordering::Relaxed) != up {
+            self.metrics.node_up(node.role, addr, up);
+            if up {
+                println!("cluster: {} node {addr} is back", node.role);
+            } else {
+                eprintln!("cluster: {} node {addr} is down: {why}", node.role);
+            }
+        }
+    }
+
+    /// Probes every node each [`PROBE_EVERY`] until `closing` is raised: a node is up when it
+    /// answers in time, in its configured role, agreeing with `agreed`.
+    pub async fn probe(self: Arc<Self>, agreed: Agreement, mut closing: watch::Receiver<bool>) {
+        let mut tick = tokio::time::interval(PROBE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = closing.changed() => return,
+            }
+            for node in &self.nodes {
+                let verdict = match tokio::time::timeout(PROBE_TIMEOUT, link::call(node.addr, &Msg::Describe)).await {
+                    Err(_) => Err("it did not answer in time".to_string()),
+                    Ok(Err(e)) => Err(e),
+                    Ok(Ok(Msg::Info(info))) if info.role != node.role => Err(format!("it is now a {} node", info.role)),
+                    Ok(Ok(Msg::Info(info))) => agreed.check(&info, node.addr),
+                    Ok(Ok(_)) => Err("it answered Describe with something else".to_string()),
+                };
+                match verdict {
+                    Ok(()) => self.set(node.addr, true, ""),
+                    Err(why) => self.set(node.addr, false, &why),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn picks_round_robin_among_the_nodes_up_and_none_when_all_are_down() {
+        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
+        let p: SocketAddr = "127.0.0.1:3".parse().unwrap();
+        let h = Health::new(&[p], &[a, b], Arc::new(Metrics::default()));
+        let picks: Vec<_> = (0..4).map(|n| h.pick(Role::Decode, n, &[])).collect();
+        assert_eq!(picks, [Some(a), Some(b), Some(a), Some(b)]);
+        assert_eq!(h.pick(Role::Prefill, 7, &[]), Some(p));
+        assert_eq!(
+            h.pick(Role::Decode, 0, &[a]),
+            Some(b),
+            "a node already tried is skipped"
+        );
+        h.set(b, false, "test");
+        assert_eq!(
+            (0..3).map(|n| h.pick(Role::Decode, n, &[])).collect::<Vec<_>>(),
+            [Some(a); 3]
+        );
+        assert_eq!(h.pick(Role::Decode, 0, &[a]), None);
+        h.set(a, false, "test");
+        assert_eq!(h.pick(Role::Decode, 0, &[]), None);
+        h.set(b, true, "");
+        assert_eq!(h.pick(Role::Decode, 5, &[]), Some(b));
+    }
+}
