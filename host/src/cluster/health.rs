@@ -91,19 +91,29 @@ impl Health {
                 _ = tick.tick() => {}
                 _ = closing.changed() => return,
             }
-            for node in &self.nodes {
-                let verdict = match tokio::time::timeout(PROBE_TIMEOUT, link::call(node.addr, &Msg::Describe)).await {
-                    Err(_) => Err("it did not answer in time".to_string()),
-                    Ok(Err(e)) => Err(e),
-                    Ok(Ok(Msg::Info(info))) if info.role != node.role => Err(format!("it is now a {} node", info.role)),
-                    Ok(Ok(Msg::Info(info))) => agreed.check(&info, node.addr),
-                    Ok(Ok(_)) => Err("it answered Describe with something else".to_string()),
-                };
-                match verdict {
-                    Ok(()) => self.set(node.addr, true, ""),
-                    Err(why) => self.set(node.addr, false, &why),
-                }
+            // All at once, so one hung node delays no other's check.
+            let mut checks = tokio::task::JoinSet::new();
+            for i in 0..self.nodes.len() {
+                let (health, agreed) = (self.clone(), agreed.clone());
+                checks.spawn(async move { health.check(i, &agreed).await });
             }
+            while checks.join_next().await.is_some() {}
+        }
+    }
+
+    /// Asks the `i`th node what it serves and marks it up or down by its answer.
+    async fn check(&self, i: usize, agreed: &Agreement) {
+        let node = &self.nodes[i];
+        let verdict = match tokio::time::timeout(PROBE_TIMEOUT, link::call(node.addr, &Msg::Describe)).await {
+            Err(_) => Err("it did not answer in time".to_string()),
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(Msg::Info(info))) if info.role != node.role => Err(format!("it is now a {} node", info.role)),
+            Ok(Ok(Msg::Info(info))) => agreed.check(&info, node.addr),
+            Ok(Ok(_)) => Err("it answered Describe with something else".to_string()),
+        };
+        match verdict {
+            Ok(()) => self.set(node.addr, true, ""),
+            Err(why) => self.set(node.addr, false, &why),
         }
     }
 }
