@@ -432,8 +432,6 @@ fn ask_kv(node: &Node, id: u64, owner: u64, call: u64, query: KvCall, out: mpsc:
     });
 }
 
-/// A prefill node's request: compute the prompt and send its KV on this connection, until the
-/// decode node's final acknowledgement (or its going away) lets the pages go.
 /// Whether this node serves what the request's cluster agreed on (a node restarted with another
 /// model, page size or context refuses work until the router's probe takes it out).
 fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), String> {
@@ -443,6 +441,8 @@ fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), String> {
     d.agreed.check(&node.info, addr)
 }
 
+/// A prefill node's request: compute the prompt and send its KV on this connection, until the
+/// decode node's final acknowledgement (or its going away) lets the pages go.
 async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWriteHalf) {
     let refused = |reason: String| Frame::Abort { seq: 0, reason };
     if let Err(why) = agrees(node, &d, &w) {

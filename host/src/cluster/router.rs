@@ -151,7 +151,10 @@ impl Router {
         let _counted = InFlight(self.clone());
         let n = self.next.fetch_add(1, Ordering::Relaxed);
         // When every node of a role is down, try one anyway: the request fails naming it.
-        let prefill = (self.health.pick(Role::Prefill, n, &[])).unwrap_or(self.prefill[n % self.prefill.len()]);
+        let prefill = self
+            .health
+            .pick(Role::Prefill, n, &[])
+            .unwrap_or(self.prefill[n % self.prefill.len()]);
         let mut closing = self.closing.subscribe();
         let submitted = Instant::now();
         let Job {
