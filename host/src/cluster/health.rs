@@ -36,13 +36,11 @@ pub struct Health {
 }
 
 impl Health {
-    /// Every node up (the router has just heard from each of them).
-    pub fn new(prefill: &[SocketAddr], decode: &[SocketAddr], metrics: Arc<Metrics>) -> Self {
-        let nodes: Vec<Node> = prefill
+    /// Every node, by address and role, up (the router has just heard from each of them).
+    pub fn new(nodes: &[(SocketAddr, Role)], metrics: Arc<Metrics>) -> Self {
+        let nodes: Vec<Node> = nodes
             .iter()
-            .map(|a| (*a, Role::Prefill))
-            .chain(decode.iter().map(|a| (*a, Role::Decode)))
-            .map(|(addr, role)| Node {
+            .map(|&(addr, role)| Node {
                 addr,
                 role,
                 up: AtomicBool::new(true),
@@ -127,7 +125,8 @@ mod tests {
         let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
         let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
         let p: SocketAddr = "127.0.0.1:3".parse().unwrap();
-        let h = Health::new(&[p], &[a, b], Arc::new(Metrics::default()));
+        let nodes = [(p, Role::Prefill), (a, Role::Decode), (b, Role::Decode)];
+        let h = Health::new(&nodes, Arc::new(Metrics::default()));
         let picks: Vec<_> = (0..4).map(|n| h.pick(Role::Decode, n, &[])).collect();
         assert_eq!(picks, [Some(a), Some(b), Some(a), Some(b)]);
         assert_eq!(h.pick(Role::Prefill, 7, &[]), Some(p));

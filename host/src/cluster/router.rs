@@ -64,9 +64,10 @@ impl Router {
             .prefill
             .iter()
             .map(|a| (*a, Role::Prefill))
-            .chain(cluster.decode.iter().map(|a| (*a, Role::Decode)));
+            .chain(cluster.decode.iter().map(|a| (*a, Role::Decode)))
+            .collect::<Vec<_>>();
         let mut infos: Vec<(SocketAddr, NodeInfo)> = Vec::new();
-        for (addr, role) in nodes {
+        for &(addr, role) in &nodes {
             let info = describe_node(addr, deadline).await?;
             if info.role != role {
                 bail!("{addr} is configured as a {role} node but is a {} node", info.role);
@@ -98,7 +99,7 @@ impl Router {
             pinnable_pages: infos.iter().map(|(_, i)| i.pinnable_pages).min().unwrap_or(0),
             ..first.clone()
         };
-        let health = Arc::new(Health::new(&cluster.prefill, &cluster.decode, metrics.clone()));
+        let health = Arc::new(Health::new(&nodes, metrics.clone()));
         let closing = watch::channel(false).0;
         tokio::spawn(health.clone().probe(first.agreement(), closing.subscribe()));
         Ok(Self {

@@ -63,11 +63,11 @@ struct Inner {
     policy_version: String,
     policy_reload_failures: u64,
     transfers: BTreeMap<&'static str, u64>,
-    /// A router's nodes, by role and address: up or not.
-    nodes: BTreeMap<(String, String), bool>,
     transfer_pages: u64,
     transfer_bytes: u64,
     transfer_seconds: f64,
+    /// A router's nodes, by role and address: up or not.
+    nodes: BTreeMap<(String, String), bool>,
 }
 
 /// The metrics registry.
