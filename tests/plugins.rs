@@ -354,6 +354,13 @@ fn adversarial_plugins_fail_only_their_own_requests() {
             ("recurse", "plugin_trap"),
             ("trap", "plugin_trap"),
             ("huge", "plugin_out_of_memory"),
+            // What the guest returns is bounded before the host tokenizes or sends it.
+            ("big", "plugin_output_too_large"),
+            ("many", "plugin_output_too_large"),
+            ("flood", "plugin_output_too_large"),
+            // Host calls: over their input limit, or charged until the fuel runs out.
+            ("encode-huge", "plugin_host_call_too_large"),
+            ("encode-loop", "plugin_fuel_exhausted"),
         ];
         for (attack, expected) in attacks {
             let r = call(
@@ -395,6 +402,27 @@ fn adversarial_plugins_fail_only_their_own_requests() {
                 "{attack}: the other tenant's output is unchanged"
             );
         }
+        // Sleeping on the host's clock holds nothing: the clock is frozen and the sleep returns.
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/adv/config",
+            &mallory,
+            Some(b"sleep-forever".to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        let t0 = std::time::Instant::now();
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &mallory,
+            Some(chat(user.clone(), Some("adv"), 8, false)),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{:?}", t0.elapsed());
         let m = s.metrics().await;
         for code in ["plugin_out_of_memory", "plugin_trap"] {
             assert!(
@@ -491,6 +519,11 @@ fn kv_handles_show_a_plugin_only_its_own_pages_and_forged_ones_trap() {
         let total = prompt + v["usage"]["completion_tokens"].as_u64().unwrap();
         assert!(written >= prompt && written <= total, "{t:?} prompt {prompt} total {total}");
         eprintln!("own KV as the plugin saw it: {report}; prompt {prompt}, total {total}");
+        // Epochs are the request's own numbering: nothing of the pages' earlier lives (other
+        // tenants' included) shows through.
+        let epochs = t.split("[epochs ").nth(1).and_then(|e| e.split(']').next()).unwrap_or_default();
+        let expected: Vec<String> = (1..=pages).map(|e| e.to_string()).collect();
+        assert_eq!(epochs, expected.join(","), "{t:?}");
         assert!(
             pages >= written.div_ceil(16) && pages <= total.div_ceil(16),
             "{t:?}: {pages} pages"
@@ -515,6 +548,101 @@ fn kv_handles_show_a_plugin_only_its_own_pages_and_forged_ones_trap() {
         assert_eq!(s.metric("warden_isolation_violations_total").await, 0.0);
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         assert_eq!(s.metric("warden_kv_pages{state=\"used\"}").await, 0.0);
+    });
+}
+
+#[test]
+fn one_tenant_cannot_take_the_plugin_instances_or_the_request_threads_of_others() {
+    // Four instances in all, two per tenant.
+    let s = Server::start("plugshare", "[plugins]\ninstances = 4\ntenant_instances = 2\n");
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let mallory = s.tenant_with_key("mallory").await;
+        for k in [&key, &mallory] {
+            assert_eq!(upload(&c, k, "adv", example("adversary")).await.status, 201);
+            let r = call(&c, Method::PUT, "/v1/plugins/adv/config", k, Some(b"pass".to_vec())).await;
+            assert_eq!(r.status, 200);
+        }
+        let user = json!([{"role": "user", "content": "Write a poem about the sea."}]);
+        let with_n = |n: usize| {
+            let mut v: Value = serde_json::from_slice(&chat(user.clone(), Some("adv"), 32, false)).unwrap();
+            v["n"] = json!(n);
+            v["temperature"] = json!(1);
+            v.to_string().into_bytes()
+        };
+        // One request over the tenant's share: 429, with Retry-After.
+        let r = call(&c, Method::POST, "/v1/chat/completions", &mallory, Some(with_n(3))).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (429, "plugin_instances_limit"),
+            "{}",
+            r.text()
+        );
+        // Mallory floods with requests of two choices each; the other tenant's requests, each
+        // needing two instances too, always find them.
+        let flood: Vec<_> = (0..8)
+            .map(|_| {
+                let (c, k, body) = (c.clone(), mallory.clone(), with_n(2));
+                tokio::spawn(async move { call(&c, Method::POST, "/v1/chat/completions", &k, Some(body)).await })
+            })
+            .collect();
+        for _ in 0..4 {
+            let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(with_n(2))).await;
+            assert_eq!(r.status, 200, "the other tenant is never refused: {}", r.text());
+        }
+        let mut refused = 0;
+        for f in flood {
+            let r = f.await.unwrap();
+            match r.status {
+                200 => {}
+                429 => {
+                    assert_eq!(code(&r), "plugin_instances_limit", "{}", r.text());
+                    refused += 1;
+                }
+                other => panic!("mallory got {other}: {}", r.text()),
+            }
+        }
+        assert!(refused > 0, "mallory's flood went past its share");
+        // Tokenizer calls run off the request threads: while mallory's plugins tokenize as hard as
+        // they can, another tenant's health check and requests are answered promptly.
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/adv/config",
+            &mallory,
+            Some(b"encode-loop".to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        let attack: Vec<_> = (0..2)
+            .map(|_| {
+                let (c, k, body) = (c.clone(), mallory.clone(), with_n(1));
+                tokio::spawn(async move {
+                    for _ in 0..5 {
+                        let r = call(&c, Method::POST, "/v1/chat/completions", &k, Some(body.clone())).await;
+                        assert_eq!(code(&r), "plugin_fuel_exhausted", "{}", r.text());
+                    }
+                })
+            })
+            .collect();
+        let mut worst = std::time::Duration::ZERO;
+        for _ in 0..10 {
+            let t0 = std::time::Instant::now();
+            let r = c.request(Method::GET, "/healthz", None, None).await.expect("healthz");
+            assert_eq!(r.status, 200);
+            worst = worst.max(t0.elapsed());
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for a in attack {
+            a.await.unwrap();
+        }
+        eprintln!("slowest /healthz under the tokenizer attack: {worst:?}");
+        assert!(worst < std::time::Duration::from_secs(1), "{worst:?}");
+        // Every instance came back.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        let r = call(&c, Method::POST, "/v1/chat/completions", &mallory, Some(with_n(2))).await;
+        assert_eq!(code(&r), "plugin_fuel_exhausted", "{}", r.text());
     });
 }
 

@@ -1,10 +1,15 @@
 //! A hostile plugin for Warden's containment tests: its config picks the attack.
 //!
 //! In `preprocess`: `loop` spins forever, `bomb` allocates without bound, `recurse` recurses
-//! without bound, `trap` panics, `huge` returns a 64 MiB prompt.
+//! without bound, `trap` panics, `huge` returns a 64 MiB prompt, `big` an 8 MiB one (it fits the
+//! guest's memory; the host must refuse it before tokenizing), `many` 100,000 messages, `sleep`
+//! sleeps 20 s and `sleep-forever` as long as it can (on the host's clock, if it could),
+//! `encode-huge` asks the tokenizer to encode 16 MiB, `encode-loop` encodes 64 KiB over and over,
+//! `decode-loop` decodes 64 Ki tokens over and over, `log-loop` logs 1 KiB lines over and over.
+//! `flood` (in its output calls) turns every chunk into 2 MiB of text, `swell` into 8 KiB.
 //!
 //! In the first `postprocess` (while the sequence is live), against the `kv` capabilities: `kv` reports its own pages
-//! (`[kv pages=N written=W]`, appended to the output); `forge-page:N` and `forge-seq:N` call the
+//! (`[kv pages=N written=W] [epochs E1,E2,...]`, appended to the output); `forge-page:N` and `forge-seq:N` call the
 //! host with handle number N that the host never gave it; `keep` stores its first page handle
 //! in a static and, if a static from an earlier request were still there, uses that instead
 //! (appending `[kept handle N]` or `[reused handle N: ...]`).
@@ -13,7 +18,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use warden_guest::{Chunk, Input, Plugin, PluginError, Request, kv};
+use warden_guest::{Chunk, Input, Message, Plugin, PluginError, Request, kv, log, tokenizer};
 
 struct Adversary;
 
@@ -63,12 +68,51 @@ impl Plugin for Adversary {
             }
             "trap" => panic!("the adversary traps"),
             "huge" => req.input = Input::Prompt("x".repeat(64 << 20)),
+            "big" => req.input = Input::Prompt("x ".repeat(4 << 20)),
+            "many" => {
+                req.input = Input::Chat(
+                    (0..100_000)
+                        .map(|_| Message {
+                            role: "user".into(),
+                            content: String::new(),
+                        })
+                        .collect(),
+                )
+            }
+            "sleep" => std::thread::sleep(std::time::Duration::from_secs(20)),
+            "sleep-forever" => std::thread::sleep(std::time::Duration::MAX),
+            "encode-huge" => {
+                std::hint::black_box(tokenizer::encode(&"hello ".repeat((16 << 20) / 6)));
+            }
+            "encode-loop" => {
+                let text = "hello world ".repeat((64 << 10) / 12);
+                loop {
+                    std::hint::black_box(tokenizer::encode(&text));
+                }
+            }
+            "decode-loop" => {
+                let ids = vec![1u32; 64 << 10];
+                loop {
+                    std::hint::black_box(tokenizer::decode(&ids));
+                }
+            }
+            "log-loop" => {
+                let line = "y".repeat(1024);
+                loop {
+                    log::log(log::Level::Info, &line);
+                }
+            }
             _ => {}
         }
         Ok(req)
     }
 
     fn postprocess(mut chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
+        match config().as_str() {
+            "flood" => return Ok(Chunk { text: "z".repeat(2 << 20) }),
+            "swell" => return Ok(Chunk { text: "z".repeat(8 << 10) }),
+            _ => {}
+        }
         if is_final || STRUCK.swap(true, Ordering::SeqCst) {
             return Ok(chunk);
         }
@@ -77,11 +121,14 @@ impl Plugin for Adversary {
         let note = if cfg == "kv" {
             match own_pages() {
                 Ok(pages) => {
-                    let mut written = 0;
+                    let (mut written, mut epochs) = (0, Vec::new());
                     for p in &pages {
-                        written += p.info().map(|i| i.written).unwrap_or(0);
+                        if let Ok(i) = p.info() {
+                            written += i.written;
+                            epochs.push(i.epoch.to_string());
+                        }
                     }
-                    format!(" [kv pages={} written={written}]", pages.len())
+                    format!(" [kv pages={} written={written}] [epochs {}]", pages.len(), epochs.join(","))
                 }
                 Err(e) => format!(" [kv error: {e}]"),
             }

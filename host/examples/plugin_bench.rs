@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use warden::chat::{ChatMessage, ChatTemplate};
-use warden::plugin::{Input, Message, PluginLimits, Request, Runtime, Sampling, Token};
+use warden::plugin::{Input, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token};
 use warden::serve::config::PluginsConfig;
 use warden::serve::plugins::Plugins;
 use warden::serve::store::Store;
@@ -98,7 +98,14 @@ async fn main() -> anyhow::Result<()> {
         let (mut times, mut inst_t, mut pre_t, mut post_t, mut drop_t) = (vec![], vec![], vec![], vec![], vec![]);
         for i in 0..iters {
             let t = Instant::now();
-            let mut inst = plugin.instantiate(limits, tokenizer.clone(), i as u64).await?;
+            let mut inst = plugin
+                .instantiate(
+                    limits,
+                    tokenizer.clone(),
+                    i as u64,
+                    RequestTime::new(limits.request_time),
+                )
+                .await?;
             let t1 = Instant::now();
             std::hint::black_box(inst.preprocess(&req).await?);
             let t2 = Instant::now();
@@ -134,8 +141,12 @@ async fn main() -> anyhow::Result<()> {
     let mut post_token = Vec::new();
     let mut sent = 0;
     while sent < n_tokens {
-        let mut g = guard.instantiate(limits, tokenizer.clone(), 0).await?;
-        let mut r = redactor.instantiate(limits, tokenizer.clone(), 0).await?;
+        let mut g = guard
+            .instantiate(limits, tokenizer.clone(), 0, RequestTime::new(limits.request_time))
+            .await?;
+        let mut r = redactor
+            .instantiate(limits, tokenizer.clone(), 0, RequestTime::new(limits.request_time))
+            .await?;
         // Keep each stream open-ended JSON (a long string), so the guard keeps saying continue.
         for (i, text) in std::iter::once("{\"notes\": \"".to_string())
             .chain(tokens.iter().skip(3).cycle().take(500).cloned())

@@ -234,15 +234,20 @@ impl GenerateRequest {
                 message: format!("at most {MAX_TOP_LOGPROBS} alternatives"),
             });
         }
-        if self.stop.len() > 16 || self.stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+        if self.stop.len() > MAX_STOP_STRINGS || self.stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
             return reject(RejectReason::InvalidParameter {
                 field: "stop",
-                message: "at most 16 non-empty strings of at most 256 bytes".into(),
+                message: format!("at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_BYTES} bytes"),
             });
         }
         Ok(ValidRequest { req: self })
     }
 }
+
+/// Most stop strings a request may carry.
+pub const MAX_STOP_STRINGS: usize = 16;
+/// Longest stop string, bytes.
+pub const MAX_STOP_BYTES: usize = 256;
 
 /// Why a scheduled request finished normally.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

@@ -1,17 +1,29 @@
 //! The host side of a plugin instance: its WASI context (with nothing behind it), its memory
 //! limiter, and the world's imports (`kv`, `tokenizer`, `log`).
+//!
+//! What a guest makes the host do is charged to it (invariant 8). Every import has an input
+//! limit, checked before the work, and costs fuel in proportion to that work, from the same
+//! per-call budget as the guest's own instructions: `tokenizer` and `log` debit the store's fuel
+//! directly (they are defined on the linker with the store in hand, see [`link_charged`]);
+//! `kv` calls run as the generated bindings' methods and leave their cost as a debt that the
+//! next epoch tick (which traps once the debt passes the fuel left) or the end of the call
+//! settles. Tokenizer work runs on the blocking pool, raced against the call's deadline, so no
+//! guest holds an async worker. WASI's clocks are frozen and its sleeps return at once.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rand010::SeedableRng;
-use wasmtime::component::{Resource, ResourceTable};
+use wasmtime::component::{Linker, Resource, ResourceTable};
+use wasmtime::{StoreContextMut, Trap};
+use wasmtime_wasi::p2::{DynPollable, Pollable};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use super::PluginLimits;
-use super::bindings::warden::plugin::{kv, log, tokenizer, types};
+use super::bindings::warden::plugin::{kv, log, types};
+use super::{HostLimit, PluginLimits};
 use crate::kv::PageInfo;
 use crate::tokenizer::Tokenizer;
 use warden_kernels::attention::PageEntry;
@@ -20,6 +32,23 @@ use warden_kernels::attention::PageEntry;
 const MAX_LOG_LINES: usize = 64;
 /// Longest log line kept, bytes.
 const MAX_LOG_LINE: usize = 1024;
+
+/// Longest text one `tokenizer.encode` call takes: a client's request body at the default limit.
+pub const MAX_ENCODE_BYTES: usize = 1 << 20;
+/// Most tokens one `tokenizer.decode` call takes.
+pub const MAX_DECODE_TOKENS: usize = 256 << 10;
+
+/// What every host call costs in fuel, whatever it does (about a microsecond of guest code).
+pub const FUEL_PER_HOST_CALL: u64 = 2_000;
+/// Fuel per byte `tokenizer.encode` takes: encoding runs at about 2 MB/s here, so a byte costs
+/// about what 500 wasm instructions cost.
+pub const FUEL_PER_ENCODED_BYTE: u64 = 500;
+/// Fuel per token `tokenizer.decode` takes.
+pub const FUEL_PER_DECODED_TOKEN: u64 = 200;
+/// Fuel per byte a `log` line carries.
+pub const FUEL_PER_LOGGED_BYTE: u64 = 20;
+/// Fuel per page handle `sequence.pages` mints.
+pub const FUEL_PER_PAGE: u64 = 500;
 
 /// A KV page handle, minted by the host for the request's own sequence: the page and the epoch
 /// it had then. Every call re-checks both against the page's tag.
@@ -71,7 +100,8 @@ impl wasmtime::ResourceLimiter for Limiter {
     }
 }
 
-/// A clock that never moves: the guest can neither read the time nor time anything.
+/// A clock that never moves: the guest can neither read the time nor time anything. Its sleeps
+/// return at once (see [`link_frozen_sleeps`]): a guest can never wait on the host's time.
 struct Frozen;
 
 impl wasmtime_wasi::HostWallClock for Frozen {
@@ -107,6 +137,12 @@ pub struct PluginHost {
     kv: Option<Arc<dyn KvAccess>>,
     /// Live resource handles.
     handles: usize,
+    /// Fuel the `kv` calls cost that the store's fuel does not show yet.
+    debt: u64,
+    /// The epoch each page allocation seen by this instance shows the guest: numbered from 1 in
+    /// the order the guest first saw them, so it says nothing of the physical page's history
+    /// (other tenants' use of it included).
+    epochs: HashMap<(u32, u32), u32>,
 }
 
 impl PluginHost {
@@ -131,7 +167,24 @@ impl PluginHost {
             deadline: Instant::now(),
             kv: None,
             handles: 0,
+            debt: 0,
+            epochs: HashMap::new(),
         }
+    }
+
+    /// Fuel owed by host calls, taken (the caller debits or counts it).
+    pub(super) fn take_debt(&mut self) -> u64 {
+        std::mem::take(&mut self.debt)
+    }
+
+    pub(super) fn debt(&self) -> u64 {
+        self.debt
+    }
+
+    /// The epoch the guest sees for `entry`: relative to this instance, never the pool's.
+    fn relative_epoch(&mut self, entry: PageEntry) -> u32 {
+        let next = self.epochs.len() as u32 + 1;
+        *self.epochs.entry((entry.page, entry.epoch)).or_insert(next)
     }
 
     pub(super) fn attach_kv(&mut self, kv: Arc<dyn KvAccess>) {
@@ -186,6 +239,7 @@ impl types::Host for PluginHost {}
 
 impl kv::Host for PluginHost {
     fn current(&mut self) -> Option<Resource<Sequence>> {
+        self.debt += FUEL_PER_HOST_CALL;
         // Before admission (during preprocess) there is no sequence to show.
         if !self.kv.as_ref().is_some_and(|k| k.started()) {
             return None;
@@ -204,6 +258,7 @@ fn timed_out() -> String {
 
 impl kv::HostKvPage for PluginHost {
     async fn info(&mut self, page: Resource<KvPage>) -> Result<kv::PageInfo, String> {
+        self.debt += FUEL_PER_HOST_CALL;
         // Only handles this store minted resolve; wasmtime refuses a forged or stale index
         // before this runs.
         let entry = self.table.get(&page).map_err(|_| no_such_handle())?.entry;
@@ -213,7 +268,7 @@ impl kv::HostKvPage for PluginHost {
             .map_err(|_| timed_out())??;
         Ok(kv::PageInfo {
             written: info.written,
-            epoch: info.epoch,
+            epoch: self.relative_epoch(entry),
             checksum: info.checksum,
         })
     }
@@ -227,12 +282,14 @@ impl kv::HostKvPage for PluginHost {
 
 impl kv::HostSequence for PluginHost {
     async fn pages(&mut self, seq: Resource<Sequence>) -> Result<Vec<Resource<KvPage>>, String> {
+        self.debt += FUEL_PER_HOST_CALL;
         self.table.get(&seq).map_err(|_| no_such_handle())?;
         let kv = self.kv.clone().ok_or_else(no_such_handle)?;
         let entries = tokio::time::timeout(self.budget(), kv.pages())
             .await
             .map_err(|_| timed_out())?
             .ok_or_else(|| "the sequence holds no KV pages now (it has ended)".to_string())?;
+        self.debt += FUEL_PER_PAGE * entries.len() as u64;
         let mut out = Vec::with_capacity(entries.len());
         for entry in entries {
             out.push(self.mint(KvPage { entry })?);
@@ -241,6 +298,7 @@ impl kv::HostSequence for PluginHost {
     }
 
     async fn pin_prefix(&mut self, seq: Resource<Sequence>, tokens: u32) -> Result<u32, String> {
+        self.debt += FUEL_PER_HOST_CALL;
         self.table.get(&seq).map_err(|_| no_such_handle())?;
         let kv = self.kv.clone().ok_or_else(no_such_handle)?;
         let pinned = tokio::time::timeout(self.budget(), kv.pin(tokens as usize))
@@ -250,6 +308,7 @@ impl kv::HostSequence for PluginHost {
     }
 
     async fn unpin_prefix(&mut self, seq: Resource<Sequence>) -> Result<u32, String> {
+        self.debt += FUEL_PER_HOST_CALL;
         self.table.get(&seq).map_err(|_| no_such_handle())?;
         let kv = self.kv.clone().ok_or_else(no_such_handle)?;
         let pages = tokio::time::timeout(self.budget(), kv.unpin())
@@ -265,18 +324,115 @@ impl kv::HostSequence for PluginHost {
     }
 }
 
-impl tokenizer::Host for PluginHost {
-    fn encode(&mut self, text: String) -> Vec<u32> {
-        self.tokenizer.encode(&text, false)
+/// Debits `cost` (and any debt the `kv` calls left) from the store's fuel before the work it
+/// pays for; a call that cannot pay ends as out of fuel, its work not done.
+fn charge(store: &mut StoreContextMut<'_, PluginHost>, cost: u64) -> wasmtime::Result<()> {
+    let owed = cost.saturating_add(store.data_mut().take_debt());
+    let left = store.get_fuel()?;
+    if owed > left {
+        store.set_fuel(0)?;
+        return Err(wasmtime::Error::new(Trap::OutOfFuel));
     }
+    store.set_fuel(left - owed)
+}
 
-    fn decode(&mut self, tokens: Vec<u32>) -> String {
-        self.tokenizer.decode(&tokens)
+/// Runs `work` on the blocking pool, so no async worker waits on it, raced against the call's
+/// deadline: past it the guest's call ends as timed out (the work, bounded by the import's input
+/// limit, finishes on its own and is dropped).
+async fn off_runtime<R: Send + 'static>(
+    deadline: Instant,
+    work: impl FnOnce() -> R + Send + 'static,
+) -> wasmtime::Result<R> {
+    match tokio::time::timeout_at(deadline.into(), tokio::task::spawn_blocking(work)).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(wasmtime::Error::msg(format!("the host's tokenizer task failed: {e}"))),
+        Err(_) => Err(wasmtime::Error::new(Trap::Interrupt)),
     }
 }
 
-impl log::Host for PluginHost {
-    fn log(&mut self, level: log::Level, message: String) {
+fn over(what: &str, got: usize, limit: usize) -> wasmtime::Error {
+    wasmtime::Error::new(HostLimit(format!("{what} of {got} is over the limit of {limit}")))
+}
+
+/// Defines the `tokenizer` and `log` imports, which charge the store's fuel for their work.
+pub(super) fn link_charged(linker: &mut Linker<PluginHost>) -> wasmtime::Result<()> {
+    let mut tk = linker.instance("warden:plugin/tokenizer@0.1.0")?;
+    tk.func_wrap_async(
+        "encode",
+        |mut store: StoreContextMut<'_, PluginHost>, (text,): (String,)| {
+            Box::new(async move {
+                if text.len() > MAX_ENCODE_BYTES {
+                    return Err(over("tokenizer.encode: a text", text.len(), MAX_ENCODE_BYTES));
+                }
+                charge(
+                    &mut store,
+                    FUEL_PER_HOST_CALL + FUEL_PER_ENCODED_BYTE * text.len() as u64,
+                )?;
+                let (tk, deadline) = (store.data().tokenizer.clone(), store.data().deadline);
+                Ok((off_runtime(deadline, move || tk.encode(&text, false)).await?,))
+            })
+        },
+    )?;
+    tk.func_wrap_async(
+        "decode",
+        |mut store: StoreContextMut<'_, PluginHost>, (ids,): (Vec<u32>,)| {
+            Box::new(async move {
+                if ids.len() > MAX_DECODE_TOKENS {
+                    return Err(over("tokenizer.decode: a list", ids.len(), MAX_DECODE_TOKENS));
+                }
+                charge(
+                    &mut store,
+                    FUEL_PER_HOST_CALL + FUEL_PER_DECODED_TOKEN * ids.len() as u64,
+                )?;
+                let (tk, deadline) = (store.data().tokenizer.clone(), store.data().deadline);
+                Ok((off_runtime(deadline, move || tk.decode(&ids)).await?,))
+            })
+        },
+    )?;
+    let mut lg = linker.instance("warden:plugin/log@0.1.0")?;
+    lg.func_wrap(
+        "log",
+        |mut store: StoreContextMut<'_, PluginHost>, (level, message): (log::Level, String)| {
+            let kept = message.len().min(MAX_LOG_LINE) as u64;
+            charge(&mut store, FUEL_PER_HOST_CALL + FUEL_PER_LOGGED_BYTE * kept)?;
+            store.data_mut().log(level, &message);
+            Ok(())
+        },
+    )?;
+    Ok(())
+}
+
+/// A sleep on the frozen clock: ready at once.
+struct Ready;
+
+#[async_trait::async_trait]
+impl Pollable for Ready {
+    async fn ready(&mut self) {}
+}
+
+fn ready(table: &mut ResourceTable) -> wasmtime::Result<Resource<DynPollable>> {
+    let r = table.push(Ready)?;
+    wasmtime_wasi::p2::subscribe(table, r)
+}
+
+/// Replaces WASI's monotonic-clock subscriptions (which sleep on the host's real clock) with
+/// ones that are ready at once: the clock is frozen, so no guest can tell, and none can hold
+/// its call (or an instance slot) by sleeping. Needs the linker to allow shadowing.
+pub(super) fn link_frozen_sleeps(linker: &mut Linker<PluginHost>) -> wasmtime::Result<()> {
+    let mut clock = linker.instance("wasi:clocks/monotonic-clock@0.2.12")?;
+    clock.func_wrap(
+        "subscribe-duration",
+        |mut store: StoreContextMut<'_, PluginHost>, (_,): (u64,)| Ok((ready(&mut store.data_mut().table)?,)),
+    )?;
+    clock.func_wrap(
+        "subscribe-instant",
+        |mut store: StoreContextMut<'_, PluginHost>, (_,): (u64,)| Ok((ready(&mut store.data_mut().table)?,)),
+    )?;
+    Ok(())
+}
+
+impl PluginHost {
+    fn log(&mut self, level: log::Level, message: &str) {
         self.logged += 1;
         if self.logged > MAX_LOG_LINES {
             if self.logged == MAX_LOG_LINES + 1 {

@@ -11,24 +11,35 @@
 //! trap, exhausted fuel, a timeout or the memory cap fails only that call, each with its own
 //! [`PluginFailure`] code.
 //!
-//! The sandbox: no preopened directories, no network, clocks that never move, randomness from
-//! a generator seeded by the host, stdio that goes nowhere.
+//! The sandbox: no preopened directories, no network, clocks that never move (and sleeps that
+//! return at once), randomness from a generator seeded by the host, stdio that goes nowhere.
+//!
+//! Every bound holds whatever the guest does (invariant 8): each call is raced against its
+//! deadline, so a call waiting in a host import ends on time as surely as one spinning in guest
+//! code; a request's calls together share [`PluginLimits::request_time`]; host imports are
+//! charged in fuel ([`host`]); and one component can take only what one plugin needs of the
+//! shared instance pool ([`ComponentLimits`], checked at compile).
 
 mod host;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline};
+use wasmtime::{
+    AsContext, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store, Trap, UpdateDeadline,
+};
 
 use crate::tokenizer::Tokenizer;
 pub use bindings::warden::plugin::types::{
     Capabilities, Chunk, Input, Message, PluginError as GuestError, Request, Sampling, Token, TokenAction,
 };
 use host::PluginHost;
-pub use host::{BoxFuture, KvAccess};
+pub use host::{
+    BoxFuture, FUEL_PER_DECODED_TOKEN, FUEL_PER_ENCODED_BYTE, FUEL_PER_HOST_CALL, FUEL_PER_LOGGED_BYTE, FUEL_PER_PAGE,
+    KvAccess, MAX_DECODE_TOKENS, MAX_ENCODE_BYTES,
+};
 
 /// The generated bindings of the world (documented in `wit/plugin.wit`).
 #[allow(missing_docs)]
@@ -62,6 +73,8 @@ pub struct PluginLimits {
     pub memory_bytes: usize,
     /// Wall time per call.
     pub call_timeout: Duration,
+    /// Wall time of all of one request's calls together (every choice's instance included).
+    pub request_time: Duration,
 }
 
 impl Default for PluginLimits {
@@ -70,9 +83,77 @@ impl Default for PluginLimits {
             fuel_per_call: 50_000_000,
             memory_bytes: 64 << 20,
             call_timeout: Duration::from_millis(200),
+            request_time: Duration::from_secs(10),
         }
     }
 }
+
+/// The plugin time one request has left: every instance of the request (one per choice) draws
+/// on the same one, so `n` choices or many tokens cannot multiply it.
+#[derive(Debug)]
+pub struct RequestTime {
+    limit: Duration,
+    spent: Mutex<Duration>,
+}
+
+impl RequestTime {
+    /// A request's budget of `limit`.
+    pub fn new(limit: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            limit,
+            spent: Mutex::new(Duration::ZERO),
+        })
+    }
+
+    /// What is left.
+    pub fn left(&self) -> Duration {
+        let spent = *self.spent.lock().unwrap_or_else(|p| p.into_inner());
+        self.limit.saturating_sub(spent)
+    }
+
+    /// Time the calls took so far.
+    pub fn spent(&self) -> Duration {
+        *self.spent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn spend(&self, d: Duration) {
+        let mut s = self.spent.lock().unwrap_or_else(|p| p.into_inner());
+        *s = s.saturating_add(d);
+    }
+}
+
+/// What one component may take of the shared instance pool: what one plugin needs, so that no
+/// component can hold the slots of many. The pool checks them when a component is compiled or
+/// loaded, and a component over any of them is refused ([`PluginFailure::OverLimits`]), the
+/// message naming the limit.
+#[derive(Debug, Clone, Copy)]
+pub struct ComponentLimits {
+    /// Linear memories.
+    pub memories: u32,
+    /// Tables.
+    pub tables: u32,
+    /// Core module instances.
+    pub core_instances: u32,
+    /// Elements of one table.
+    pub table_elements: usize,
+}
+
+impl ComponentLimits {
+    /// What Rust and C components built for `wasm32-wasip2` need, with room to spare: one memory
+    /// (two for a component that adapts a preview-1 module), a few tables and the handful of
+    /// core instances `wit-component` makes for shims.
+    pub const DEFAULT: Self = Self {
+        memories: 2,
+        tables: 4,
+        core_instances: 8,
+        table_elements: 100_000,
+    };
+}
+
+/// A host import's input over its limit (the call fails with [`PluginFailure::HostLimit`]).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct HostLimit(pub String);
 
 /// Why a plugin call, or getting a plugin at all, failed. Each has a stable code.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -94,6 +175,18 @@ pub enum PluginFailure {
     /// The call ran past its wall-time limit.
     #[error("the plugin ran past its time limit of {0:?}")]
     Timeout(Duration),
+    /// The request's calls together ran past the request's plugin time.
+    #[error("the plugin's calls for this request ran past their time limit of {0:?} in all")]
+    RequestTime(Duration),
+    /// The guest passed a host import more than the import takes.
+    #[error("the plugin called the host with too much: {0}")]
+    HostLimit(String),
+    /// The guest returned more than the host takes back.
+    #[error("the plugin returned too much: {0}")]
+    OutputTooLarge(String),
+    /// The component needs more of the instance pool than one plugin may take.
+    #[error("the component needs more than a plugin may use: {0}")]
+    OverLimits(String),
     /// The guest tried to grow its memory beyond the limit.
     #[error("the plugin tried to use more than {0} bytes of memory")]
     OutOfMemory(usize),
@@ -113,6 +206,10 @@ impl PluginFailure {
             PluginFailure::Trap(_) => "plugin_trap",
             PluginFailure::FuelExhausted(_) => "plugin_fuel_exhausted",
             PluginFailure::Timeout(_) => "plugin_timeout",
+            PluginFailure::RequestTime(_) => "plugin_request_time_exceeded",
+            PluginFailure::HostLimit(_) => "plugin_host_call_too_large",
+            PluginFailure::OutputTooLarge(_) => "plugin_output_too_large",
+            PluginFailure::OverLimits(_) => "component_over_limits",
             PluginFailure::OutOfMemory(_) => "plugin_out_of_memory",
             PluginFailure::Invalid(_) => "plugin_invalid",
             PluginFailure::Busy => "plugin_busy",
@@ -147,13 +244,22 @@ impl Runtime {
     /// An engine for up to `instances` concurrent plugin instances of at most `max_memory`
     /// bytes of linear memory each.
     pub fn new(instances: u32, max_memory: usize) -> Result<Self, PluginFailure> {
-        let invalid = |e: wasmtime::Error| PluginFailure::Invalid(format!("{e:#}"));
+        let setup = |e: wasmtime::Error| PluginFailure::Invalid(format!("{e:#}"));
+        let limits = ComponentLimits::DEFAULT;
         let mut pool = PoolingAllocationConfig::default();
+        // Every instance can have the most one component may take, so a component within its
+        // limits never takes another's share of the pool.
         pool.total_component_instances(instances)
-            .total_core_instances(instances * 4)
-            .total_memories(instances * 2)
-            .total_tables(instances * 4)
+            .total_core_instances(instances * limits.core_instances)
+            .total_memories(instances * limits.memories)
+            .total_tables(instances * limits.tables)
             .total_stacks(instances)
+            .max_core_instances_per_component(limits.core_instances)
+            .max_memories_per_component(limits.memories)
+            .max_tables_per_component(limits.tables)
+            .max_memories_per_module(limits.memories)
+            .max_tables_per_module(limits.tables)
+            .table_elements(limits.table_elements)
             .max_memory_size(max_memory)
             .max_component_instance_size(1 << 20)
             .linear_memory_keep_resident(KEEP_RESIDENT)
@@ -164,10 +270,16 @@ impl Runtime {
             .epoch_interruption(true)
             .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
             .max_wasm_stack(512 << 10);
-        let engine = Engine::new(&cfg).map_err(invalid)?;
+        let engine = Engine::new(&cfg).map_err(setup)?;
         let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(invalid)?;
-        bindings::TenantPlugin::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(invalid)?;
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(setup)?;
+        use bindings::warden::plugin::{kv, types};
+        types::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
+        kv::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
+        host::link_charged(&mut linker).map_err(setup)?;
+        linker.allow_shadowing(true);
+        host::link_frozen_sleeps(&mut linker).map_err(setup)?;
+        linker.allow_shadowing(false);
         let ticking = Arc::new(AtomicBool::new(true));
         let (e, t) = (engine.weak(), ticking.clone());
         std::thread::Builder::new()
@@ -192,7 +304,7 @@ impl Runtime {
     /// Compiles `bytes` and checks that the component implements the world with nothing but
     /// the host's imports.
     pub fn compile(&self, bytes: &[u8]) -> Result<Plugin, PluginFailure> {
-        let component = Component::new(&self.engine, bytes).map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        let component = Component::new(&self.engine, bytes).map_err(invalid)?;
         self.link(component)
     }
 
@@ -216,8 +328,7 @@ impl Runtime {
     pub unsafe fn load_artefact(&self, artefact: &[u8]) -> Result<Plugin, PluginFailure> {
         // SAFETY: the caller guarantees the bytes are an unmodified artefact of this engine's
         // configuration; wasmtime itself still checks the version and settings it records.
-        let component = unsafe { Component::deserialize(&self.engine, artefact) }
-            .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        let component = unsafe { Component::deserialize(&self.engine, artefact) }.map_err(invalid)?;
         self.link(component)
     }
 
@@ -248,9 +359,21 @@ pub struct Instance {
     store: Store<PluginHost>,
     bindings: bindings::TenantPlugin,
     limits: PluginLimits,
+    /// The request's plugin time, shared with its other instances.
+    time: Arc<RequestTime>,
     /// Fuel burned by calls not yet taken by [`Instance::take_fuel`].
     fuel_used: u64,
+    /// Text given to and returned by `postprocess`, bytes: its output is bounded by its input.
+    postprocessed: (usize, usize),
 }
+
+/// Bytes `postprocess` may return beyond [`POSTPROCESS_RATIO`] times what it was given, over a
+/// choice's whole output (markers and notes a plugin adds to short outputs).
+pub const POSTPROCESS_SLACK: usize = 4096;
+/// How many times the text it was given `postprocess` may return, over a choice's whole output.
+pub const POSTPROCESS_RATIO: usize = 4;
+/// The most one `postprocess` call may return, bytes.
+pub const POSTPROCESS_MAX_CHUNK: usize = 1 << 20;
 
 impl Plugin {
     /// The compiled machine code, for [`Runtime::load_artefact`].
@@ -260,91 +383,189 @@ impl Plugin {
             .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))
     }
 
-    /// A fresh instance in its own store, with `limits`, the served model's tokenizer and
-    /// randomness seeded from `seed`.
+    /// A fresh instance in its own store, with `limits`, the served model's tokenizer,
+    /// randomness seeded from `seed`, and the request's plugin time `time` (instantiating
+    /// spends it too).
     pub async fn instantiate(
         &self,
         limits: PluginLimits,
         tokenizer: Arc<Tokenizer>,
         seed: u64,
+        time: Arc<RequestTime>,
     ) -> Result<Instance, PluginFailure> {
         let mut store = Store::new(&self.engine, PluginHost::new(limits, tokenizer, seed));
         store.limiter(|h| h.limiter());
-        // At each tick: yield to the executor, or end the call once its wall time is up.
+        // At each tick: end the call once its wall time is up, or once the fuel its host calls
+        // owe passes what is left; else yield to the executor.
         store.epoch_deadline_callback(|s| {
             if Instant::now() >= s.data().deadline() {
                 return Err(wasmtime::Error::new(Trap::Interrupt));
             }
+            let debt = s.data().debt();
+            if debt > 0 && debt >= s.as_context().get_fuel().unwrap_or(0) {
+                return Err(wasmtime::Error::new(Trap::OutOfFuel));
+            }
             Ok(UpdateDeadline::Yield(1))
         });
-        arm(&mut store, &limits)?;
-        match self.pre.instantiate_async(&mut store).await {
-            Ok(bindings) => Ok(Instance {
+        let (deadline, cut_short) = arm(&mut store, &limits, &time)?;
+        let started = Instant::now();
+        let r = tokio::time::timeout_at(deadline.into(), self.pre.instantiate_async(&mut store)).await;
+        time.spend(started.elapsed());
+        let timeout = || timeout_failure(&limits, cut_short);
+        match r {
+            Ok(Ok(bindings)) => Ok(Instance {
                 store,
                 bindings,
                 limits,
+                time,
                 fuel_used: 0,
+                postprocessed: (0, 0),
             }),
-            Err(e) => Err(classify(&store, &limits, e)),
+            Ok(Err(e)) => Err(classify(&store, &limits, e, timeout)),
+            Err(_) => Err(timeout()),
         }
     }
 }
 
-/// Refuels the store and sets its deadline for one call.
-fn arm(store: &mut Store<PluginHost>, limits: &PluginLimits) -> Result<(), PluginFailure> {
+/// Refuels the store and sets its deadline for one call: its own limit, or what is left of the
+/// request's time if that is less (then `true`). Fails when the request's time is spent.
+fn arm(
+    store: &mut Store<PluginHost>,
+    limits: &PluginLimits,
+    time: &RequestTime,
+) -> Result<(Instant, bool), PluginFailure> {
+    let left = time.left();
+    if left.is_zero() {
+        return Err(PluginFailure::RequestTime(limits.request_time));
+    }
     store
         .set_fuel(limits.fuel_per_call)
         .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
-    store.data_mut().set_deadline(Instant::now() + limits.call_timeout);
+    let cut_short = left < limits.call_timeout;
+    let deadline = Instant::now() + left.min(limits.call_timeout);
+    store.data_mut().set_deadline(deadline);
     store.set_epoch_deadline(1);
-    Ok(())
+    Ok((deadline, cut_short))
+}
+
+fn timeout_failure(limits: &PluginLimits, cut_short: bool) -> PluginFailure {
+    if cut_short {
+        PluginFailure::RequestTime(limits.request_time)
+    } else {
+        PluginFailure::Timeout(limits.call_timeout)
+    }
+}
+
+/// Whether wasmtime's error says the component is over the pool's per-component limits
+/// ([`ComponentLimits`]).
+fn over_limits(msg: &str) -> bool {
+    msg.contains("in the pooling allocator") || msg.contains("pooling allocator requirements")
+}
+
+/// A component that did not compile or load: over the pool's limits, or invalid.
+fn invalid(e: wasmtime::Error) -> PluginFailure {
+    let msg = format!("{e:#}");
+    if over_limits(&msg) {
+        PluginFailure::OverLimits(msg)
+    } else {
+        PluginFailure::Invalid(msg)
+    }
 }
 
 /// Which failure an error from a call is.
-fn classify(store: &Store<PluginHost>, limits: &PluginLimits, e: wasmtime::Error) -> PluginFailure {
+fn classify(
+    store: &Store<PluginHost>,
+    limits: &PluginLimits,
+    e: wasmtime::Error,
+    timeout: impl FnOnce() -> PluginFailure,
+) -> PluginFailure {
     if store.data().hit_memory_limit() {
         return PluginFailure::OutOfMemory(limits.memory_bytes);
     }
     if e.downcast_ref::<wasmtime::PoolConcurrencyLimitError>().is_some() {
         return PluginFailure::Busy;
     }
+    if let Some(h) = e.downcast_ref::<HostLimit>() {
+        return PluginFailure::HostLimit(h.0.clone());
+    }
     match e.downcast_ref::<Trap>() {
         Some(Trap::OutOfFuel) => PluginFailure::FuelExhausted(limits.fuel_per_call),
-        Some(Trap::Interrupt) => PluginFailure::Timeout(limits.call_timeout),
-        _ => PluginFailure::Trap(format!("{e:#}")),
+        Some(Trap::Interrupt) => timeout(),
+        _ => {
+            let msg = format!("{e:#}");
+            if over_limits(&msg) {
+                PluginFailure::OverLimits(msg)
+            } else {
+                PluginFailure::Trap(msg)
+            }
+        }
     }
+}
+
+/// Runs one export call of an [`Instance`]: arms it, races the call against its deadline (so a
+/// call waiting in a host import ends on time too), spends the request's time, and classifies a
+/// failure.
+macro_rules! call {
+    ($self:ident, |$b:ident, $s:ident| $call:expr) => {{
+        let (deadline, cut_short) = $self.arm()?;
+        let started = Instant::now();
+        let r = {
+            let ($b, $s) = (&$self.bindings, &mut $self.store);
+            tokio::time::timeout_at(deadline.into(), $call).await
+        };
+        $self.time.spend(started.elapsed());
+        let timeout = || timeout_failure(&$self.limits, cut_short);
+        match r {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(classify(&$self.store, &$self.limits, e, timeout)),
+            Err(_) => Err(timeout()),
+        }
+    }};
 }
 
 impl Instance {
     /// What the plugin implements beyond preprocess and postprocess.
     pub async fn capabilities(&mut self) -> Result<Capabilities, PluginFailure> {
-        self.arm()?;
-        let r = self.bindings.call_capabilities(&mut self.store).await;
-        r.map_err(|e| classify(&self.store, &self.limits, e))
+        call!(self, |b, s| b.call_capabilities(s))
     }
 
     /// Runs `preprocess`.
     pub async fn preprocess(&mut self, req: &Request) -> Result<Request, PluginFailure> {
-        self.arm()?;
-        let r = self.bindings.call_preprocess(&mut self.store, req).await;
-        r.map_err(|e| classify(&self.store, &self.limits, e))?.map_err(refused)
+        call!(self, |b, s| b.call_preprocess(s, req))?.map_err(refused)
     }
 
-    /// Runs `postprocess` on a chunk of output (`is_final` on the last).
+    /// Runs `postprocess` on a chunk of output (`is_final` on the last). What it returns is
+    /// bounded: at most [`POSTPROCESS_MAX_CHUNK`] bytes a call, and over the instance's life at
+    /// most [`POSTPROCESS_RATIO`] times the text it was given plus [`POSTPROCESS_SLACK`].
     pub async fn postprocess(&mut self, text: &str, is_final: bool) -> Result<String, PluginFailure> {
         let chunk = Chunk { text: text.to_string() };
-        self.arm()?;
-        let r = self.bindings.call_postprocess(&mut self.store, &chunk, is_final).await;
-        Ok(r.map_err(|e| classify(&self.store, &self.limits, e))?
+        let out = call!(self, |b, s| b.call_postprocess(s, &chunk, is_final))?
             .map_err(refused)?
-            .text)
+            .text;
+        let (given, returned) = self.postprocessed;
+        let (given, returned) = (given + text.len(), returned + out.len());
+        self.postprocessed = (given, returned);
+        if out.len() > POSTPROCESS_MAX_CHUNK {
+            return Err(PluginFailure::OutputTooLarge(format!(
+                "postprocess returned {} bytes in one chunk, more than the limit of {POSTPROCESS_MAX_CHUNK}",
+                out.len()
+            )));
+        }
+        let allowed = given
+            .saturating_mul(POSTPROCESS_RATIO)
+            .saturating_add(POSTPROCESS_SLACK);
+        if returned > allowed {
+            return Err(PluginFailure::OutputTooLarge(format!(
+                "postprocess returned {returned} bytes for {given} bytes of output, more than \
+                 {POSTPROCESS_RATIO} times the output plus {POSTPROCESS_SLACK}"
+            )));
+        }
+        Ok(out)
     }
 
     /// Runs `on-token`.
     pub async fn on_token(&mut self, token: &Token) -> Result<TokenAction, PluginFailure> {
-        self.arm()?;
-        let r = self.bindings.call_on_token(&mut self.store, token).await;
-        r.map_err(|e| classify(&self.store, &self.limits, e))
+        call!(self, |b, s| b.call_on_token(s, token))
     }
 
     /// Gives the instance its request's KV: from now on `kv.current()` shows the sequence
@@ -358,25 +579,27 @@ impl Instance {
         self.store.data_mut().take_logs()
     }
 
-    /// Fuel burned since the last time this was asked (instantiation included), for the
-    /// tenant's usage.
+    /// Fuel burned since the last time this was asked (instantiation and host calls included),
+    /// for the tenant's usage.
     pub fn take_fuel(&mut self) -> u64 {
         self.count_fuel();
         std::mem::take(&mut self.fuel_used)
     }
 
-    /// Counts what the last call burned, then refills, so nothing is counted twice.
+    /// Counts what the last call burned (its host calls' unsettled fuel too), then refills, so
+    /// nothing is counted twice.
     fn count_fuel(&mut self) {
+        let debt = self.store.data_mut().take_debt();
         if let Ok(left) = self.store.get_fuel() {
-            self.fuel_used += self.limits.fuel_per_call.saturating_sub(left);
+            self.fuel_used += self.limits.fuel_per_call.saturating_sub(left) + debt;
             let _ = self.store.set_fuel(self.limits.fuel_per_call);
         }
     }
 
     /// Arms the store for the next call, counting the last one's fuel first.
-    fn arm(&mut self) -> Result<(), PluginFailure> {
+    fn arm(&mut self) -> Result<(Instant, bool), PluginFailure> {
         self.count_fuel();
-        arm(&mut self.store, &self.limits)
+        arm(&mut self.store, &self.limits, &self.time)
     }
 }
 

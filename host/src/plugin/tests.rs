@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::*;
 
@@ -26,9 +26,14 @@ fn example(name: &str) -> Plugin {
 }
 
 async fn instance(p: &Plugin, limits: PluginLimits) -> Instance {
-    p.instantiate(limits, crate::testutil::tokenizer(), 7)
-        .await
-        .expect("instantiate")
+    p.instantiate(
+        limits,
+        crate::testutil::tokenizer(),
+        7,
+        RequestTime::new(limits.request_time),
+    )
+    .await
+    .expect("instantiate")
 }
 
 fn chat(config: &str, messages: &[(&str, &str)]) -> Request {
@@ -148,6 +153,7 @@ async fn adversarial_guests_are_contained_with_their_own_errors() {
         fuel_per_call: 200_000_000,
         memory_bytes: 32 << 20,
         call_timeout: std::time::Duration::from_millis(100),
+        ..PluginLimits::default()
     };
     let run = async |attack: &str, limits: PluginLimits| {
         instance(&p, limits)
@@ -267,4 +273,174 @@ fn components_importing_outside_the_world_are_refused_at_compile() {
     let empty = wat::parse_str("(component)").expect("valid WAT");
     let e = runtime().compile(&empty).err().expect("refused");
     assert_eq!(e.code(), "plugin_invalid", "{e}");
+}
+
+/// Config `attack` for the adversary, as a chat request.
+fn attack(attack: &str) -> Request {
+    chat(attack, &[("user", "x")])
+}
+
+#[tokio::test]
+async fn a_guest_cannot_sleep_on_the_hosts_clock() {
+    let p = example("adversary");
+    let limits = PluginLimits {
+        call_timeout: Duration::from_millis(100),
+        ..PluginLimits::default()
+    };
+    for a in ["sleep", "sleep-forever"] {
+        let t0 = Instant::now();
+        let r = instance(&p, limits).await.preprocess(&attack(a)).await;
+        // The clock is frozen: the sleep returns at once, and the call goes on.
+        assert!(r.is_ok(), "{a}: {r:?}");
+        assert!(
+            t0.elapsed() < Duration::from_millis(100),
+            "{a}: took {:?}",
+            t0.elapsed()
+        );
+    }
+}
+
+#[tokio::test]
+async fn tokenizer_and_log_calls_are_bounded_and_charged_in_fuel() {
+    let p = example("adversary");
+    let limits = PluginLimits {
+        call_timeout: Duration::from_secs(5),
+        ..PluginLimits::default()
+    };
+    // Over the input limit: refused before any tokenizing.
+    let t0 = Instant::now();
+    let e = instance(&p, limits)
+        .await
+        .preprocess(&attack("encode-huge"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), "plugin_host_call_too_large", "{e}");
+    assert!(e.to_string().contains("tokenizer.encode"), "{e}");
+    assert!(t0.elapsed() < Duration::from_secs(1), "took {:?}", t0.elapsed());
+    // Within it, but over and over: the host's work uses up the call's fuel long before its time.
+    for a in ["encode-loop", "decode-loop", "log-loop"] {
+        let t0 = Instant::now();
+        let mut i = instance(&p, limits).await;
+        let e = i.preprocess(&attack(a)).await.unwrap_err();
+        assert_eq!(e.code(), "plugin_fuel_exhausted", "{a}: {e}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{a}: took {:?}", t0.elapsed());
+        // And the tenant's usage counts that fuel.
+        assert!(i.take_fuel() >= limits.fuel_per_call, "{a}");
+    }
+}
+
+#[tokio::test]
+async fn a_requests_calls_share_one_time_budget() {
+    let p = example("adversary");
+    let limits = PluginLimits {
+        fuel_per_call: u64::MAX / 2,
+        call_timeout: Duration::from_millis(100),
+        request_time: Duration::from_millis(150),
+        ..PluginLimits::default()
+    };
+    let time = RequestTime::new(limits.request_time);
+    let make = || p.instantiate(limits, crate::testutil::tokenizer(), 7, time.clone());
+    // The first call takes its whole 100 ms, the second (another choice) the 50 ms left.
+    let e = make().await.unwrap().preprocess(&attack("loop")).await.unwrap_err();
+    assert_eq!(e.code(), "plugin_timeout", "{e}");
+    let t0 = Instant::now();
+    let mut second = make().await.unwrap();
+    let e = second.preprocess(&attack("loop")).await.unwrap_err();
+    assert_eq!(e.code(), "plugin_request_time_exceeded", "{e}");
+    assert!(t0.elapsed() < Duration::from_millis(100), "took {:?}", t0.elapsed());
+    // Nothing is left: the next instance fails at once.
+    let e = make().await.err().expect("no time left");
+    assert_eq!(e.code(), "plugin_request_time_exceeded", "{e}");
+    assert!(time.spent() >= limits.request_time);
+}
+
+#[tokio::test]
+async fn postprocess_output_is_bounded_by_its_input() {
+    let p = example("adversary");
+    // 2 MiB from a 5-byte chunk: over the per-call cap.
+    let mut i = instance(&p, PluginLimits::default()).await;
+    i.preprocess(&attack("flood")).await.unwrap();
+    let e = i.postprocess("hello", false).await.unwrap_err();
+    assert_eq!(e.code(), "plugin_output_too_large", "{e}");
+    // 8 KiB per 5-byte chunk: within the cap, over the ratio once the slack is spent.
+    let mut i = instance(&p, PluginLimits::default()).await;
+    i.preprocess(&attack("swell")).await.unwrap();
+    let e = i.postprocess("hello", false).await.unwrap_err();
+    assert_eq!(e.code(), "plugin_output_too_large", "{e}");
+    // A plugin that returns what it is given, or adds a little, is untouched.
+    let mut i = instance(&p, PluginLimits::default()).await;
+    i.preprocess(&attack("pass")).await.unwrap();
+    for _ in 0..100 {
+        assert_eq!(i.postprocess("hello", false).await.unwrap(), "hello");
+    }
+}
+
+/// A request's KV as an engine would show it: pages whose pool epochs are large, as after other
+/// tenants used them many times.
+struct ChurnedKv;
+
+impl KvAccess for ChurnedKv {
+    fn started(&self) -> bool {
+        true
+    }
+    fn pages(&self) -> BoxFuture<Option<Vec<warden_kernels::attention::PageEntry>>> {
+        use warden_kernels::attention::PageEntry;
+        Box::pin(async { Some(vec![PageEntry::own(5, 7_741), PageEntry::own(9, 120_003)]) })
+    }
+    fn info(&self, entry: warden_kernels::attention::PageEntry) -> BoxFuture<Result<crate::kv::PageInfo, String>> {
+        Box::pin(async move {
+            Ok(crate::kv::PageInfo {
+                written: 16,
+                epoch: entry.epoch,
+                checksum: 1,
+            })
+        })
+    }
+    fn pin(&self, _: usize) -> BoxFuture<Result<usize, String>> {
+        Box::pin(async { Err("no".into()) })
+    }
+    fn unpin(&self) -> BoxFuture<Result<usize, String>> {
+        Box::pin(async { Err("no".into()) })
+    }
+}
+
+#[tokio::test]
+async fn page_epochs_say_nothing_of_the_pools_history() {
+    let p = example("adversary");
+    let mut i = instance(&p, PluginLimits::default()).await;
+    i.preprocess(&attack("kv")).await.unwrap();
+    i.attach_kv(Arc::new(ChurnedKv));
+    let out = i.postprocess("text", false).await.unwrap();
+    assert!(out.ends_with("[kv pages=2 written=32] [epochs 1,2]"), "{out}");
+}
+
+#[test]
+fn components_over_the_per_component_limits_are_refused_naming_the_limit() {
+    let memories = wat::parse_str(
+        r#"(component
+            (core module $m (memory 1) (memory 1) (memory 1))
+            (core instance (instantiate $m))
+        )"#,
+    )
+    .expect("valid WAT");
+    let e = runtime().compile(&memories).err().expect("refused");
+    assert_eq!(e.code(), "component_over_limits", "{e}");
+    assert!(e.to_string().contains("memories count of 3"), "{e}");
+    let instances = wat::parse_str(format!(
+        "(component (core module $m) {})",
+        "(core instance (instantiate $m))".repeat(9)
+    ))
+    .expect("valid WAT");
+    let e = runtime().compile(&instances).err().expect("refused");
+    assert_eq!(e.code(), "component_over_limits", "{e}");
+    assert!(e.to_string().contains("9 core module instances"), "{e}");
+    let tables = wat::parse_str(
+        r#"(component
+            (core module $m (table 200000 funcref))
+            (core instance (instantiate $m))
+        )"#,
+    )
+    .expect("valid WAT");
+    let e = runtime().compile(&tables).err().expect("refused");
+    assert_eq!(e.code(), "component_over_limits", "{e}");
 }

@@ -117,6 +117,9 @@ struct PluginsFile {
     fuel_per_call: Option<u64>,
     memory_mib: Option<u64>,
     call_timeout_ms: Option<u64>,
+    request_time_ms: Option<u64>,
+    instances: Option<u64>,
+    uploads_per_minute: Option<u64>,
     max_component_mib: Option<u64>,
 }
 
@@ -158,6 +161,12 @@ pub struct Policy {
     pub plugin_memory_mib: Option<u64>,
     /// Plugin wall time per call, milliseconds.
     pub plugin_call_timeout_ms: Option<u64>,
+    /// Plugin wall time of all of one request's calls together, milliseconds.
+    pub plugin_request_time_ms: Option<u64>,
+    /// Plugin instances the tenant's requests may hold at once (its share of the server's).
+    pub plugin_instances: Option<u64>,
+    /// Plugin uploads (of new versions) per minute.
+    pub plugin_uploads_per_minute: Option<u64>,
     /// Largest plugin component, MiB.
     pub plugin_max_component_mib: Option<u64>,
 }
@@ -182,6 +191,9 @@ impl Default for Policy {
             plugin_fuel_per_call: None,
             plugin_memory_mib: None,
             plugin_call_timeout_ms: None,
+            plugin_request_time_ms: None,
+            plugin_instances: None,
+            plugin_uploads_per_minute: None,
             plugin_max_component_mib: None,
         }
     }
@@ -245,6 +257,9 @@ impl Policy {
             self.plugin_fuel_per_call = p.fuel_per_call.or(self.plugin_fuel_per_call);
             self.plugin_memory_mib = p.memory_mib.or(self.plugin_memory_mib);
             self.plugin_call_timeout_ms = p.call_timeout_ms.or(self.plugin_call_timeout_ms);
+            self.plugin_request_time_ms = p.request_time_ms.or(self.plugin_request_time_ms);
+            self.plugin_instances = p.instances.or(self.plugin_instances);
+            self.plugin_uploads_per_minute = p.uploads_per_minute.or(self.plugin_uploads_per_minute);
             self.plugin_max_component_mib = p.max_component_mib.or(self.plugin_max_component_mib);
         }
         self
@@ -581,6 +596,9 @@ fn check(path: &Path, text: &str, p: &Policy, bounds: Bounds, is_default: bool) 
         ("fuel_per_call", p.plugin_fuel_per_call, u64::MAX),
         ("memory_mib", p.plugin_memory_mib, 4096),
         ("call_timeout_ms", p.plugin_call_timeout_ms, 600_000),
+        ("request_time_ms", p.plugin_request_time_ms, 3_600_000),
+        ("instances", p.plugin_instances, 1_000_000),
+        ("uploads_per_minute", p.plugin_uploads_per_minute, 1_000_000),
         ("max_component_mib", p.plugin_max_component_mib, 1024),
     ] {
         if let Some(v) = v

@@ -237,6 +237,24 @@ pub struct PluginsConfig {
     pub fuel_per_call: u64,
     /// Wall time per call, in milliseconds. Default 100.
     pub call_timeout_ms: u64,
+    /// Wall time of all of one request's calls together (every choice's instance), in
+    /// milliseconds. Default 10,000.
+    pub request_time_ms: u64,
+    /// Instances one tenant's requests may hold at once (a tenant's policy may set its own).
+    /// Past it the tenant's request gets 429 `plugin_instances_limit`, so no tenant can take the
+    /// instances others need. Default 64.
+    pub tenant_instances: u32,
+    /// New plugin versions one tenant may upload per minute (each is compiled; a tenant's
+    /// policy may set its own). Default 10.
+    pub uploads_per_minute: u64,
+    /// Compilations running at once, over all tenants; more wait their turn. Default 1.
+    pub compiles: usize,
+    /// Wall time one compilation may take, in seconds; past it the upload is refused with
+    /// `component_compile_timeout`. Default 30.
+    pub compile_timeout_s: u64,
+    /// Memory one compilation may use, in MiB (the compiler runs in a child process under this
+    /// limit); past it the upload is refused with `component_compile_memory`. Default 2048.
+    pub compile_memory_mib: u64,
 }
 
 impl Default for PluginsConfig {
@@ -250,6 +268,12 @@ impl Default for PluginsConfig {
             memory_mib: 64,
             fuel_per_call: 50_000_000,
             call_timeout_ms: 100,
+            request_time_ms: 10_000,
+            tenant_instances: 64,
+            uploads_per_minute: 10,
+            compiles: 1,
+            compile_timeout_s: 30,
+            compile_memory_mib: 2048,
         }
     }
 }
@@ -315,7 +339,7 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 19] = [
+        let positive: [(&'static str, usize); 25] = [
             ("cluster.pages_per_batch", self.cluster.pages_per_batch),
             ("cluster.batches_in_flight", self.cluster.batches_in_flight),
             ("cluster.bytes_in_flight_mib", self.cluster.bytes_in_flight_mib),
@@ -326,6 +350,12 @@ impl ServeConfig {
             ("plugins.instances", self.plugins.instances as usize),
             ("plugins.memory_mib", self.plugins.memory_mib),
             ("plugins.call_timeout_ms", self.plugins.call_timeout_ms as usize),
+            ("plugins.request_time_ms", self.plugins.request_time_ms as usize),
+            ("plugins.tenant_instances", self.plugins.tenant_instances as usize),
+            ("plugins.uploads_per_minute", self.plugins.uploads_per_minute as usize),
+            ("plugins.compiles", self.plugins.compiles),
+            ("plugins.compile_timeout_s", self.plugins.compile_timeout_s as usize),
+            ("plugins.compile_memory_mib", self.plugins.compile_memory_mib as usize),
             ("kv.memory_mib", self.kv.memory_mib),
             ("kv.page_size", self.kv.page_size),
             ("limits.default_max_tokens", self.limits.default_max_tokens),

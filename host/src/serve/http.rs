@@ -502,7 +502,8 @@ async fn prepare(
     let mut hooks = None;
     if let Some(resolved) = resolved {
         // The client's own values are checked before the plugin sees them.
-        common.plan(t.id, vec![], &a.lim)?;
+        let n = common.plan(t.id, vec![], &a.lim)?.n;
+        let share = state.plugins.take_instances(t, &a.policy, n)?;
         let seed = common.seed.map(|s| s as u64).unwrap_or_else(rand::random);
         let reporter = Reporter {
             metrics: state.metrics.clone(),
@@ -515,9 +516,11 @@ async fn prepare(
         let mut h = Hooks::new(
             resolved,
             state.plugins.limits_for(&a.policy),
+            share,
             state.tokenizer.clone(),
             seed,
             reporter,
+            state.cfg.limits.body_bytes,
         )
         .await?;
         let (input, tokens) = match asked {

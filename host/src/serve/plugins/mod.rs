@@ -21,7 +21,7 @@ use serde_json::{Value, json};
 use super::config::PluginsConfig;
 use super::openai::ApiError;
 use super::store::{Store, StoreError, Tenant, valid_tenant_name};
-use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, Runtime, Sampling};
+use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling};
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
 use logs::TenantLogs;
@@ -56,6 +56,27 @@ pub struct Plugins {
     write: Mutex<()>,
     tokenizer: Arc<Tokenizer>,
     logs: Arc<TenantLogs>,
+    /// Plugin instances each tenant's requests hold now.
+    held: Arc<Mutex<HashMap<u64, usize>>>,
+}
+
+/// A request's hold on its tenant's share of plugin instances; dropping it gives them back.
+pub struct Share {
+    held: Arc<Mutex<HashMap<u64, usize>>>,
+    tenant: u64,
+    n: usize,
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = held.get_mut(&self.tenant) {
+            *h = h.saturating_sub(self.n);
+            if *h == 0 {
+                held.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 fn store_error(e: StoreError) -> ApiError {
@@ -75,7 +96,9 @@ fn not_found(name: &str) -> ApiError {
 /// The error a client gets for a plugin failure.
 pub fn failure_error(f: &PluginFailure) -> ApiError {
     let status = match f {
-        PluginFailure::Refused { .. } | PluginFailure::Invalid(_) => StatusCode::BAD_REQUEST,
+        PluginFailure::Refused { .. } | PluginFailure::Invalid(_) | PluginFailure::OverLimits(_) => {
+            StatusCode::BAD_REQUEST
+        }
         PluginFailure::Busy => StatusCode::SERVICE_UNAVAILABLE,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
@@ -123,6 +146,7 @@ impl Plugins {
             write: Mutex::new(()),
             tokenizer,
             logs: Arc::new(TenantLogs::new(&data_dir.join("plugin-logs"))),
+            held: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -132,6 +156,7 @@ impl Plugins {
             fuel_per_call: self.cfg.fuel_per_call,
             memory_bytes: self.cfg.memory_mib << 20,
             call_timeout: Duration::from_millis(self.cfg.call_timeout_ms),
+            request_time: Duration::from_millis(self.cfg.request_time_ms),
         }
     }
 
@@ -148,7 +173,41 @@ impl Plugins {
         if let Some(ms) = policy.plugin_call_timeout_ms {
             l.call_timeout = Duration::from_millis(ms);
         }
+        if let Some(ms) = policy.plugin_request_time_ms {
+            l.request_time = Duration::from_millis(ms);
+        }
         l
+    }
+
+    /// Takes `n` of tenant `t`'s plugin instances (its policy's share, else the server's
+    /// `tenant_instances`) for one request, until the returned share is dropped. Over its share,
+    /// the tenant's request gets 429: one tenant's requests cannot take the instances others
+    /// need.
+    pub fn take_instances(&self, t: &Tenant, policy: &crate::policy::Policy, n: usize) -> Result<Share, ApiError> {
+        let cap = policy
+            .plugin_instances
+            .map(|c| c.min(u64::from(self.cfg.instances)) as usize)
+            .unwrap_or(self.cfg.tenant_instances as usize);
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let now = held.get(&t.id).copied().unwrap_or(0);
+        if now + n > cap {
+            return Err(ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                code: "plugin_instances_limit",
+                message: format!(
+                    "tenant {:?}'s requests hold {now} plugin instances and this one needs {n}; its share is {cap}",
+                    t.name
+                ),
+                param: None,
+                retry_after: Some(1),
+            });
+        }
+        held.insert(t.id, now + n);
+        Ok(Share {
+            held: self.held.clone(),
+            tenant: t.id,
+            n,
+        })
     }
 
     /// The largest component an upload may carry.
@@ -220,7 +279,9 @@ impl Plugins {
     /// small chat request with the plugin's config, and a final `postprocess`. A refusal is
     /// fine (the plugin ran); a trap, exhausted fuel, a timeout or the memory cap is not.
     async fn smoke(&self, p: &Plugin, config: &str) -> Result<(), PluginFailure> {
-        let mut i = p.instantiate(self.limits(), self.tokenizer.clone(), 0).await?;
+        let limits = self.limits();
+        let time = RequestTime::new(limits.request_time);
+        let mut i = p.instantiate(limits, self.tokenizer.clone(), 0, time).await?;
         i.capabilities().await?;
         let req = Request {
             input: Input::Chat(vec![Message {
@@ -269,7 +330,7 @@ impl Plugins {
         if !known {
             let plugin = self.compile(bytes.clone()).await.map_err(|e| upload_error(&e))?;
             self.smoke(&plugin, &config).await.map_err(|e| match e {
-                PluginFailure::Busy => failure_error(&e),
+                PluginFailure::Busy | PluginFailure::OverLimits(_) => failure_error(&e),
                 e => upload_error(&PluginFailure::Invalid(format!("the upload check failed: {e}"))),
             })?;
             self.store.plugins().put_blob(t.id, &sha, &bytes).map_err(store_error)?;
@@ -523,7 +584,7 @@ fn too_large(got: usize, limit: usize) -> ApiError {
 }
 
 fn upload_error(f: &PluginFailure) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, "plugin_invalid", f.to_string())
+    ApiError::new(StatusCode::BAD_REQUEST, f.code(), f.to_string())
 }
 
 /// The full id of `rec`'s version `v` (an id or an unambiguous prefix).

@@ -15,9 +15,11 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::logs::{Source, TenantLogs};
-use super::{Resolved, failure_error};
-use crate::engine::request::{FinishReason, Outcome, Usage};
-use crate::plugin::{Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, Sampling, Token, TokenAction};
+use super::{Resolved, Share, failure_error};
+use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Usage};
+use crate::plugin::{
+    Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
+};
 use crate::serve::metrics::Metrics;
 use crate::serve::openai::ApiError;
 use crate::serve::quota::Grant;
@@ -66,33 +68,48 @@ pub struct Hooks {
     first: Instance,
     resolved: Resolved,
     limits: PluginLimits,
+    time: Arc<RequestTime>,
+    share: Share,
     tokenizer: Arc<Tokenizer>,
     seed: u64,
     reporter: Reporter,
+    max_request_bytes: usize,
 }
 
+/// The smallest JSON a chat message takes in a request body (`{"role":"","content":""}`):
+/// a rewritten request may hold no more messages than a client's body could.
+const MIN_MESSAGE_JSON: usize = 24;
+
 impl Hooks {
-    /// A fresh instance of `resolved` for one request.
+    /// A fresh instance of `resolved` for one request, which holds `share` of its tenant's
+    /// instances. What `preprocess` returns may be no larger than a client's body of
+    /// `max_request_bytes`.
     pub async fn new(
         resolved: Resolved,
         limits: PluginLimits,
+        share: Share,
         tokenizer: Arc<Tokenizer>,
         seed: u64,
         reporter: Reporter,
+        max_request_bytes: usize,
     ) -> Result<Self, ApiError> {
         reporter.metrics.plugin_request(&reporter.tenant);
+        let time = RequestTime::new(limits.request_time);
         let first = resolved
             .plugin
-            .instantiate(limits, tokenizer.clone(), seed)
+            .instantiate(limits, tokenizer.clone(), seed, time.clone())
             .await
             .map_err(|f| reporter.error(&f))?;
         Ok(Self {
             first,
             resolved,
             limits,
+            time,
+            share,
             tokenizer,
             seed,
             reporter,
+            max_request_bytes,
         })
     }
 
@@ -111,7 +128,9 @@ impl Hooks {
         };
         let out = self.first.preprocess(&req).await;
         self.reporter.flush_logs(&self.resolved, &mut self.first);
-        let out = out.map_err(|f| self.reporter.error(&f))?;
+        let out = out
+            .and_then(|out| within_bounds(&out, self.max_request_bytes).map(|()| out))
+            .map_err(|f| self.reporter.error(&f))?;
         Ok((out.input, out.sampling))
     }
 
@@ -121,9 +140,12 @@ impl Hooks {
             first,
             resolved,
             limits,
+            time,
+            share,
             tokenizer,
             seed,
             reporter,
+            ..
         } = self;
         let mut choices = Vec::with_capacity(choices_in.len());
         let mut next = Some(first);
@@ -132,7 +154,7 @@ impl Hooks {
                 Some(first) => first,
                 None => resolved
                     .plugin
-                    .instantiate(limits, tokenizer.clone(), seed.wrapping_add(i as u64))
+                    .instantiate(limits, tokenizer.clone(), seed.wrapping_add(i as u64), time.clone())
                     .await
                     .map_err(|f| reporter.error(&f))?,
             };
@@ -151,8 +173,43 @@ impl Hooks {
             choices,
             reporter,
             resolved,
+            _share: share,
         })
     }
+}
+
+/// Whether a request `preprocess` returned is one a client could have sent: its text no larger
+/// than a client's body, no more messages than such a body holds, and the engine's limits on
+/// stop strings. Checked before the host renders or tokenizes any of it.
+fn within_bounds(req: &Request, max_bytes: usize) -> Result<(), PluginFailure> {
+    let too_large = |what: String| Err(PluginFailure::OutputTooLarge(format!("preprocess returned {what}")));
+    let text = match &req.input {
+        Input::Prompt(p) => p.len(),
+        Input::Chat(messages) => {
+            if messages.len() > max_bytes / MIN_MESSAGE_JSON {
+                return too_large(format!(
+                    "{} messages, more than a request body of {max_bytes} bytes can hold ({})",
+                    messages.len(),
+                    max_bytes / MIN_MESSAGE_JSON
+                ));
+            }
+            messages.iter().map(|m| m.role.len() + m.content.len()).sum()
+        }
+    };
+    let stops = &req.sampling.stop;
+    let bytes = text + stops.iter().map(String::len).sum::<usize>();
+    if bytes > max_bytes {
+        return too_large(format!(
+            "{bytes} bytes of text, more than a client's request body may carry ({max_bytes})"
+        ));
+    }
+    if stops.len() > MAX_STOP_STRINGS || stops.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return too_large(format!(
+            "{} stop strings; at most {MAX_STOP_STRINGS} of at most {MAX_STOP_BYTES} bytes each",
+            stops.len()
+        ));
+    }
+    Ok(())
 }
 
 struct ChoiceStage {
@@ -171,6 +228,8 @@ pub struct Output {
     choices: Vec<ChoiceStage>,
     reporter: Reporter,
     resolved: Resolved,
+    /// The request's instances count against its tenant's share until the stage ends.
+    _share: Share,
 }
 
 impl Output {
