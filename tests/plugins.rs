@@ -19,6 +19,29 @@ fn example(name: &str) -> Vec<u8> {
     std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e} (the test command builds the examples)", p.display()))
 }
 
+/// A component whose one function keeps thousands of values live at once: seconds of register
+/// allocation for a few hundred KB (quadratic in `n`).
+fn slow_to_compile(n: usize) -> Vec<u8> {
+    let mut body = String::new();
+    for i in 2..n {
+        body.push_str(&format!(
+            "(local.set {i} (i64.mul (local.get {}) (local.get {})))",
+            i - 1,
+            i - 2
+        ));
+    }
+    body.push_str("(loop $l ");
+    for i in 0..n {
+        body.push_str(&format!("(local.set 0 (i64.add (local.get 0) (local.get {i})))"));
+    }
+    body.push_str("(br_if $l (i64.eqz (local.get 0))))");
+    let wat = format!(
+        "(component (core module (func (param i64 i64) (result i64) (local {}) {body} (local.get 0))))",
+        "i64 ".repeat(n)
+    );
+    wat::parse_str(&wat).expect("valid WAT")
+}
+
 fn sha(bytes: &[u8]) -> String {
     sha2::Sha256::digest(bytes).iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -316,7 +339,10 @@ fn the_redactor_holds_pii_back_across_stream_chunks_and_the_guard_stops_generati
 
 #[test]
 fn adversarial_plugins_fail_only_their_own_requests() {
-    let s = Server::start("plugadv", "[plugins]\ncall_timeout_ms = 250\nmemory_mib = 32\n");
+    let s = Server::start(
+        "plugadv",
+        "[plugins]\ncall_timeout_ms = 250\nmemory_mib = 32\ncompile_timeout_s = 1\nuploads_per_minute = 5\n",
+    );
     let key = s.key().to_string();
     rt().block_on(async {
         let c = s.client();
@@ -337,6 +363,40 @@ fn adversarial_plugins_fail_only_their_own_requests() {
         let r = upload(&c, &mallory, "BadName", example("adversary")).await;
         assert_eq!(r.status, 400);
         assert_eq!(upload(&c, &mallory, "adv", example("adversary")).await.status, 201);
+        // Compiling is bounded: a component slow to compile is stopped at the limit (1 s here).
+        let t0 = std::time::Instant::now();
+        let r = upload(&c, &mallory, "slow", slow_to_compile(12_000)).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (400, "component_compile_timeout"),
+            "{}",
+            r.text()
+        );
+        assert!(t0.elapsed() < std::time::Duration::from_secs(5), "{:?}", t0.elapsed());
+        // One component may not take the instance slots of many.
+        let memories = wat::parse_str(
+            "(component (core module $m (memory 1) (memory 1) (memory 1)) (core instance (instantiate $m)))",
+        )
+        .unwrap();
+        let r = upload(&c, &mallory, "greedy", memories).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (400, "component_over_limits"),
+            "{}",
+            r.text()
+        );
+        assert!(r.text().contains("memories count of 3"), "{}", r.text());
+        // Five new versions a minute here (the two refused at compile counted): the sixth waits.
+        let r = upload(&c, &mallory, "another", example("system_prompt")).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (429, "upload_rate_limit"),
+            "{}",
+            r.text()
+        );
+        assert!(r.headers.get("retry-after").is_some());
+        // A version it has already uploaded costs no compile and passes.
+        assert_eq!(upload(&c, &mallory, "adv", example("adversary")).await.status, 200);
         let user = json!([{"role": "user", "content": "Write a poem about the sea."}]);
         let baseline = content(
             &call(
@@ -785,5 +845,43 @@ fn a_tenants_policy_sets_its_plugin_limits_and_usage_counts_plugin_fuel() {
         assert_eq!(u["requests"], 1);
         let u = call(&c, Method::GET, "/v1/usage", &tight, None).await.json().unwrap();
         assert_eq!(u["rejections"]["plugin_fuel_exhausted"], 1, "{u}");
+    });
+}
+
+#[test]
+fn the_compiler_child_is_held_to_its_time_and_memory() {
+    use warden::plugin::Runtime;
+    use warden::plugin::compile::{CompileLimits, compile_isolated};
+    let runtime = Runtime::new(4, 64 << 20).expect("runtime");
+    let exe = common::warden_bin();
+    let limits = |timeout_s: u64, memory_mib: u64| CompileLimits {
+        timeout: std::time::Duration::from_secs(timeout_s),
+        memory_bytes: memory_mib << 20,
+    };
+    rt().block_on(async {
+        let regex = example("regex_filter");
+        // Within its bounds: an artefact the server's runtime loads.
+        assert!(compile_isolated(&exe, &runtime, &regex, limits(30, 2048)).await.is_ok());
+        // Too little memory for it: refused, named as memory.
+        let e = compile_isolated(&exe, &runtime, &regex, limits(30, 128))
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(e.code(), "component_compile_memory", "{e}");
+        // Too slow: the child is killed at the limit.
+        let t0 = std::time::Instant::now();
+        let e = compile_isolated(&exe, &runtime, &slow_to_compile(12_000), limits(1, 2048))
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(e.code(), "component_compile_timeout", "{e}");
+        assert!(t0.elapsed() < std::time::Duration::from_secs(3), "{:?}", t0.elapsed());
+        // Not a component: the child's reason, once.
+        let e = compile_isolated(&exe, &runtime, b"not wasm", limits(30, 2048))
+            .await
+            .err()
+            .expect("refused");
+        assert_eq!(e.code(), "plugin_invalid", "{e}");
+        assert!(!e.to_string().contains("invalid plugin: invalid plugin"), "{e}");
     });
 }

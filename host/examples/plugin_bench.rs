@@ -173,17 +173,26 @@ async fn main() -> anyhow::Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     let store = Store::open(&dir)?;
     let tenant = store.create_tenant("bench")?;
+    // Uploads compile in a child `warden compile-plugin`, as in the server: the binary built
+    // beside this example (`cargo build --release` first).
+    let compiler = std::env::current_exe()?
+        .parent()
+        .and_then(|examples| examples.parent())
+        .map(|profile| profile.join("warden"))
+        .filter(|w| w.exists())
+        .ok_or_else(|| anyhow::anyhow!("build the warden binary first: cargo build --release"))?;
     let plugins = Plugins::new(
         store,
         PluginsConfig::default(),
         &dir.join("plugin-cache"),
         tokenizer.clone(),
+        &compiler,
     )?;
     let mut uploads = Vec::new();
     for i in 0..5 {
         let t = Instant::now();
         plugins
-            .upload(&tenant, &format!("filter{i}"), big.clone(), true)
+            .upload(&tenant, &Default::default(), &format!("filter{i}"), big.clone(), true)
             .await
             .map_err(|e| anyhow::anyhow!("{}", e.message))?;
         uploads.push(t.elapsed());

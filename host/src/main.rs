@@ -101,6 +101,10 @@ enum Command {
         #[arg(long, value_enum, default_value_t = Role::All)]
         role: Role,
     },
+    /// Compile a plugin component read from stdin, writing the artefact to stdout: the server
+    /// runs this in a child process under resource limits for every upload.
+    #[command(name = "compile-plugin", hide = true)]
+    CompilePlugin,
     /// Manage tenants (directly, or through a running server's admin API).
     Tenant {
         #[command(subcommand)]
@@ -245,7 +249,7 @@ fn config(path: Option<&Path>) -> anyhow::Result<ServeConfig> {
 }
 
 fn main() -> std::process::ExitCode {
-    match run(Cli::parse()) {
+    match run(Cli::parse().command) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("warden: {e:#}");
@@ -254,8 +258,8 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command {
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Generate {
             model,
             prompt,
@@ -349,6 +353,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", manage::run(&store.data_dir()?, op)?);
             Ok(())
         }
+        // Its exit status is its protocol with the server.
+        Command::CompilePlugin => std::process::exit(warden::plugin::compile::precompile_main()),
         Command::Plugin { op, tenant, store } => {
             let op = match op {
                 PluginCmd::Upload {

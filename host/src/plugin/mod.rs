@@ -20,6 +20,7 @@
 //! charged in fuel ([`host`]); and one component can take only what one plugin needs of the
 //! shared instance pool ([`ComponentLimits`], checked at compile).
 
+pub mod compile;
 mod host;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -187,6 +188,12 @@ pub enum PluginFailure {
     /// The component needs more of the instance pool than one plugin may take.
     #[error("the component needs more than a plugin may use: {0}")]
     OverLimits(String),
+    /// Compiling the component took longer than its limit.
+    #[error("compiling the component took longer than the limit of {0:?}")]
+    CompileTimeout(Duration),
+    /// Compiling the component needed more memory than its limit (bytes).
+    #[error("compiling the component needed more than the limit of {0} bytes of memory")]
+    CompileMemory(u64),
     /// The guest tried to grow its memory beyond the limit.
     #[error("the plugin tried to use more than {0} bytes of memory")]
     OutOfMemory(usize),
@@ -210,6 +217,8 @@ impl PluginFailure {
             PluginFailure::HostLimit(_) => "plugin_host_call_too_large",
             PluginFailure::OutputTooLarge(_) => "plugin_output_too_large",
             PluginFailure::OverLimits(_) => "component_over_limits",
+            PluginFailure::CompileTimeout(_) => "component_compile_timeout",
+            PluginFailure::CompileMemory(_) => "component_compile_memory",
             PluginFailure::OutOfMemory(_) => "plugin_out_of_memory",
             PluginFailure::Invalid(_) => "plugin_invalid",
             PluginFailure::Busy => "plugin_busy",
@@ -264,12 +273,8 @@ impl Runtime {
             .max_component_instance_size(1 << 20)
             .linear_memory_keep_resident(KEEP_RESIDENT)
             .table_keep_resident(KEEP_RESIDENT);
-        let mut cfg = Config::new();
-        cfg.wasm_component_model(true)
-            .consume_fuel(true)
-            .epoch_interruption(true)
-            .allocation_strategy(InstanceAllocationStrategy::Pooling(pool))
-            .max_wasm_stack(512 << 10);
+        let mut cfg = Self::config();
+        cfg.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
         let engine = Engine::new(&cfg).map_err(setup)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(setup)?;
@@ -299,6 +304,18 @@ impl Runtime {
             linker,
             ticking,
         })
+    }
+
+    /// The engine settings compiled code depends on: the server's runtime and the compiler
+    /// process ([`compile::precompile`]) both build on them, so the artefacts one makes the
+    /// other loads.
+    fn config() -> Config {
+        let mut cfg = Config::new();
+        cfg.wasm_component_model(true)
+            .consume_fuel(true)
+            .epoch_interruption(true)
+            .max_wasm_stack(512 << 10);
+        cfg
     }
 
     /// Compiles `bytes` and checks that the component implements the world with nothing but

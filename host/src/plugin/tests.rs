@@ -444,3 +444,31 @@ fn components_over_the_per_component_limits_are_refused_naming_the_limit() {
     let e = runtime().compile(&tables).err().expect("refused");
     assert_eq!(e.code(), "component_over_limits", "{e}");
 }
+
+#[tokio::test]
+async fn artefacts_the_compiler_makes_load_into_the_servers_runtime() {
+    let bytes = std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../guest-sdk/target/wasm32-wasip2/release/examples/system_prompt.wasm"),
+    )
+    .expect("the examples are built");
+    let artefact = compile::precompile(&bytes).expect("compiles");
+    // SAFETY: the artefact was just made by `precompile` with this runtime's settings.
+    let p = unsafe { runtime().load_artefact(&artefact) }.expect("loads");
+    let out = instance(&p, PluginLimits::default())
+        .await
+        .preprocess(&chat("S", &[("user", "x")]))
+        .await
+        .unwrap();
+    let Input::Chat(m) = out.input else { panic!() };
+    assert_eq!(m[0].content, "S");
+    // Over the pool's limits: refused when loaded, as when compiled here.
+    let memories = wat::parse_str(
+        "(component (core module $m (memory 1) (memory 1) (memory 1)) (core instance (instantiate $m)))",
+    )
+    .expect("valid WAT");
+    let artefact = compile::precompile(&memories).expect("the compiler knows no pool");
+    // SAFETY: as above.
+    let e = unsafe { runtime().load_artefact(&artefact) }.err().expect("refused");
+    assert_eq!(e.code(), "component_over_limits", "{e}");
+}

@@ -755,12 +755,13 @@ async fn plugin_api(
             let activate = !no_activate(&req);
             let name = name.to_string();
             // The tenant's policy may allow less than the server; checked before reading.
-            let max = match state.quotas.set().of(&t.name).plugin_max_component_mib {
+            let policy = state.quotas.set().of(&t.name).clone();
+            let max = match policy.plugin_max_component_mib {
                 Some(mib) => p.max_component_bytes().min((mib as usize) << 20),
                 None => p.max_component_bytes(),
             };
             let bytes = read_body_up_to(state, req, max, "component_too_large").await?;
-            let v = p.upload(t, &name, bytes.to_vec(), activate).await?;
+            let v = p.upload(t, &policy, &name, bytes.to_vec(), activate).await?;
             let status = if v["new"].as_bool() == Some(true) {
                 StatusCode::CREATED
             } else {

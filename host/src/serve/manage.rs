@@ -208,12 +208,14 @@ pub fn plugin(cfg: &super::config::ServeConfig, data_dir: &Path, tenant: &str, o
                 .ok_or_else(|| StoreError::NoTenant(tenant.into()))?;
             let g = crate::gguf::Gguf::open(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
             let tokenizer = std::sync::Arc::new(crate::tokenizer::Tokenizer::from_gguf(&g)?);
-            let p = super::plugins::Plugins::new(store.clone(), cfg.plugins.clone(), data_dir, tokenizer)?;
+            let compiler = super::plugins::compiler()?;
+            let p = super::plugins::Plugins::new(store.clone(), cfg.plugins.clone(), data_dir, tokenizer, &compiler)?;
             let r = match op {
                 PluginOp::Upload { name, file, activate } => {
                     let bytes = read(&file)?;
                     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-                    rt.block_on(p.upload(&t, &name, bytes, activate))
+                    // The operator's own upload: the default policy's rate, in a fresh process.
+                    rt.block_on(p.upload(&t, &crate::policy::Policy::default(), &name, bytes, activate))
                 }
                 PluginOp::List => p.list(&t),
                 PluginOp::Show(n) => p.get(&t, &n),

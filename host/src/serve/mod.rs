@@ -200,6 +200,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         cfg.plugins.clone(),
         &cfg.data_dir,
         loaded.tokenizer.clone(),
+        &plugins::compiler()?,
     )?;
     let tls = if opts.insecure_http {
         None

@@ -12,6 +12,7 @@ pub mod pipeline;
 pub mod records;
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,7 +22,9 @@ use serde_json::{Value, json};
 use super::config::PluginsConfig;
 use super::openai::ApiError;
 use super::store::{Store, StoreError, Tenant, valid_tenant_name};
+use crate::plugin::compile::{CompileLimits, compile_isolated};
 use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling};
+use crate::policy::rate::{Denied, Gcra};
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
 use logs::TenantLogs;
@@ -45,6 +48,11 @@ pub struct Resolved {
     pub plugin: Plugin,
 }
 
+/// The `warden` binary running now, which compiles plugins in a child process.
+pub fn compiler() -> anyhow::Result<PathBuf> {
+    std::env::current_exe().map_err(|e| anyhow::anyhow!("finding the warden binary, which compiles plugins: {e}"))
+}
+
 /// The server's plugin service.
 pub struct Plugins {
     runtime: Arc<Runtime>,
@@ -58,6 +66,12 @@ pub struct Plugins {
     logs: Arc<TenantLogs>,
     /// Plugin instances each tenant's requests hold now.
     held: Arc<Mutex<HashMap<u64, usize>>>,
+    /// The `warden` binary, which compiles components in a child process.
+    compiler: PathBuf,
+    /// Compilations running at once.
+    compiles: tokio::sync::Semaphore,
+    /// Each tenant's uploads of new versions, per minute.
+    uploads: Mutex<HashMap<u64, Gcra>>,
 }
 
 /// A request's hold on its tenant's share of plugin instances; dropping it gives them back.
@@ -123,13 +137,15 @@ fn record_json(rec: &PluginRecord, default: bool) -> Value {
 }
 
 impl Plugins {
-    /// The service over `store`, caching compiled artefacts in `data_dir/plugin-cache` and
-    /// writing the tenants' plugin logs to `data_dir/plugin-logs`.
+    /// The service over `store`, caching compiled artefacts in `data_dir/plugin-cache`, writing
+    /// the tenants' plugin logs to `data_dir/plugin-logs`, and compiling with `compiler` (the
+    /// `warden` binary, run as `warden compile-plugin` in a child process).
     pub fn new(
         store: Store,
         cfg: PluginsConfig,
         data_dir: &std::path::Path,
         tokenizer: Arc<Tokenizer>,
+        compiler: &std::path::Path,
     ) -> anyhow::Result<Self> {
         let cache_dir = data_dir.join("plugin-cache");
         let cache_dir = cache_dir.as_path();
@@ -138,6 +154,7 @@ impl Plugins {
         let artefacts = Artefacts::new(cache_dir, key, &runtime)
             .map_err(|e| anyhow::anyhow!("creating the plugin cache {}: {e}", cache_dir.display()))?;
         Ok(Self {
+            compiles: tokio::sync::Semaphore::new(cfg.compiles),
             runtime: Arc::new(runtime),
             store,
             cfg,
@@ -147,6 +164,8 @@ impl Plugins {
             tokenizer,
             logs: Arc::new(TenantLogs::new(&data_dir.join("plugin-logs"))),
             held: Arc::new(Mutex::new(HashMap::new())),
+            compiler: compiler.to_path_buf(),
+            uploads: Mutex::new(HashMap::new()),
         })
     }
 
@@ -267,12 +286,46 @@ impl Plugins {
         self.artefacts.remove(tenant, sha);
     }
 
-    /// Compiles on the blocking pool: seconds of CPU for a large component.
+    /// Compiles in a child process under the configured time and memory limits, at most
+    /// `compiles` at once (more wait their turn): seconds of CPU for a large component, which no
+    /// component can stretch past its bounds.
     async fn compile(&self, bytes: Vec<u8>) -> Result<Plugin, PluginFailure> {
-        let rt = self.runtime.clone();
-        tokio::task::spawn_blocking(move || rt.compile(&bytes))
+        let _turn = self
+            .compiles
+            .acquire()
             .await
-            .unwrap_or_else(|e| Err(PluginFailure::Invalid(format!("compiling: {e}"))))
+            .map_err(|e| PluginFailure::Invalid(format!("compiling: {e}")))?;
+        let limits = CompileLimits {
+            timeout: Duration::from_secs(self.cfg.compile_timeout_s),
+            memory_bytes: self.cfg.compile_memory_mib << 20,
+        };
+        compile_isolated(&self.compiler, &self.runtime, &bytes, limits).await
+    }
+
+    /// Takes one of tenant `t`'s uploads per minute (its policy's, else the server's), or says
+    /// when it may upload again.
+    fn take_upload(&self, t: &Tenant, policy: &crate::policy::Policy) -> Result<(), ApiError> {
+        let per_minute = policy.plugin_uploads_per_minute.unwrap_or(self.cfg.uploads_per_minute);
+        let now = std::time::Instant::now();
+        let mut uploads = self.uploads.lock().unwrap_or_else(|p| p.into_inner());
+        let g = uploads.entry(t.id).or_insert_with(|| Gcra::per_minute(per_minute, now));
+        *g = g.with_limit(per_minute);
+        g.take(1, now).map_err(|d| {
+            let after = match d {
+                Denied::RetryAfter(d) => d.as_secs().max(1),
+                Denied::TooLarge { .. } => 60,
+            };
+            ApiError {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                code: "upload_rate_limit",
+                message: format!(
+                    "tenant {:?} may upload {per_minute} new plugin versions a minute; retry in {after} s",
+                    t.name
+                ),
+                param: None,
+                retry_after: Some(after),
+            }
+        })
     }
 
     /// A smoke call under the configured limits: instantiate, `capabilities`, `preprocess` of a
@@ -302,10 +355,18 @@ impl Plugins {
         ran(i.postprocess("Hello from the upload check.", true).await)
     }
 
-    /// Validates `bytes` (size, compiles, implements the world with only the host's imports, a
-    /// smoke call under fuel) and stores them as a version of plugin `name`; with `activate`,
-    /// requests run it from now on.
-    pub async fn upload(&self, t: &Tenant, name: &str, bytes: Vec<u8>, activate: bool) -> Result<Value, ApiError> {
+    /// Validates `bytes` (size, compiles within its bounds, implements the world with only the
+    /// host's imports, a smoke call under fuel) and stores them as a version of plugin `name`;
+    /// with `activate`, requests run it from now on. A new version counts against the tenant's
+    /// uploads per minute under `policy`.
+    pub async fn upload(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        name: &str,
+        bytes: Vec<u8>,
+        activate: bool,
+    ) -> Result<Value, ApiError> {
         if !valid_tenant_name(name) {
             return Err(ApiError::field(
                 "name",
@@ -328,6 +389,7 @@ impl Plugins {
             .as_ref()
             .is_some_and(|r| r.versions.iter().any(|v| v.sha256 == version.sha256));
         if !known {
+            self.take_upload(t, policy)?;
             let plugin = self.compile(bytes.clone()).await.map_err(|e| upload_error(&e))?;
             self.smoke(&plugin, &config).await.map_err(|e| match e {
                 PluginFailure::Busy | PluginFailure::OverLimits(_) => failure_error(&e),
