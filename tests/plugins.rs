@@ -863,7 +863,7 @@ fn the_compiler_child_is_held_to_its_time_and_memory() {
         // Within its bounds: an artefact the server's runtime loads.
         assert!(compile_isolated(&exe, &runtime, &regex, limits(30, 2048)).await.is_ok());
         // Too little memory for it: refused, named as memory.
-        let e = compile_isolated(&exe, &runtime, &regex, limits(30, 128))
+        let e = compile_isolated(&exe, &runtime, &regex, limits(30, 48))
             .await
             .err()
             .expect("refused");
@@ -883,5 +883,219 @@ fn the_compiler_child_is_held_to_its_time_and_memory() {
             .expect("refused");
         assert_eq!(e.code(), "plugin_invalid", "{e}");
         assert!(!e.to_string().contains("invalid plugin: invalid plugin"), "{e}");
+    });
+}
+
+/// Who calls, in the auth matrix.
+#[derive(Clone, Copy, Debug)]
+enum Who {
+    Nobody,
+    WrongKey,
+    A,
+    B,
+    Admin,
+}
+
+/// A route of the auth matrix: method, path, body, and the status each of `Who`'s callers gets
+/// (in the order `Nobody, WrongKey, A, B, Admin`; 0 where not tried).
+type Route = (Method, String, Option<Vec<u8>>, [u16; 5]);
+
+#[test]
+fn every_route_answers_each_caller_as_its_rights_say() {
+    let s = Server::start("plugauth", "");
+    let a = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let b = s.tenant_with_key("beta").await;
+        // A owns plugin `pa` (with a config), B owns `pb`; each has used the API once.
+        assert_eq!(upload(&c, &a, "pa", example("system_prompt")).await.status, 201);
+        assert_eq!(upload(&c, &b, "pb", example("system_prompt")).await.status, 201);
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/pa/config",
+            &a,
+            Some(b"A's secret prompt".to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        let one = chat(json!([{"role": "user", "content": "Hi"}]), None, 1, false);
+        for k in [&a, &b] {
+            assert_eq!(
+                call(&c, Method::POST, "/v1/chat/completions", k, Some(one.clone()))
+                    .await
+                    .status,
+                200
+            );
+        }
+        let keys = c
+            .request(Method::GET, "/admin/v1/tenants/beta/keys", Some(&s.admin), None)
+            .await
+            .unwrap()
+            .json()
+            .unwrap();
+        let b_key_id = keys["data"][0]["id"].as_str().expect("B's key id").to_string();
+        let who = |w: Who| -> Option<String> {
+            match w {
+                Who::Nobody => None,
+                Who::WrongKey => Some("wdn-0000000000000000000000000000000000000000000000000000000000000000".into()),
+                Who::A => Some(a.clone()),
+                Who::B => Some(b.clone()),
+                Who::Admin => Some(s.admin.clone()),
+            }
+        };
+        let t = 401; // not authenticated for this route
+        let all = [Who::Nobody, Who::WrongKey, Who::A, Who::B, Who::Admin];
+        let routes: Vec<Route> = vec![
+            (Method::GET, "/healthz".into(), None, [200, 200, 200, 200, 200]),
+            (Method::GET, "/readyz".into(), None, [200, 200, 200, 200, 200]),
+            (Method::GET, "/metrics".into(), None, [t, t, t, t, 200]),
+            (Method::GET, "/v1/models".into(), None, [t, t, 200, 200, t]),
+            (
+                Method::GET,
+                format!("/v1/models/{}", common::MODEL),
+                None,
+                [t, t, 200, 200, t],
+            ),
+            (
+                Method::POST,
+                "/v1/chat/completions".into(),
+                Some(one.clone()),
+                [t, t, 200, 200, t],
+            ),
+            (
+                Method::POST,
+                "/v1/completions".into(),
+                Some(
+                    json!({"model": common::MODEL, "prompt": "Hi", "max_tokens": 1})
+                        .to_string()
+                        .into_bytes(),
+                ),
+                [t, t, 200, 200, t],
+            ),
+            (Method::GET, "/v1/usage".into(), None, [t, t, 200, 200, t]),
+            (Method::GET, "/v1/plugins".into(), None, [t, t, 200, 200, t]),
+            // A's plugin: B is told it does not exist, exactly as for a name nobody has.
+            (Method::GET, "/v1/plugins/pa".into(), None, [t, t, 200, 404, t]),
+            (Method::GET, "/v1/plugins/pa/logs".into(), None, [t, t, 200, 404, t]),
+            (
+                Method::PUT,
+                "/v1/plugins/pa/config".into(),
+                Some(b"B was here".to_vec()),
+                [t, t, 0, 404, t],
+            ),
+            (
+                Method::POST,
+                "/v1/plugins/pa/rollback".into(),
+                None,
+                [t, t, 409, 404, t],
+            ),
+            (
+                Method::POST,
+                "/v1/plugins/pa/activate".into(),
+                Some(br#"{"version": "0123456789abcdef"}"#.to_vec()),
+                [t, t, 404, 404, t],
+            ),
+            (Method::PUT, "/v1/plugins/pa/default".into(), None, [t, t, 200, 404, t]),
+            (
+                Method::DELETE,
+                "/v1/plugins/pa/default".into(),
+                None,
+                [t, t, 200, 404, t],
+            ),
+            (
+                Method::DELETE,
+                "/v1/plugins/pa/versions/0123456789abcdef".into(),
+                None,
+                [t, t, 404, 404, t],
+            ),
+            (Method::GET, "/admin/v1/tenants".into(), None, [t, t, t, t, 200]),
+            (Method::GET, "/admin/v1/usage".into(), None, [t, t, t, t, 200]),
+            (Method::GET, "/admin/v1/policies".into(), None, [t, t, t, t, 200]),
+            (Method::GET, "/admin/v1/keys".into(), None, [t, t, t, t, 200]),
+            (
+                Method::GET,
+                "/admin/v1/tenants/default/keys".into(),
+                None,
+                [t, t, t, t, 200],
+            ),
+            (
+                Method::POST,
+                "/admin/v1/tenants/default/keys".into(),
+                None,
+                [t, t, t, t, 0],
+            ),
+            (
+                Method::GET,
+                "/admin/v1/tenants/default/plugins".into(),
+                None,
+                [t, t, t, t, 200],
+            ),
+            (
+                Method::GET,
+                "/admin/v1/tenants/default/plugins/pa/logs".into(),
+                None,
+                [t, t, t, t, 200],
+            ),
+            (
+                Method::POST,
+                "/admin/v1/tenants".into(),
+                Some(br#"{"name": "gamma"}"#.to_vec()),
+                [t, t, t, t, 201],
+            ),
+            (
+                Method::DELETE,
+                "/admin/v1/tenants/gamma".into(),
+                None,
+                [t, t, t, t, 200],
+            ),
+            (
+                Method::DELETE,
+                format!("/admin/v1/keys/{b_key_id}"),
+                None,
+                [t, t, t, t, 0],
+            ),
+            (Method::DELETE, "/v1/plugins/pa".into(), None, [t, t, 200, 404, t]),
+        ];
+        for (method, path, body, expected) in routes {
+            for (w, want) in all.iter().zip(expected) {
+                if want == 0 {
+                    continue;
+                }
+                let r = c
+                    .request(method.clone(), &path, who(*w).as_deref(), body.clone())
+                    .await
+                    .expect("request");
+                assert_eq!(r.status, want, "{method} {path} as {w:?}: {}", r.text());
+                // Nothing another tenant owns shows in what a tenant is answered (generated text
+                // aside, which is the model's).
+                let text = r.text();
+                let generated = path.ends_with("completions");
+                match w {
+                    Who::A if !generated => {
+                        assert!(
+                            !text.contains("\"pb\"") && !text.contains("beta"),
+                            "{path} as A: {text}"
+                        )
+                    }
+                    Who::B if !generated => assert!(
+                        !text.contains("\"pa\"")
+                            && !text.contains("A's secret")
+                            && !text.contains("\"tenant\":\"default\""),
+                        "{method} {path} as B: {text}"
+                    ),
+                    _ => {}
+                }
+                if want == t && !matches!(w, Who::Nobody) {
+                    assert!(code(&r).starts_with("invalid_"), "{path} as {w:?}: {}", r.text());
+                }
+            }
+        }
+        // Names are per tenant: B may have a `pa` of its own, and it is nothing of A's.
+        assert_eq!(upload(&c, &b, "pa", example("pii_redactor")).await.status, 201);
+        let v = call(&c, Method::GET, "/v1/plugins/pa", &b, None).await.json().unwrap();
+        assert_eq!(v["config_bytes"], json!(0), "{v}");
+        let v = call(&c, Method::GET, "/v1/usage", &a, None).await.json().unwrap();
+        assert_eq!(v["tenant"], json!("default"), "{v}");
     });
 }

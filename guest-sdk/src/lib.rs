@@ -26,9 +26,11 @@
 //! from eviction, so later requests that start the same way skip computing them (see
 //! `examples/prefix_pin.rs`); `unpin_prefix()` lets them go.
 //!
-//! Each call runs under the server's fuel, time and memory limits (`[plugins]` in its config):
-//! work done once per request, such as compiling the regexes of a config, is paid on every
-//! request, so keep it small.
+//! Each call runs under the server's fuel, time and memory limits (`[plugins]` in its config),
+//! and a request's calls share one time budget: work done once per request, such as compiling the
+//! regexes of a config, is paid on every request, so keep it small. Host calls cost fuel too
+//! (`tokenizer::encode` 500 a byte, for one), and what a plugin returns is bounded (see
+//! `wit/plugin.wit`). `std::thread::sleep` returns at once: the clock never moves.
 
 /// The bindings wit-bindgen generates for `wit/plugin.wit` (plugins use the re-exports below).
 #[doc(hidden)]

@@ -380,8 +380,8 @@ pub struct Instance {
     time: Arc<RequestTime>,
     /// Fuel burned by calls not yet taken by [`Instance::take_fuel`].
     fuel_used: u64,
-    /// Text given to and returned by `postprocess`, bytes: its output is bounded by its input.
-    postprocessed: (usize, usize),
+    /// What `postprocess` was given and returned: its output is bounded by its input.
+    postprocessed: OutputBound,
 }
 
 /// Bytes `postprocess` may return beyond [`POSTPROCESS_RATIO`] times what it was given, over a
@@ -391,6 +391,40 @@ pub const POSTPROCESS_SLACK: usize = 4096;
 pub const POSTPROCESS_RATIO: usize = 4;
 /// The most one `postprocess` call may return, bytes.
 pub const POSTPROCESS_MAX_CHUNK: usize = 1 << 20;
+
+/// What a choice's `postprocess` calls were given and returned, in bytes, and the bound on what
+/// they may return.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct OutputBound {
+    given: usize,
+    returned: usize,
+}
+
+impl OutputBound {
+    /// Counts a call given `given` bytes that returned `returned`; fails once the call or the
+    /// choice's whole output is over its bound.
+    pub fn admit(&mut self, given: usize, returned: usize) -> Result<(), PluginFailure> {
+        self.given = self.given.saturating_add(given);
+        self.returned = self.returned.saturating_add(returned);
+        if returned > POSTPROCESS_MAX_CHUNK {
+            return Err(PluginFailure::OutputTooLarge(format!(
+                "postprocess returned {returned} bytes in one chunk, more than the limit of {POSTPROCESS_MAX_CHUNK}"
+            )));
+        }
+        let allowed = self
+            .given
+            .saturating_mul(POSTPROCESS_RATIO)
+            .saturating_add(POSTPROCESS_SLACK);
+        if self.returned > allowed {
+            return Err(PluginFailure::OutputTooLarge(format!(
+                "postprocess returned {} bytes for {} bytes of output, more than {POSTPROCESS_RATIO} times \
+                 the output plus {POSTPROCESS_SLACK}",
+                self.returned, self.given
+            )));
+        }
+        Ok(())
+    }
+}
 
 impl Plugin {
     /// The compiled machine code, for [`Runtime::load_artefact`].
@@ -436,7 +470,7 @@ impl Plugin {
                 limits,
                 time,
                 fuel_used: 0,
-                postprocessed: (0, 0),
+                postprocessed: OutputBound::default(),
             }),
             Ok(Err(e)) => Err(classify(&store, &limits, e, timeout)),
             Err(_) => Err(timeout()),
@@ -559,24 +593,7 @@ impl Instance {
         let out = call!(self, |b, s| b.call_postprocess(s, &chunk, is_final))?
             .map_err(refused)?
             .text;
-        let (given, returned) = self.postprocessed;
-        let (given, returned) = (given + text.len(), returned + out.len());
-        self.postprocessed = (given, returned);
-        if out.len() > POSTPROCESS_MAX_CHUNK {
-            return Err(PluginFailure::OutputTooLarge(format!(
-                "postprocess returned {} bytes in one chunk, more than the limit of {POSTPROCESS_MAX_CHUNK}",
-                out.len()
-            )));
-        }
-        let allowed = given
-            .saturating_mul(POSTPROCESS_RATIO)
-            .saturating_add(POSTPROCESS_SLACK);
-        if returned > allowed {
-            return Err(PluginFailure::OutputTooLarge(format!(
-                "postprocess returned {returned} bytes for {given} bytes of output, more than \
-                 {POSTPROCESS_RATIO} times the output plus {POSTPROCESS_SLACK}"
-            )));
-        }
+        self.postprocessed.admit(text.len(), out.len())?;
         Ok(out)
     }
 

@@ -348,8 +348,19 @@ impl PolicySet {
                 files.insert(format!("tenants/{name}"), (p.clone(), read(&p)?));
             }
         }
+        Self::from_files(&files, bounds, tokenize)
+    }
+
+    /// The policies of `files` (name under the policy directory, like `default.toml` or
+    /// `tenants/acme.toml` → the path it names in errors and its text), checked as
+    /// [`PolicySet::load`] checks a directory's.
+    pub fn from_files(
+        files: &BTreeMap<String, (PathBuf, String)>,
+        bounds: Bounds,
+        tokenize: &dyn Fn(&str) -> Vec<u32>,
+    ) -> Result<Self, PolicyError> {
         let mut digest = sha2::Sha256::new();
-        for (name, (_, text)) in &files {
+        for (name, (_, text)) in files {
             digest.update((name.len() as u64).to_le_bytes());
             digest.update(name.as_bytes());
             digest.update((text.len() as u64).to_le_bytes());

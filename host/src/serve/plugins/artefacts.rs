@@ -8,8 +8,8 @@
 
 use std::path::{Path, PathBuf};
 
-use sha2::{Digest, Sha256};
-use subtle::ConstantTimeEq;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
 
 use crate::plugin::{Plugin, Runtime};
 
@@ -22,24 +22,14 @@ pub struct Artefacts {
     compatibility: String,
 }
 
-fn hmac(key: &[u8; 32], parts: &[&[u8]]) -> [u8; 32] {
-    let mut ipad = [0x36u8; 64];
-    let mut opad = [0x5cu8; 64];
-    for (i, k) in key.iter().enumerate() {
-        ipad[i] ^= k;
-        opad[i] ^= k;
-    }
-    let mut inner = Sha256::new();
-    inner.update(ipad);
+/// HMAC-SHA256 of `parts`, each length-prefixed so no two part lists give the same input.
+fn hmac(key: &[u8; 32], parts: &[&[u8]]) -> Hmac<Sha256> {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes a key of any length");
     for p in parts {
-        // Length-prefixed, so no two part lists give the same input.
-        inner.update((p.len() as u64).to_be_bytes());
-        inner.update(p);
+        m.update(&(p.len() as u64).to_be_bytes());
+        m.update(p);
     }
-    let mut outer = Sha256::new();
-    outer.update(opad);
-    outer.update(inner.finalize());
-    outer.finalize().into()
+    m
 }
 
 impl Artefacts {
@@ -58,7 +48,7 @@ impl Artefacts {
             .join(format!("{tenant:016x}-{sha256}-{}.cwasm", self.compatibility))
     }
 
-    fn mac(&self, tenant: u64, sha256: &str, body: &[u8]) -> [u8; 32] {
+    fn mac(&self, tenant: u64, sha256: &str, body: &[u8]) -> Hmac<Sha256> {
         hmac(
             &self.key,
             &[
@@ -77,9 +67,8 @@ impl Artefacts {
             return None;
         }
         let (mac, body) = bytes.split_at(MAC_LEN);
-        if !bool::from(self.mac(tenant, sha256, body).ct_eq(mac)) {
-            return None;
-        }
+        // Compared in constant time.
+        self.mac(tenant, sha256, body).verify_slice(mac).ok()?;
         // SAFETY: the MAC proves this process's store wrote these exact bytes with
         // `Plugin::artefact` for this engine compatibility, under this name.
         unsafe { runtime.load_artefact(body) }.ok()
@@ -89,7 +78,7 @@ impl Artefacts {
     /// ignored: the cache only saves time).
     pub fn save(&self, tenant: u64, sha256: &str, plugin: &Plugin) {
         let Ok(body) = plugin.artefact() else { return };
-        let mut out = self.mac(tenant, sha256, &body).to_vec();
+        let mut out = self.mac(tenant, sha256, &body).finalize().into_bytes().to_vec();
         out.extend_from_slice(&body);
         let path = self.path(tenant, sha256);
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
@@ -108,11 +97,37 @@ impl Artefacts {
 mod tests {
     use super::*;
 
+    fn tag(key: &[u8; 32], parts: &[&[u8]]) -> Vec<u8> {
+        hmac(key, parts).finalize().into_bytes().to_vec()
+    }
+
     #[test]
     fn the_mac_depends_on_key_and_on_how_the_parts_are_split() {
         let k = [7u8; 32];
-        assert_ne!(hmac(&k, &[b"ab", b"c"]), hmac(&k, &[b"a", b"bc"]));
-        assert_ne!(hmac(&k, &[b"x"]), hmac(&[8u8; 32], &[b"x"]));
-        assert_eq!(hmac(&k, &[b"x"]), hmac(&k, &[b"x"]));
+        assert_ne!(tag(&k, &[b"ab", b"c"]), tag(&k, &[b"a", b"bc"]));
+        assert_ne!(tag(&k, &[b"x"]), tag(&[8u8; 32], &[b"x"]));
+        assert_eq!(tag(&k, &[b"x"]), tag(&k, &[b"x"]));
+        assert!(hmac(&k, &[b"x"]).verify_slice(&tag(&k, &[b"x"])).is_ok());
+        assert!(hmac(&k, &[b"x"]).verify_slice(&tag(&k, &[b"y"])).is_err());
+    }
+
+    #[test]
+    fn it_is_hmac_sha256_of_the_length_prefixed_parts() {
+        // RFC 4231 test case 2's key and data, as one part: HMAC-SHA256 over its 8-byte length
+        // and the data, checked against the `sha2` crate's SHA-256 computed by hand.
+        use sha2::Digest;
+        let mut key = [0u8; 32];
+        key[..4].copy_from_slice(b"Jefe");
+        let data = b"what do ya want for nothing?";
+        let mut msg = (data.len() as u64).to_be_bytes().to_vec();
+        msg.extend_from_slice(data);
+        let (mut ipad, mut opad) = ([0x36u8; 64], [0x5cu8; 64]);
+        for (i, k) in key.iter().enumerate() {
+            ipad[i] ^= k;
+            opad[i] ^= k;
+        }
+        let inner = Sha256::new().chain_update(ipad).chain_update(&msg).finalize();
+        let outer = Sha256::new().chain_update(opad).chain_update(inner).finalize();
+        assert_eq!(tag(&key, &[data]), outer.to_vec());
     }
 }

@@ -129,7 +129,7 @@ impl Hooks {
         let out = self.first.preprocess(&req).await;
         self.reporter.flush_logs(&self.resolved, &mut self.first);
         let out = out
-            .and_then(|out| within_bounds(&out, self.max_request_bytes).map(|()| out))
+            .and_then(|out| check_rewritten(&out, self.max_request_bytes).map(|()| out))
             .map_err(|f| self.reporter.error(&f))?;
         Ok((out.input, out.sampling))
     }
@@ -181,7 +181,7 @@ impl Hooks {
 /// Whether a request `preprocess` returned is one a client could have sent: its text no larger
 /// than a client's body, no more messages than such a body holds, and the engine's limits on
 /// stop strings. Checked before the host renders or tokenizes any of it.
-fn within_bounds(req: &Request, max_bytes: usize) -> Result<(), PluginFailure> {
+pub fn check_rewritten(req: &Request, max_bytes: usize) -> Result<(), PluginFailure> {
     let too_large = |what: String| Err(PluginFailure::OutputTooLarge(format!("preprocess returned {what}")));
     let text = match &req.input {
         Input::Prompt(p) => p.len(),
