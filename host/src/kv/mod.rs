@@ -27,6 +27,7 @@ use std::collections::{HashMap, HashSet};
 
 use half::f16;
 use warden_kernels::attention::{AttnShape, IsolationViolation, KvLayer, PUBLIC_OWNER, PageEntry, PageTag};
+use xxhash_rust::xxh3::Xxh3;
 
 /// A sequence's id in the pool.
 pub type SeqId = u64;
@@ -213,35 +214,31 @@ impl PageData {
     }
 }
 
-/// A fast 64-bit checksum over f16 data, 4 values per word (multiply-rotate mixing).
-#[derive(Default)]
-struct Checksum {
-    h: u64,
-    n: u64,
+/// The checksum of a page's content: xxh3-64 over its written K and V, layer by layer, each value
+/// as its two little-endian bytes (so nodes of any endianness agree).
+struct Checksum(Xxh3);
+
+impl Default for Checksum {
+    fn default() -> Self {
+        Self(Xxh3::new())
+    }
 }
 
 impl Checksum {
     fn add(&mut self, xs: &[f16]) {
-        const K: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut chunks = xs.chunks_exact(4);
-        for c in &mut chunks {
-            let w = u64::from(c[0].to_bits())
-                | u64::from(c[1].to_bits()) << 16
-                | u64::from(c[2].to_bits()) << 32
-                | u64::from(c[3].to_bits()) << 48;
-            self.h = (self.h ^ w).wrapping_mul(K).rotate_left(29);
+        const CHUNK: usize = 4096;
+        let mut buf = [0u8; 2 * CHUNK];
+        for chunk in xs.chunks(CHUNK) {
+            let bytes = &mut buf[..2 * chunk.len()];
+            for (b, x) in bytes.chunks_exact_mut(2).zip(chunk) {
+                b.copy_from_slice(&x.to_bits().to_le_bytes());
+            }
+            self.0.update(bytes);
         }
-        for x in chunks.remainder() {
-            self.h = (self.h ^ u64::from(x.to_bits())).wrapping_mul(K).rotate_left(29);
-        }
-        self.n += xs.len() as u64;
     }
 
     fn finish(&self) -> u64 {
-        let mut h = self.h ^ self.n;
-        h ^= h >> 33;
-        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        h ^ (h >> 33)
+        self.0.digest()
     }
 }
 
@@ -1066,6 +1063,38 @@ impl KvPool {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_page_checksum_is_xxh3_of_the_little_endian_values_layer_by_layer() {
+        // Two layers, one slot each, kv_dim 3 (and more than one buffer's worth below).
+        let vals = |base: f32, n: usize| (0..n).map(|i| f16::from_f32(base + i as f32)).collect::<Vec<_>>();
+        let data = PageData {
+            written: 1,
+            k: vals(1.0, 6),
+            v: vals(100.0, 6),
+            checksum: 0,
+        };
+        let mut bytes = Vec::new();
+        for l in 0..2 {
+            for x in data.k[l * 3..l * 3 + 3].iter().chain(&data.v[l * 3..l * 3 + 3]) {
+                bytes.extend_from_slice(&x.to_bits().to_le_bytes());
+            }
+        }
+        assert_eq!(data.computed_checksum(2), xxhash_rust::xxh3::xxh3_64(&bytes));
+        let long = PageData {
+            written: 1,
+            k: vals(0.5, 10_000),
+            v: vals(7.0, 10_000),
+            checksum: 0,
+        };
+        let bytes: Vec<u8> = long
+            .k
+            .iter()
+            .chain(&long.v)
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect();
+        assert_eq!(long.computed_checksum(1), xxhash_rust::xxh3::xxh3_64(&bytes));
+    }
 
     const SHAPE: AttnShape = AttnShape {
         n_heads: 2,
