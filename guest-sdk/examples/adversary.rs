@@ -1,8 +1,8 @@
 //! A hostile plugin for Warden's containment tests: its config picks the attack.
 //!
 //! In `preprocess`: `loop` spins forever, `bomb` allocates without bound, `recurse` recurses
-//! without bound, `trap` panics, `huge` returns a 64 MiB prompt, `big` an 8 MiB one (it fits the
-//! guest's memory; the host must refuse it before tokenizing), `many` 100,000 messages, `sleep`
+//! without bound, `trap` panics, `huge` returns a 64 MiB prompt, `big` an 8 MiB one and `big40` a 40 MiB
+//! one (they fit the guest's memory; the host must refuse them before tokenizing), `many` 100,000 messages, `sleep`
 //! sleeps 20 s and `sleep-forever` as long as it can (on the host's clock, if it could),
 //! `encode-huge` asks the tokenizer to encode 16 MiB, `encode-loop` encodes 64 KiB over and over,
 //! `decode-loop` decodes 64 Ki tokens over and over, `log-loop` logs 1 KiB lines over and over.
@@ -69,6 +69,7 @@ impl Plugin for Adversary {
             "trap" => panic!("the adversary traps"),
             "huge" => req.input = Input::Prompt("x".repeat(64 << 20)),
             "big" => req.input = Input::Prompt("x ".repeat(4 << 20)),
+            "big40" => req.input = Input::Prompt("x ".repeat(20 << 20)),
             "many" => {
                 req.input = Input::Chat(
                     (0..100_000)

@@ -11,10 +11,8 @@
 //! cargo build --release && cargo run --release --example cluster_bench -- --repeats 5 --lengths 128,512,1536
 //! ```
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -23,6 +21,9 @@ use http_body_util::BodyExt;
 use hyper::Method;
 use warden::cluster::link::{self, Msg};
 use warden::serve::client::{Client, Proto};
+
+mod common;
+use common::{Proc, server, start};
 
 #[derive(Parser)]
 struct Args {
@@ -37,52 +38,6 @@ struct Args {
     model: PathBuf,
 }
 
-/// A `warden serve` process, killed on drop.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `warden serve --role role` with `config`, and returns it with what `ready` found in
-/// the first line it recognises.
-fn start(
-    bin: &Path,
-    role: &str,
-    config: &Path,
-    ready: impl Fn(&str) -> Option<String>,
-) -> anyhow::Result<(Proc, String)> {
-    let mut child = Command::new(bin)
-        .args(["serve", "--role", role, "--config"])
-        .arg(config)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let out = child.stdout.take().context("stdout")?;
-    let mut lines = BufReader::new(out).lines();
-    let proc = Proc(child);
-    let mut key = None;
-    while let Some(l) = lines.next().transpose()? {
-        if let Some(k) = l.split("API key (shown only now): ").nth(1) {
-            key = Some(k.to_string());
-        }
-        if let Some(found) = ready(&l) {
-            // Keep draining its output so it never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
-            let found = match key {
-                Some(k) => format!("{found} {k}"),
-                None => found,
-            };
-            return Ok((proc, found));
-        }
-    }
-    bail!("warden serve --role {role} exited before it was ready")
-}
-
 fn node(bin: &Path, dir: &Path, role: &str, model: &Path) -> anyhow::Result<(Proc, SocketAddr)> {
     let config = dir.join(format!("{role}.toml"));
     std::fs::write(
@@ -95,24 +50,6 @@ fn node(bin: &Path, dir: &Path, role: &str, model: &Path) -> anyhow::Result<(Pro
             .flatten()
     })?;
     Ok((p, addr.parse()?))
-}
-
-/// A server (`all` or `router`): the process, a client and its default tenant's key.
-fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> anyhow::Result<(Proc, Client, String)> {
-    let data = dir.join(format!("{role}-data"));
-    let config = dir.join(format!("{role}.toml"));
-    std::fs::write(
-        &config,
-        format!("listen = \"127.0.0.1:0\"\ndata_dir = {data:?}\nmodel = {model:?}\n{extra}\n"),
-    )?;
-    let (p, found) = start(bin, role, &config, |l| {
-        l.strip_prefix("serving ")
-            .and_then(|r| r.split(" on ").nth(1))
-            .map(str::to_string)
-    })?;
-    let (url, key) = found.split_once(' ').context("a new data dir prints the default key")?;
-    let client = Client::new(url, Some(&data.join("tls/cert.pem")))?;
-    Ok((p, client, key.to_string()))
 }
 
 /// Time to the first streamed token of a completion of `prompt`.
@@ -161,14 +98,7 @@ fn metric(text: &str, name: &str) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let bin = std::env::current_exe()?
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("warden"))
-        .context("the binary's folder")?;
-    if !bin.exists() {
-        bail!("{} is missing: run `cargo build --release` first", bin.display());
-    }
+    let bin = common::warden_bin()?;
     let model = std::fs::canonicalize(&args.model).with_context(|| format!("model {}", args.model.display()))?;
     let id = model
         .file_stem()

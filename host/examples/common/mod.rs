@@ -1,0 +1,88 @@
+//! What the benchmark programs share: starting `warden serve` processes from the release build
+//! and talking to them.
+
+#![allow(dead_code)] // each example uses what it needs
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context, bail};
+use warden::serve::client::Client;
+
+/// The `warden` binary beside this example's release build (`cargo build --release` first).
+pub fn warden_bin() -> anyhow::Result<PathBuf> {
+    let bin = std::env::current_exe()?
+        .parent()
+        .and_then(Path::parent)
+        .map(|d| d.join("warden"))
+        .context("the binary's folder")?;
+    if !bin.exists() {
+        bail!("{} is missing: run `cargo build --release` first", bin.display());
+    }
+    Ok(bin)
+}
+
+/// A `warden serve` process, killed on drop.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `warden serve --role role` with `config`, and returns it with what `ready` found in
+/// the first line it recognises.
+pub fn start(
+    bin: &Path,
+    role: &str,
+    config: &Path,
+    ready: impl Fn(&str) -> Option<String>,
+) -> anyhow::Result<(Proc, String)> {
+    let mut child = Command::new(bin)
+        .args(["serve", "--role", role, "--config"])
+        .arg(config)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let out = child.stdout.take().context("stdout")?;
+    let mut lines = BufReader::new(out).lines();
+    let proc = Proc(child);
+    let mut key = None;
+    while let Some(l) = lines.next().transpose()? {
+        if let Some(k) = l.split("API key (shown only now): ").nth(1) {
+            key = Some(k.to_string());
+        }
+        if let Some(found) = ready(&l) {
+            // Keep draining its output so it never blocks on a full pipe.
+            std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
+            let found = match key {
+                Some(k) => format!("{found} {k}"),
+                None => found,
+            };
+            return Ok((proc, found));
+        }
+    }
+    bail!("warden serve --role {role} exited before it was ready")
+}
+
+/// A server (`all` or `router`): the process, a client and its default tenant's key.
+pub fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> anyhow::Result<(Proc, Client, String)> {
+    let data = dir.join(format!("{role}-data"));
+    let config = dir.join(format!("{role}.toml"));
+    std::fs::write(
+        &config,
+        format!("listen = \"127.0.0.1:0\"\ndata_dir = {data:?}\nmodel = {model:?}\n{extra}\n"),
+    )?;
+    let (p, found) = start(bin, role, &config, |l| {
+        l.strip_prefix("serving ")
+            .and_then(|r| r.split(" on ").nth(1))
+            .map(str::to_string)
+    })?;
+    let (url, key) = found.split_once(' ').context("a new data dir prints the default key")?;
+    let client = Client::new(url, Some(&data.join("tls/cert.pem")))?;
+    Ok((p, client, key.to_string()))
+}
