@@ -90,17 +90,17 @@ fn metric(text: &str, name: &str) -> f64 {
 
 /// One request of tenant `i`, the `n`th: its outcome (status, or "cancelled").
 async fn one(c: &Client, key: &str, model: &str, i: usize, n: u64) -> String {
-    let stream = n % 2 == 0;
-    let body = if n % 3 == 0 {
+    let stream = n.is_multiple_of(2);
+    let body = if n.is_multiple_of(3) {
         json!({"model": model, "prompt": format!("Item {n}: once upon a time"), "max_tokens": 24, "stream": stream})
     } else {
         json!({
-            "model": model, "stream": stream, "max_tokens": 8 + (n % 24), "n": 1 + (n % 5 == 0) as u64,
+            "model": model, "stream": stream, "max_tokens": 8 + (n % 24), "n": 1 + n.is_multiple_of(5) as u64,
             "temperature": 0.7, "seed": n,
             "messages": [{"role": "user", "content": format!("Tenant {i}, question {n}: tell me about Alice's trip.")}],
         })
     };
-    let path = if n % 3 == 0 {
+    let path = if n.is_multiple_of(3) {
         "/v1/completions"
     } else {
         "/v1/chat/completions"
@@ -201,7 +201,7 @@ fn main() -> anyhow::Result<()> {
                 while Instant::now() < end {
                     n += 1;
                     // The adversary tenants misbehave for a while every so often.
-                    if PLUGINS[i].0 == "adversary" && n % 50 == 0 {
+                    if PLUGINS[i].0 == "adversary" && n.is_multiple_of(50) {
                         let cfg = MISCHIEF[(n / 50) as usize % MISCHIEF.len()];
                         let _ = c
                             .request(
@@ -224,8 +224,8 @@ fn main() -> anyhow::Result<()> {
         while Instant::now() < end {
             tokio::time::sleep(Duration::from_secs(10)).await;
             tick += 1;
-            if tick % 3 == 0 {
-                let tpm = if tick % 2 == 0 {
+            if tick.is_multiple_of(3) {
+                let tpm = if tick.is_multiple_of(2) {
                     "unlimited".to_string()
                 } else {
                     "200000".to_string()
