@@ -143,6 +143,12 @@ pub async fn compile_isolated(
         let read_err = stderr.read_to_end(&mut err);
         let ((), r, _) = tokio::join!(write, read, read_err);
         r.map_err(|e| failed("reading its output", e))?;
+        if out.len() as u64 > cap {
+            // More machine code than the component could justify: stop the child now (it
+            // would block on the full pipe) and hold none of it.
+            let _ = child.kill().await;
+            return Err(PluginFailure::CompileMemory(limits.memory_bytes));
+        }
         let status = child.wait().await.map_err(|e| failed("waiting", e))?;
         Ok::<_, PluginFailure>((status, out, err))
     };
@@ -162,9 +168,6 @@ pub async fn compile_isolated(
             }
             _ => PluginFailure::Invalid(format!("the compiler process failed ({status}): {}", err.trim())),
         });
-    }
-    if out.len() as u64 > cap {
-        return Err(PluginFailure::CompileMemory(limits.memory_bytes));
     }
     // SAFETY: `out` is what `precompile` returned in a child running this same binary with this
     // runtime's configuration, read from a pipe only that child writes; wasmtime checks the

@@ -203,10 +203,11 @@ impl Plugins {
     /// the tenant's request gets 429: one tenant's requests cannot take the instances others
     /// need.
     pub fn take_instances(&self, t: &Tenant, policy: &crate::policy::Policy, n: usize) -> Result<Share, ApiError> {
+        // Never more than the whole pool.
         let cap = policy
             .plugin_instances
-            .map(|c| c.min(u64::from(self.cfg.instances)) as usize)
-            .unwrap_or(self.cfg.tenant_instances as usize);
+            .unwrap_or(u64::from(self.cfg.tenant_instances))
+            .min(u64::from(self.cfg.instances)) as usize;
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let now = held.get(&t.id).copied().unwrap_or(0);
         if now + n > cap {
