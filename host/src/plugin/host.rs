@@ -35,6 +35,8 @@ const MAX_LOG_LINE: usize = 1024;
 
 /// Longest text one `tokenizer.encode` call takes: a client's request body at the default limit.
 pub const MAX_ENCODE_BYTES: usize = 1 << 20;
+/// Most bytes one WASI `get-random-bytes` call takes (more fails the call).
+const MAX_RANDOM_BYTES: u64 = 64 << 10;
 /// Most tokens one `tokenizer.decode` call takes.
 pub const MAX_DECODE_TOKENS: usize = 256 << 10;
 
@@ -151,6 +153,9 @@ impl PluginHost {
             .secure_random(rand010::rngs::StdRng::seed_from_u64(seed))
             .insecure_random(rand010::rngs::StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15))
             .insecure_random_seed(u128::from(seed))
+            // Random bytes are made on the host, in one call: 64 KiB at most (wasmtime's default
+            // is 64 MiB), so a guest cannot have the host fill and copy megabytes at once.
+            .max_random_size(MAX_RANDOM_BYTES)
             .wall_clock(Frozen)
             .monotonic_clock(Frozen)
             .build();
