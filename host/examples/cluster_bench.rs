@@ -23,7 +23,7 @@ use warden::cluster::link::{self, Msg};
 use warden::serve::client::{Client, Proto};
 
 mod common;
-use common::{Proc, server, start};
+use common::{Proc, metric, server, start};
 
 #[derive(Parser)]
 struct Args {
@@ -90,20 +90,10 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let bin = common::warden_bin()?;
-    let model = std::fs::canonicalize(&args.model).with_context(|| format!("model {}", args.model.display()))?;
-    let id = model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let (model, id) = common::model(&args.model)?;
     let dir = std::env::temp_dir().join(format!("warden-cluster-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (_prefill, p_addr) = node(&bin, &dir, "prefill", &model)?;

@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 use warden::serve::client::{Client, Reply};
 
 mod common;
+use common::{example, rss_mib};
 
 #[derive(Parser)]
 struct Args {
@@ -30,13 +31,6 @@ struct Args {
     /// The model.
     #[arg(long, default_value = warden::DEFAULT_MODEL)]
     model: PathBuf,
-}
-
-fn example(name: &str) -> anyhow::Result<Vec<u8>> {
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../guest-sdk/target/wasm32-wasip2/release/examples")
-        .join(format!("{name}.wasm"));
-    std::fs::read(&p).with_context(|| format!("{}: build the guest examples first", p.display()))
 }
 
 fn pct(v: &[f64], p: f64) -> f64 {
@@ -57,19 +51,6 @@ fn code(r: &Reply) -> String {
         Some(c) => c,
         None => r.status.to_string(),
     }
-}
-
-/// Resident memory of process `pid`, MiB.
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .map(|kb| kb / 1024.0)
-        .unwrap_or(0.0)
 }
 
 fn chat_body(model: &str, plugin: &str, max_tokens: usize) -> Vec<u8> {
@@ -159,11 +140,7 @@ async fn put(c: &Client, path: &str, key: &str, body: &[u8]) -> anyhow::Result<R
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let bin = common::warden_bin()?;
-    let model = std::fs::canonicalize(&args.model).with_context(|| format!("model {}", args.model.display()))?;
-    let id = model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let (model, id) = common::model(&args.model)?;
     let dir = std::env::temp_dir().join(format!("warden-hostile-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (server, c, victim_key) = common::server(&bin, &dir, "all", &model, "")?;

@@ -23,6 +23,7 @@ use serde_json::json;
 use warden::serve::client::{Client, Proto};
 
 mod common;
+use common::{example, metric, open_files, rss_mib};
 
 #[derive(Parser)]
 struct Args {
@@ -57,36 +58,6 @@ const PLUGINS: [(&str, &str); 8] = [
 
 /// Attacks the adversary tenants switch to now and then.
 const MISCHIEF: [&str; 5] = ["loop", "flood", "encode-loop", "sleep-forever", "pass"];
-
-fn example(name: &str) -> anyhow::Result<Vec<u8>> {
-    let p = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../guest-sdk/target/wasm32-wasip2/release/examples")
-        .join(format!("{name}.wasm"));
-    std::fs::read(&p).with_context(|| format!("{}: build the guest examples first", p.display()))
-}
-
-/// Resident memory (MiB) and open files of process `pid`.
-fn usage(pid: u32) -> (f64, usize) {
-    let rss = std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find_map(|l| l.strip_prefix("VmRSS:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        })
-        .unwrap_or(0.0)
-        / 1024.0;
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.count())
-        .unwrap_or(0);
-    (rss, fds)
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
 
 /// One request of tenant `i`, the `n`th: its outcome (status, or "cancelled").
 async fn one(c: &Client, key: &str, model: &str, i: usize, n: u64) -> String {
@@ -142,11 +113,7 @@ async fn one(c: &Client, key: &str, model: &str, i: usize, n: u64) -> String {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let bin = common::warden_bin()?;
-    let model = std::fs::canonicalize(&args.model).with_context(|| format!("model {}", args.model.display()))?;
-    let id = model
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let (model, id) = common::model(&args.model)?;
     let dir = std::env::temp_dir().join(format!("warden-soak-{}", std::process::id()));
     let policies = dir.join("policies");
     std::fs::create_dir_all(policies.join("tenants"))?;
@@ -241,7 +208,7 @@ fn main() -> anyhow::Result<()> {
                 );
                 std::fs::write(policies.join("tenants").join(format!("t{}.toml", tick % 8)), text)?;
             }
-            let (rss, fds) = usage(pid);
+            let (rss, fds) = (rss_mib(pid), open_files(pid));
             let s = json!({"s": started.elapsed().as_secs(), "rss_mib": rss, "open_files": fds});
             println!("{s}");
             samples.push((started.elapsed(), rss, fds));
@@ -259,7 +226,7 @@ fn main() -> anyhow::Result<()> {
             .copied()
             .unwrap_or_default();
         let last = samples.last().copied().unwrap_or_default();
-        let (rss, fds) = usage(pid);
+        let (rss, fds) = (rss_mib(pid), open_files(pid));
         println!(
             "{}",
             json!({

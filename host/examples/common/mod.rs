@@ -86,3 +86,48 @@ pub fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> 
     let client = Client::new(url, Some(&data.join("tls/cert.pem")))?;
     Ok((p, client, key.to_string()))
 }
+
+/// The model file, absolute, and the id the server serves it as (its file stem).
+pub fn model(path: &Path) -> anyhow::Result<(PathBuf, String)> {
+    let model = std::fs::canonicalize(path).with_context(|| format!("model {}", path.display()))?;
+    let id = model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    Ok((model, id))
+}
+
+/// An SDK example plugin, built for wasm32-wasip2.
+pub fn example(name: &str) -> anyhow::Result<Vec<u8>> {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../guest-sdk/target/wasm32-wasip2/release/examples")
+        .join(format!("{name}.wasm"));
+    std::fs::read(&p).with_context(|| format!("{}: build the guest examples first", p.display()))
+}
+
+/// Resident memory of process `pid`, MiB.
+pub fn rss_mib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map(|kb| kb / 1024.0)
+        .unwrap_or(0.0)
+}
+
+/// Files process `pid` has open.
+pub fn open_files(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// The value of the first line of a Prometheus exposition that starts with `name`.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
