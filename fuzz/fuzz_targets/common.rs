@@ -23,6 +23,7 @@ fn model() -> &'static Gguf {
 }
 
 /// The model's tokenizer.
+#[allow(dead_code)] // not every target tokenizes
 pub fn tokenizer() -> &'static Tokenizer {
     static T: OnceLock<Tokenizer> = OnceLock::new();
     T.get_or_init(|| Tokenizer::from_gguf(model()).expect("the model's tokenizer"))
