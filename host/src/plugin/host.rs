@@ -424,15 +424,13 @@ fn ready(table: &mut ResourceTable) -> wasmtime::Result<Resource<DynPollable>> {
 /// ones that are ready at once: the clock is frozen, so no guest can tell, and none can hold
 /// its call (or an instance slot) by sleeping. Needs the linker to allow shadowing.
 pub(super) fn link_frozen_sleeps(linker: &mut Linker<PluginHost>) -> wasmtime::Result<()> {
+    // Both take a time (a duration or an instant) that the frozen clock makes moot.
+    fn ready_now(mut store: StoreContextMut<'_, PluginHost>, _: (u64,)) -> wasmtime::Result<(Resource<DynPollable>,)> {
+        Ok((ready(&mut store.data_mut().table)?,))
+    }
     let mut clock = linker.instance("wasi:clocks/monotonic-clock@0.2.12")?;
-    clock.func_wrap(
-        "subscribe-duration",
-        |mut store: StoreContextMut<'_, PluginHost>, (_,): (u64,)| Ok((ready(&mut store.data_mut().table)?,)),
-    )?;
-    clock.func_wrap(
-        "subscribe-instant",
-        |mut store: StoreContextMut<'_, PluginHost>, (_,): (u64,)| Ok((ready(&mut store.data_mut().table)?,)),
-    )?;
+    clock.func_wrap("subscribe-duration", ready_now)?;
+    clock.func_wrap("subscribe-instant", ready_now)?;
     Ok(())
 }
 

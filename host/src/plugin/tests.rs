@@ -36,6 +36,17 @@ async fn instance(p: &Plugin, limits: PluginLimits) -> Instance {
     .expect("instantiate")
 }
 
+/// `p` is the system-prompt example: with config "S" it puts a system message "S" first.
+async fn assert_injects_system_prompt(p: &Plugin) {
+    let out = instance(p, PluginLimits::default())
+        .await
+        .preprocess(&chat("S", &[("user", "x")]))
+        .await
+        .unwrap();
+    let Input::Chat(m) = out.input else { panic!() };
+    assert_eq!(m[0].content, "S");
+}
+
 fn chat(config: &str, messages: &[(&str, &str)]) -> Request {
     Request {
         input: Input::Chat(
@@ -179,13 +190,7 @@ async fn adversarial_guests_are_contained_with_their_own_errors() {
     assert_eq!(run("huge", limits).await.unwrap_err().code(), "plugin_out_of_memory");
     // Meanwhile another plugin works, with unchanged output.
     let ok = example("system_prompt");
-    let out = instance(&ok, PluginLimits::default())
-        .await
-        .preprocess(&chat("S", &[("user", "x")]))
-        .await
-        .unwrap();
-    let Input::Chat(m) = out.input else { panic!() };
-    assert_eq!(m[0].content, "S");
+    assert_injects_system_prompt(&ok).await;
     assert!(run("pass", limits).await.is_ok());
 }
 
@@ -455,13 +460,7 @@ async fn artefacts_the_compiler_makes_load_into_the_servers_runtime() {
     let artefact = compile::precompile(&bytes).expect("compiles");
     // SAFETY: the artefact was just made by `precompile` with this runtime's settings.
     let p = unsafe { runtime().load_artefact(&artefact) }.expect("loads");
-    let out = instance(&p, PluginLimits::default())
-        .await
-        .preprocess(&chat("S", &[("user", "x")]))
-        .await
-        .unwrap();
-    let Input::Chat(m) = out.input else { panic!() };
-    assert_eq!(m[0].content, "S");
+    assert_injects_system_prompt(&p).await;
     // Over the pool's limits: refused when loaded, as when compiled here.
     let memories = wat::parse_str(
         "(component (core module $m (memory 1) (memory 1) (memory 1)) (core instance (instantiate $m)))",
