@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use warden::chat::{ChatMessage, ChatTemplate};
+use warden::config::PluginsConfig;
 use warden::plugin::{Input, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token};
-use warden::serve::config::PluginsConfig;
 use warden::serve::plugins::Plugins;
 use warden::serve::store::Store;
 use warden::tokenizer::Tokenizer;

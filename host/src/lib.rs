@@ -1,24 +1,40 @@
 //! Warden: serves LLMs to many tenants from one pool of accelerators, with isolation as its product.
 //!
-//! Layers, one direction: [`gguf`] (model files) → [`model`] (llama forward pass over
-//! `warden_kernels`) → [`kv`] (the tagged, paged KV pool) → [`engine`] (admission, scheduling,
-//! sampling). Beside them, [`tokenizer`] and [`chat`] turn conversations into tokens and
-//! tokens back into text. [`serve`] puts HTTPS, tenants and API keys in front of the engine;
-//! [`cluster`] splits it into prefill, decode and router processes joined by [`transfer`]. See
-//! `DESIGN.md` in the shared folder for the invariants every module keeps.
+//! Layers, lowest first; a module imports only from layers below its own (`tests/layers.rs`
+//! checks it):
+//!
+//! ```text
+//! boot, bench                    role selection; the benchmark
+//! serve | cluster                the HTTPS API, tenants, plugins | prefill, decode and router processes
+//! runner                         the engine thread, its jobs and updates, the EngineHandle trait
+//! metrics
+//! config, plugin, policy         the config file; the Wasm plugin runtime; tenants' policies
+//! loaded, engine                 a model file opened; admission, scheduling, sampling
+//! tokenizer, chat, model, transfer
+//! gguf, tenant, net, kv          model files; tenant names; listening; the tagged, paged KV pool
+//! warden_kernels                 (its own crate) the compute kernels
+//! ```
+//!
+//! See `DESIGN.md` in the shared folder for the invariants every module keeps.
 #![deny(missing_docs)]
 
 pub mod bench;
+pub mod boot;
 pub mod chat;
 pub mod cluster;
+pub mod config;
 pub mod engine;
 pub mod gguf;
 pub mod kv;
 pub mod loaded;
+pub mod metrics;
 pub mod model;
+pub mod net;
 pub mod plugin;
 pub mod policy;
+pub mod runner;
 pub mod serve;
+pub mod tenant;
 pub mod tokenizer;
 pub mod transfer;
 

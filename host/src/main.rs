@@ -8,15 +8,15 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 
 use warden::bench::{self, BenchConfig};
+use warden::boot::{ServeOptions, serve};
 use warden::chat::ChatMessage;
-use warden::cluster::Role;
+use warden::config::Role;
+use warden::config::ServeConfig;
 use warden::engine::request::{GenerateRequest, Outcome};
 use warden::engine::sampling::SamplingParams;
 use warden::engine::{Engine, EngineConfig, Event};
 use warden::loaded::LoadedModel;
-use warden::serve::config::ServeConfig;
 use warden::serve::manage::{self, Op, PluginOp};
-use warden::serve::{ServeOptions, serve};
 use warden::tokenizer::Tokenizer;
 
 #[derive(Parser)]

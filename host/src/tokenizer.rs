@@ -1315,15 +1315,6 @@ impl Tokenizer {
     }
 }
 
-impl crate::engine::text::Detokenizer for Tokenizer {
-    fn token_bytes(&self, id: u32) -> Vec<u8> {
-        Tokenizer::token_bytes(self, id)
-    }
-    fn is_eog(&self, id: u32) -> bool {
-        Tokenizer::is_eog(self, id)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

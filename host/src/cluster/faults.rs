@@ -7,40 +7,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 
-use super::link;
+use super::link::{self, Fault};
 use crate::transfer::wire::Frame;
 
 /// The environment variable a router reads its faults from.
 pub const ENV: &str = "WARDEN_TRANSFER_FAULTS";
-
-/// What a prefill node does wrong to a transfer's first batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Fault {
-    /// Never sends it.
-    Drop,
-    /// Sends half of it and closes the connection.
-    Truncate,
-    /// Changes a K value of its first page, keeping the checksum.
-    Corrupt,
-    /// Sends it twice.
-    Duplicate,
-    /// Sends it after the frame that follows it.
-    Reorder,
-    /// Sends it 200 ms late (the transfer still succeeds).
-    Delay,
-    /// Tags it with another tenant.
-    Retag,
-}
-
-impl Fault {
-    fn parse(s: &str) -> Option<Self> {
-        serde_json::from_value(serde_json::Value::String(s.to_string())).ok()
-    }
-}
 
 /// The faults `WARDEN_TRANSFER_FAULTS` names, by tenant name; a malformed entry is reported
 /// and skipped.

@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use super::Agreement;
 use super::link::{self, Msg};
-use super::{Agreement, Role};
-use crate::serve::metrics::Metrics;
+use crate::config::Role;
+use crate::metrics::Metrics;
 
 /// How often the router asks every node what it serves.
 pub const PROBE_EVERY: Duration = Duration::from_secs(1);

@@ -53,7 +53,35 @@ pub struct Dispatch {
     /// A fault for the prefill node to inject into this transfer (test builds only).
     #[cfg(debug_assertions)]
     #[serde(default)]
-    pub fault: Option<super::faults::Fault>,
+    pub fault: Option<Fault>,
+}
+
+/// What a prefill node does wrong to a transfer's first batch.
+#[cfg(debug_assertions)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fault {
+    /// Never sends it.
+    Drop,
+    /// Sends half of it and closes the connection.
+    Truncate,
+    /// Changes a K value of its first page, keeping the checksum.
+    Corrupt,
+    /// Sends it twice.
+    Duplicate,
+    /// Sends it after the frame that follows it.
+    Reorder,
+    /// Sends it 200 ms late (the transfer still succeeds).
+    Delay,
+    /// Tags it with another tenant.
+    Retag,
+}
+
+#[cfg(debug_assertions)]
+impl Fault {
+    pub(super) fn parse(s: &str) -> Option<Self> {
+        serde_json::from_value(serde_json::Value::String(s.to_string())).ok()
+    }
 }
 
 /// How a request ended, as the decode node tells the router.

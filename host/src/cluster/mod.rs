@@ -23,13 +23,12 @@
 //! steps, so none is freed while a transfer touches it.
 //!
 //! Nodes talk over loopback only (the configuration refuses other addresses). Modules: [`link`]
-//! (the messages and their framing), [`ends`] (the engine thread's ends of transfers), [`node`]
+//! (the messages and their framing), [`node`]
 //! (the prefill and decode processes), [`router`] (the router's engine backend), [`health`]
 //! (which nodes the router may send work to), and, in test
 //! builds only, `faults` (what a prefill node can do wrong to a transfer, on the router's word)
 //! and `lifecycle_model` (the request lifecycle and transfer, model-checked with `stateright`).
 
-pub mod ends;
 #[cfg(debug_assertions)]
 pub mod faults;
 pub mod health;
@@ -42,34 +41,7 @@ mod lifecycle_model;
 
 use serde::{Deserialize, Serialize};
 
-/// Most pages one transfer batch may carry (`cluster.pages_per_batch`).
-pub const MAX_PAGES_PER_BATCH: usize = 256;
-
-/// What a `warden serve` process is.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum Role {
-    /// Everything in one process: API, engine, pool.
-    #[default]
-    All,
-    /// Computes prompts and sends their KV to decode nodes.
-    Prefill,
-    /// Receives prompts' KV and generates.
-    Decode,
-    /// The API, keys, policies and plugins; dispatches to prefill and decode nodes.
-    Router,
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Role::All => "all",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-            Role::Router => "router",
-        })
-    }
-}
+use crate::config::Role;
 
 /// What a node serves, as it answers a router's `Describe`: the router serves only when every
 /// node agrees on the model, the page size and the maximum context.

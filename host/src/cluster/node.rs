@@ -17,15 +17,18 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
+use super::NodeInfo;
 use super::link::{self, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet};
-use super::{MAX_PAGES_PER_BATCH, NodeInfo, Role};
+use crate::config::Role;
+use crate::config::ServeConfig;
 use crate::engine::request::{AbortReason, Outcome, RejectReason, Usage};
 use crate::kv::KvPool;
 use crate::loaded::LoadedModel;
-use crate::serve::config::ServeConfig;
-use crate::serve::metrics::Metrics;
-use crate::serve::stream::abort_error;
-use crate::serve::worker::{EndFlag, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, Update};
+use crate::metrics::Metrics;
+use crate::runner::{
+    EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, Update, start_engine,
+};
+use crate::transfer::MAX_PAGES_PER_BATCH;
 use crate::transfer::wire::Frame;
 
 /// Largest frame a node reads where only acknowledgements and aborts belong.
@@ -47,12 +50,12 @@ struct Node {
 /// Runs a prefill or decode node until SIGTERM or SIGINT.
 pub fn serve_node(cfg: ServeConfig, role: Role) -> anyhow::Result<()> {
     let loaded = LoadedModel::open(&cfg.model)?;
-    let engine = crate::serve::start_engine(&cfg, &loaded)?;
+    let engine = start_engine(&cfg, &loaded)?;
     let digest = super::file_digest(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
     let limits = engine.limits();
     let info = NodeInfo {
         role,
-        model: crate::serve::model_id(&cfg.model),
+        model: crate::loaded::model_id(&cfg.model),
         digest,
         page_size: cfg.kv.page_size,
         max_context: limits.max_context,
@@ -88,10 +91,10 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> anyhow::Result<()> {
         "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {})",
         node.info.role, node.info.model, node.info.pages, node.info.page_size, node.info.max_context
     );
-    let signal = crate::serve::shutdown_signal();
+    let signal = crate::net::shutdown_signal();
     tokio::pin!(signal);
     loop {
-        let Some((tcp, peer)) = crate::serve::accept(&listener, signal.as_mut()).await else {
+        let Some((tcp, peer)) = crate::net::accept(&listener, signal.as_mut()).await else {
             break;
         };
         // Loopback only: the configuration binds there, and this holds whatever it binds.
@@ -187,13 +190,10 @@ fn ended(outcome: &Outcome) -> Ended {
         Outcome::Aborted(AbortReason::Cancelled) => Ended::Cancelled,
         Outcome::Aborted(AbortReason::Shutdown) => Ended::Shutdown,
         Outcome::Aborted(AbortReason::Transfer(why)) => Ended::Transfer(why.clone()),
-        Outcome::Aborted(r) => {
-            let e = abort_error(r);
-            Ended::Failed {
-                code: e.code.to_string(),
-                message: e.message,
-            }
-        }
+        Outcome::Aborted(r) => Ended::Failed {
+            code: r.code().to_string(),
+            message: r.client_message(),
+        },
     }
 }
 
@@ -342,7 +342,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                     Some((_, Update::Done { outcome, text, usage })) => Msg::Done { ended: ended(&outcome), text, usage },
                     Some((_, Update::Rejected(r))) => Msg::Rejected { reason: r.reason },
                     Some((_, Update::Failed(e))) => Msg::Done {
-                        ended: Ended::Failed { code: e.code.into(), message: e.message },
+                        ended: Ended::Failed { code: e.code().into(), message: e.to_string() },
                         text: String::new(),
                         usage: Usage::default(),
                     },

@@ -1,4 +1,4 @@
-//! The router's engine: the cluster's nodes behind [`crate::serve::worker::EngineHandle`].
+//! The router's engine: the cluster's nodes behind [`crate::runner::EngineHandle`] ([`RouterEngine`]).
 //!
 //! At start it asks every configured node what it serves and refuses to serve until all agree
 //! on the model, the page size and the maximum context. Each job (one choice of an admitted
@@ -16,16 +16,16 @@ use std::time::{Duration, Instant};
 use anyhow::bail;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
+use super::NodeInfo;
 use super::health::Health;
 use super::link::{self, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
-use super::{NodeInfo, Role};
+use crate::config::ClusterConfig;
+use crate::config::Role;
 use crate::engine::TenantSettings;
 use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
 use crate::kv::PageInfo;
-use crate::serve::config::ClusterConfig;
-use crate::serve::metrics::Metrics;
-use crate::serve::quota::Grant;
-use crate::serve::worker::{Busy, END_STOP, Job, KvQuery, Update, outcome_label};
+use crate::metrics::Metrics;
+use crate::runner::{Busy, END_STOP, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label};
 use crate::transfer::Limits;
 use warden_kernels::attention::PageEntry;
 
@@ -48,7 +48,7 @@ pub struct Router {
     smallest: NodeInfo,
     /// Faults to inject, by tenant name (test builds only).
     #[cfg(debug_assertions)]
-    faults: HashMap<String, super::faults::Fault>,
+    faults: HashMap<String, super::link::Fault>,
 }
 
 impl Router {
@@ -119,27 +119,6 @@ impl Router {
         })
     }
 
-    /// The admission limits every node enforces.
-    pub fn admission(&self) -> AdmissionLimits {
-        AdmissionLimits {
-            max_context: self.agreed.max_context,
-            vocab: self.smallest.vocab,
-            pool_tokens: self.smallest.pool_tokens,
-        }
-    }
-
-    /// The smallest node's pool: pages in it, and pages pinnable.
-    pub fn pool_pages(&self) -> (usize, usize) {
-        (self.smallest.pages, self.smallest.pinnable_pages)
-    }
-
-    /// Dispatches a job; it never waits (the decode node's admission answers in its updates).
-    pub fn submit(self: &Arc<Self>, job: Job) -> Result<(), Busy> {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
-        tokio::spawn(self.clone().run(job));
-        Ok(())
-    }
-
     async fn run(self: Arc<Self>, job: Job) {
         struct InFlight(Arc<Router>);
         impl Drop for InFlight {
@@ -171,7 +150,7 @@ impl Router {
         } = job;
         // Every ending lets the request's grant go before its answer leaves, so a client that
         // sends its next request on seeing this one end finds its quota released.
-        let failed = |grant: Option<Arc<Grant>>, why: String| {
+        let failed = |grant: Option<Arc<dyn UsageMeter>>, why: String| {
             drop(grant);
             slot.end();
             self.metrics.request_done(&tenant, "failed", 0, 0);
@@ -314,61 +293,103 @@ impl Router {
     fn all_nodes(&self) -> Vec<SocketAddr> {
         self.prefill.iter().chain(&self.decode).copied().collect()
     }
+}
+
+/// The router as the API's engine: the cluster's nodes behind [`EngineHandle`].
+#[derive(Clone)]
+pub struct RouterEngine(pub Arc<Router>);
+
+impl EngineHandle for RouterEngine {
+    /// Dispatches a job; it never waits (the decode node's admission answers in its updates).
+    fn submit(&self, job: Job) -> Result<(), Busy> {
+        self.0.in_flight.fetch_add(1, Ordering::SeqCst);
+        tokio::spawn(self.0.clone().run(job));
+        Ok(())
+    }
 
     /// Applies a tenant's policy on every node.
-    pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
-        let m = Msg::Tenant {
-            owner,
-            settings,
-            generation,
-        };
-        for e in Self::broadcast(&self.all_nodes(), m).await {
-            eprintln!("cluster: applying tenant {owner}'s policy: {e}");
-        }
+    fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            let m = Msg::Tenant {
+                owner,
+                settings,
+                generation,
+            };
+            for e in Router::broadcast(&self.0.all_nodes(), m).await {
+                eprintln!("cluster: applying tenant {owner}'s policy: {e}");
+            }
+        })
     }
 
     /// Makes `prefixes` the public prefixes on every prefill node (where prompts are computed).
-    pub async fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> Result<(), String> {
-        let errors = Self::broadcast(&self.prefill, Msg::PublicPrefixes { prefixes }).await;
-        if errors.is_empty() {
-            Ok(())
-        } else {
-            Err(errors.join("; "))
-        }
+    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let errors = Router::broadcast(&self.0.prefill, Msg::PublicPrefixes { prefixes }).await;
+            if errors.is_empty() {
+                Ok(())
+            } else {
+                Err(errors.join("; "))
+            }
+        })
     }
 
     /// Drops a deleted tenant's caches on every node.
-    pub async fn forget_tenant(&self, owner: u64) {
-        for e in Self::broadcast(&self.all_nodes(), Msg::Forget { owner }).await {
-            eprintln!("cluster: forgetting tenant {owner}: {e}");
-        }
+    fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            for e in Router::broadcast(&self.0.all_nodes(), Msg::Forget { owner }).await {
+                eprintln!("cluster: forgetting tenant {owner}: {e}");
+            }
+        })
     }
 
     /// The router takes work while it runs; each job finds out whether its nodes do.
-    pub fn is_alive(&self) -> bool {
+    fn is_alive(&self) -> bool {
         true
     }
 
     /// Lets jobs run until `deadline`, then ends those left; resolves when all have ended.
-    pub async fn shutdown(&self, deadline: Instant) {
-        let wait_idle = async {
-            while self.in_flight.load(Ordering::SeqCst) > 0 {
-                let notified = self.idle.notified();
-                if self.in_flight.load(Ordering::SeqCst) == 0 {
-                    break;
+    fn shutdown(&self, deadline: Instant) -> EngineFuture<'_, ()> {
+        let r = &self.0;
+        Box::pin(async move {
+            let wait_idle = async {
+                while r.in_flight.load(Ordering::SeqCst) > 0 {
+                    let notified = r.idle.notified();
+                    if r.in_flight.load(Ordering::SeqCst) == 0 {
+                        break;
+                    }
+                    let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
                 }
-                let _ = tokio::time::timeout(Duration::from_millis(100), notified).await;
+            };
+            if tokio::time::timeout_at(deadline.into(), wait_idle).await.is_err() {
+                let _ = r.closing.send(true);
+                let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                    while r.in_flight.load(Ordering::SeqCst) > 0 {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                })
+                .await;
             }
-        };
-        if tokio::time::timeout_at(deadline.into(), wait_idle).await.is_err() {
-            let _ = self.closing.send(true);
-            let _ = tokio::time::timeout(Duration::from_secs(5), async {
-                while self.in_flight.load(Ordering::SeqCst) > 0 {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            })
-            .await;
+        })
+    }
+
+    /// The limits every node enforces.
+    fn admission(&self) -> AdmissionLimits {
+        AdmissionLimits {
+            max_context: self.0.agreed.max_context,
+            vocab: self.0.smallest.vocab,
+            pool_tokens: self.0.smallest.pool_tokens,
         }
+    }
+
+    /// The smallest node's pool.
+    fn pool_pages(&self) -> (usize, usize) {
+        (self.0.smallest.pages, self.0.smallest.pinnable_pages)
+    }
+
+    /// A choice's KV questions go on its decode node's connection (its `SeqSlot` route); one
+    /// without a route has no sequence to ask about.
+    fn ask(&self, _q: KvQuery) -> bool {
+        false
     }
 }
 

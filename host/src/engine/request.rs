@@ -297,6 +297,34 @@ pub enum AbortReason {
     },
 }
 
+impl AbortReason {
+    /// The stable error code a client sees.
+    pub fn code(&self) -> &'static str {
+        match self {
+            AbortReason::Cancelled => "cancelled",
+            AbortReason::Shutdown => "shutting_down",
+            AbortReason::Isolation(_) => "isolation_violation",
+            AbortReason::Kv(_) => "kv_unavailable",
+            AbortReason::Transfer(_) => "kv_transfer_failed",
+            AbortReason::Node { code, .. } => code,
+        }
+    }
+
+    /// What a client is told. An isolation violation names no page, tenant or tag.
+    pub fn client_message(&self) -> String {
+        match self {
+            AbortReason::Cancelled => "the request was cancelled".into(),
+            AbortReason::Shutdown => "the server is shutting down".into(),
+            AbortReason::Isolation(_) => {
+                "the request was stopped by a KV isolation check; no data from it was returned".into()
+            }
+            AbortReason::Kv(e) => e.to_string(),
+            AbortReason::Transfer(e) => e.clone(),
+            AbortReason::Node { message, .. } => message.clone(),
+        }
+    }
+}
+
 /// How a scheduled request ended.
 #[derive(Debug, Clone)]
 pub enum Outcome {

@@ -1,12 +1,24 @@
 //! Output text of one sequence: token bytes assembled into UTF-8, and stop strings matched across
 //! token boundaries without ever emitting text that may turn out to be part of a stop string.
 
+use crate::tokenizer::Tokenizer;
+
 /// What the engine needs of a tokenizer to turn tokens into text.
 pub trait Detokenizer: Send + Sync {
     /// The bytes token `id` stands for in output (empty for control tokens).
     fn token_bytes(&self, id: u32) -> Vec<u8>;
     /// Whether `id` ends generation.
     fn is_eog(&self, id: u32) -> bool;
+}
+
+/// A model's own tokenizer, as the engine runs it.
+impl Detokenizer for Tokenizer {
+    fn token_bytes(&self, id: u32) -> Vec<u8> {
+        Tokenizer::token_bytes(self, id)
+    }
+    fn is_eog(&self, id: u32) -> bool {
+        Tokenizer::is_eog(self, id)
+    }
 }
 
 /// Incremental text of one sequence.

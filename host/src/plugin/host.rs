@@ -11,8 +11,6 @@
 //! guest holds an async worker. WASI's clocks are frozen and its sleeps return at once.
 
 use std::collections::HashMap;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,9 +20,9 @@ use wasmtime::{StoreContextMut, Trap};
 use wasmtime_wasi::p2::{DynPollable, Pollable};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use super::access::{KvAccess, KvPage, Sequence};
 use super::bindings::warden::plugin::{kv, log, types};
-use super::{HostLimit, PluginLimits};
-use crate::kv::PageInfo;
+use super::limits::{HostLimit, PluginLimits};
 use crate::tokenizer::Tokenizer;
 use warden_kernels::attention::PageEntry;
 
@@ -52,35 +50,8 @@ pub const FUEL_PER_LOGGED_BYTE: u64 = 20;
 /// Fuel per page handle `sequence.pages` mints.
 pub const FUEL_PER_PAGE: u64 = 500;
 
-/// A KV page handle, minted by the host for the request's own sequence: the page and the epoch
-/// it had then. Every call re-checks both against the page's tag.
-pub struct KvPage {
-    entry: PageEntry,
-}
-
-/// The request's sequence handle.
-pub struct Sequence;
-
 /// Most resource handles one instance may hold at once (each `pages` call mints one per page).
 const MAX_HANDLES: usize = 4096;
-
-/// A boxed, sendable future.
-pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
-
-/// How an instance reaches its own request's KV. The server implements it over the engine
-/// thread, which answers with the pool's tag checks; the instance never sees an address.
-pub trait KvAccess: Send + Sync + 'static {
-    /// Whether the request has been admitted (so it has a sequence to show).
-    fn started(&self) -> bool;
-    /// The request's page table, if it is open.
-    fn pages(&self) -> BoxFuture<Option<Vec<PageEntry>>>;
-    /// What the request's tenant may learn of `entry`, after the tag check.
-    fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>>;
-    /// Pins the request's first `tokens` tokens in its tenant's prefix cache; the tokens pinned.
-    fn pin(&self, tokens: usize) -> BoxFuture<Result<usize, String>>;
-    /// Unpins the pinned prefixes within the request's cached prefix; the pages unpinned.
-    fn unpin(&self) -> BoxFuture<Result<usize, String>>;
-}
 
 /// Caps memory growth, remembering that it did so the failure can be named.
 struct Limiter {

@@ -20,11 +20,14 @@
 //! charged in fuel ([`host`]); and one component can take only what one plugin needs of the
 //! shared instance pool ([`ComponentLimits`], checked at compile).
 
+mod access;
+mod bindings;
 pub mod compile;
 mod host;
+mod limits;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use wasmtime::component::{Component, HasSelf, Linker};
@@ -33,128 +36,16 @@ use wasmtime::{
 };
 
 use crate::tokenizer::Tokenizer;
+pub use access::{BoxFuture, KvAccess};
 pub use bindings::warden::plugin::types::{
     Capabilities, Chunk, Input, Message, PluginError as GuestError, Request, Sampling, Token, TokenAction,
 };
 use host::PluginHost;
 pub use host::{
-    BoxFuture, FUEL_PER_DECODED_TOKEN, FUEL_PER_ENCODED_BYTE, FUEL_PER_HOST_CALL, FUEL_PER_LOGGED_BYTE, FUEL_PER_PAGE,
-    KvAccess, MAX_DECODE_TOKENS, MAX_ENCODE_BYTES,
+    FUEL_PER_DECODED_TOKEN, FUEL_PER_ENCODED_BYTE, FUEL_PER_HOST_CALL, FUEL_PER_LOGGED_BYTE, FUEL_PER_PAGE,
+    MAX_DECODE_TOKENS, MAX_ENCODE_BYTES,
 };
-
-/// The generated bindings of the world (documented in `wit/plugin.wit`).
-#[allow(missing_docs)]
-mod bindings {
-    wasmtime::component::bindgen!({
-        path: "../wit",
-        world: "tenant-plugin",
-        // Guest code runs as futures that yield at every epoch tick, so a busy plugin never
-        // holds a runtime thread for longer than one tick. Host imports stay synchronous.
-        exports: { default: async },
-        // KV questions go to the engine thread and wait for its answer.
-        imports: {
-            "warden:plugin/kv.[method]sequence.pages": async,
-            "warden:plugin/kv.[method]sequence.pin-prefix": async,
-            "warden:plugin/kv.[method]sequence.unpin-prefix": async,
-            "warden:plugin/kv.[method]kv-page.info": async,
-        },
-        with: {
-            "warden:plugin/kv.kv-page": super::host::KvPage,
-            "warden:plugin/kv.sequence": super::host::Sequence,
-        },
-    });
-}
-
-/// What one plugin instance may use.
-#[derive(Debug, Clone, Copy)]
-pub struct PluginLimits {
-    /// Fuel (roughly, wasm instructions) per call.
-    pub fuel_per_call: u64,
-    /// Linear memory, bytes.
-    pub memory_bytes: usize,
-    /// Wall time per call.
-    pub call_timeout: Duration,
-    /// Wall time of all of one request's calls together (every choice's instance included).
-    pub request_time: Duration,
-}
-
-impl Default for PluginLimits {
-    fn default() -> Self {
-        Self {
-            fuel_per_call: 50_000_000,
-            memory_bytes: 64 << 20,
-            call_timeout: Duration::from_millis(200),
-            request_time: Duration::from_secs(10),
-        }
-    }
-}
-
-/// The plugin time one request has left: every instance of the request (one per choice) draws
-/// on the same one, so `n` choices or many tokens cannot multiply it.
-#[derive(Debug)]
-pub struct RequestTime {
-    limit: Duration,
-    spent: Mutex<Duration>,
-}
-
-impl RequestTime {
-    /// A request's budget of `limit`.
-    pub fn new(limit: Duration) -> Arc<Self> {
-        Arc::new(Self {
-            limit,
-            spent: Mutex::new(Duration::ZERO),
-        })
-    }
-
-    /// What is left.
-    pub fn left(&self) -> Duration {
-        let spent = *self.spent.lock().unwrap_or_else(|p| p.into_inner());
-        self.limit.saturating_sub(spent)
-    }
-
-    /// Time the calls took so far.
-    pub fn spent(&self) -> Duration {
-        *self.spent.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn spend(&self, d: Duration) {
-        let mut s = self.spent.lock().unwrap_or_else(|p| p.into_inner());
-        *s = s.saturating_add(d);
-    }
-}
-
-/// What one component may take of the shared instance pool: what one plugin needs, so that no
-/// component can hold the slots of many. The pool checks them when a component is compiled or
-/// loaded, and a component over any of them is refused ([`PluginFailure::OverLimits`]), the
-/// message naming the limit.
-#[derive(Debug, Clone, Copy)]
-pub struct ComponentLimits {
-    /// Linear memories.
-    pub memories: u32,
-    /// Tables.
-    pub tables: u32,
-    /// Core module instances.
-    pub core_instances: u32,
-    /// Elements of one table.
-    pub table_elements: usize,
-}
-
-impl ComponentLimits {
-    /// What Rust and C components built for `wasm32-wasip2` need, with room to spare: one memory
-    /// (two for a component that adapts a preview-1 module), a few tables and the handful of
-    /// core instances `wit-component` makes for shims.
-    pub const DEFAULT: Self = Self {
-        memories: 2,
-        tables: 4,
-        core_instances: 8,
-        table_elements: 100_000,
-    };
-}
-
-/// A host import's input over its limit (the call fails with [`PluginFailure::HostLimit`]).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{0}")]
-pub struct HostLimit(pub String);
+pub use limits::{ComponentLimits, HostLimit, PluginLimits, RequestTime};
 
 /// Why a plugin call, or getting a plugin at all, failed. Each has a stable code.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -383,7 +383,7 @@ impl PolicySet {
         let mut floors = 0u64;
         for (name, (path, text)) in files.range("tenants/".to_string()..) {
             let tenant = name.trim_start_matches("tenants/").trim_end_matches(".toml");
-            if !crate::serve::store::valid_tenant_name(tenant) {
+            if !crate::tenant::valid_tenant_name(tenant) {
                 return Err(PolicyError {
                     file: path.clone(),
                     line: None,

@@ -16,16 +16,16 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::State;
 use super::openai::{ApiError, ChatRequest, Common, CompletionRequest, Plan, Prompt, RequestLimits, Stop, parse_body};
 use super::plugins::pipeline::{Hooks, Reporter};
 use super::quota::Grant;
+use super::state::State;
 use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
-use super::worker::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 use crate::chat::ChatMessage;
 use crate::plugin::{Input, KvAccess, Message, Sampling};
 use crate::policy::Policy;
+use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 
 /// Response bodies: whole or streamed.
 pub type Body = BoxBody<Bytes, std::convert::Infallible>;

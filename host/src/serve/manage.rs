@@ -199,7 +199,7 @@ pub enum PluginOp {
 }
 
 /// Runs a plugin operation for `tenant` against the store of `cfg`; returns the resulting JSON.
-pub fn plugin(cfg: &super::config::ServeConfig, data_dir: &Path, tenant: &str, op: PluginOp) -> anyhow::Result<String> {
+pub fn plugin(cfg: &crate::config::ServeConfig, data_dir: &Path, tenant: &str, op: PluginOp) -> anyhow::Result<String> {
     let read = |f: &Path| std::fs::read(f).with_context(|| format!("reading {}", f.display()));
     let v = match Store::open(data_dir) {
         Ok(store) => {

@@ -1,25 +1,24 @@
-//! `warden serve`: HTTPS (hyper 1 + rustls, HTTP/1.1 and HTTP/2 by ALPN) in front of one engine
-//! thread, with tenants and API keys in sled.
+//! `warden serve`'s API: HTTPS (hyper 1 + rustls, HTTP/1.1 and HTTP/2 by ALPN) in front of an
+//! engine handle (this process's engine thread, or a router's cluster: [`crate::runner`]), with
+//! tenants and API keys in sled.
 //!
-//! Modules, one concept each: [`config`] (the TOML file), [`store`] (tenants and keys), [`tls`]
-//! (certificates), [`worker`] (the engine thread and its bounded queue), [`openai`] (request
-//! shapes and the error JSON), [`stream`] (response and SSE shapes), [`metrics`], [`http`]
-//! (routing and endpoints) and [`client`] (the small HTTPS client the CLI uses to reach a running
-//! server's admin API).
+//! Modules, one concept each: [`store`] (tenants and keys), [`tls`] (certificates), [`openai`]
+//! (request shapes and the error JSON), [`stream`] (response and SSE shapes), [`quota`] and
+//! [`usage`] (policies enforced, usage booked), [`plugins`] (the plugin registry and pipeline),
+//! [`http`] (routing and endpoints), [`manage`] (the CLI's offline commands) and [`client`] (the
+//! small HTTPS client the CLI uses to reach a running server's admin API).
 
 pub mod client;
-pub mod config;
 pub mod http;
 pub mod manage;
-pub mod metrics;
 pub mod openai;
 pub mod plugins;
 pub mod quota;
+pub mod state;
 pub mod store;
 pub mod stream;
 pub mod tls;
 pub mod usage;
-pub mod worker;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -33,48 +32,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
-use crate::chat::ChatTemplate;
-use crate::cluster::Role;
-use crate::cluster::router::Router;
-use crate::engine::request::AdmissionLimits;
-use crate::engine::{Engine, EngineConfig};
-use crate::loaded::LoadedModel;
-use crate::tokenizer::Tokenizer;
-use config::ServeConfig;
-use metrics::Metrics;
+use crate::config::ServeConfig;
+use crate::loaded::{LoadedModel, model_id};
+use crate::metrics::Metrics;
+use crate::net::{accept, shutdown_signal};
+use crate::runner::EngineHandle;
 use openai::RequestLimits;
+use state::State;
 use store::Store;
-use worker::{EngineHandle, LocalEngine};
-
-/// Everything a request handler reads.
-pub struct State {
-    /// The configuration in force.
-    pub cfg: ServeConfig,
-    /// Tenants and keys.
-    pub store: Store,
-    /// The engine thread.
-    pub engine: EngineHandle,
-    /// Tenant plugins.
-    pub plugins: plugins::Plugins,
-    /// Metrics.
-    pub metrics: Arc<Metrics>,
-    /// The model's tokenizer.
-    pub tokenizer: Arc<Tokenizer>,
-    /// Its chat template.
-    pub chat: Option<Arc<ChatTemplate>>,
-    /// The model id clients name.
-    pub model_id: String,
-    /// Admission limits (the engine's).
-    pub admission: AdmissionLimits,
-    /// Request-shape limits.
-    pub request_limits: RequestLimits,
-    /// Start time, seconds since the epoch.
-    pub started: u64,
-    /// Set once shutdown begins: new requests get 503.
-    pub shutting_down: AtomicBool,
-    /// Tenants' policies, their limiters and their usage.
-    pub quotas: Arc<quota::Quotas>,
-}
 
 /// What a running server writes to `data_dir/server.json`, so the CLI can reach its admin API
 /// while it holds the store.
@@ -98,56 +63,40 @@ pub fn server_info_path(data_dir: &Path) -> PathBuf {
     data_dir.join("server.json")
 }
 
-/// Options from the command line.
-#[derive(Debug, Clone, Default)]
-pub struct ServeOptions {
-    /// Serve plain HTTP instead of HTTPS.
-    pub insecure_http: bool,
-    /// What this process is: everything, or one role of a disaggregated cluster.
-    pub role: Role,
+/// What the boot code hands the server: the model, the engine (this process's engine thread or
+/// a router's cluster), the runtime the engine's tasks live on, and the metrics they share.
+pub struct Parts {
+    /// The model file, opened.
+    pub loaded: LoadedModel,
+    /// The engine.
+    pub engine: Arc<dyn EngineHandle>,
+    /// The server's async runtime (see [`runtime`]).
+    pub rt: tokio::runtime::Runtime,
+    /// The metrics registry.
+    pub metrics: Arc<Metrics>,
 }
 
-/// A model's id in the API: its file's stem.
-pub(crate) fn model_id(path: &Path) -> String {
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into())
-}
-
-/// Runs the server (or, for `--role prefill|decode`, a node) until SIGTERM or SIGINT, then
-/// shuts down gracefully.
-pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
-    if matches!(opts.role, Role::Prefill | Role::Decode) {
-        return crate::cluster::node::serve_node(cfg, opts.role);
-    }
-    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating {}", cfg.data_dir.display()))?;
-    // The model and the engine first: a bad model or pool setting fails before any state changes.
-    let loaded = LoadedModel::open(&cfg.model)?;
-    let model_id = model_id(&cfg.model);
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The server's async runtime: two workers for the HTTP side (the engine has its own thread).
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("warden-http")
-        .build()?;
-    let metrics = Arc::new(Metrics::default());
-    // This process's engine, or (on a router) the cluster's nodes, once they agree.
-    let (engine, router) = match opts.role {
-        Role::Router => {
-            let digest =
-                crate::cluster::file_digest(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
-            let router = rt.block_on(Router::connect(&cfg.cluster, &digest, metrics.clone()))?;
-            (None, Some(Arc::new(router)))
-        }
-        _ => (Some(start_engine(&cfg, &loaded)?), None),
-    };
-    let (admission, pages, pinnable) = match (&engine, &router) {
-        (Some(e), _) => (e.limits(), e.kv_counters().pages_total, e.pinnable_pages()),
-        (None, Some(r)) => {
-            let (pages, pinnable) = r.pool_pages();
-            (r.admission(), pages, pinnable)
-        }
-        (None, None) => unreachable!("one of the two is built above"),
-    };
+        .build()
+}
+
+/// Runs the API in front of `parts.engine` until SIGTERM or SIGINT, then shuts down gracefully.
+/// `insecure_http` serves plain HTTP instead of HTTPS.
+pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> anyhow::Result<()> {
+    let Parts {
+        loaded,
+        engine,
+        rt,
+        metrics,
+    } = parts;
+    let model_id = model_id(&cfg.model);
+    let admission = engine.admission();
+    let (pages, pinnable) = engine.pool_pages();
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
     let bounds = crate::policy::Bounds {
@@ -161,35 +110,19 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         quota::Quotas::new(cfg.policies.clone(), bounds, tokenize, usage::UsageBook::open(&store)?)
             .context("loading the tenants' policies (see `policies` in the config)")?,
     );
-    let handle = match (engine, router) {
-        (Some(mut engine), _) => {
-            for t in store.tenants()? {
-                engine.set_tenant(t.id, quotas.set().of(&t.name).tenant_settings());
-            }
+    let set = quotas.set();
+    rt.block_on(async {
+        for t in store.tenants()? {
             engine
-                .set_public_prefixes(&quotas.set().public_prefixes())
-                .context("computing the public prefixes of the policies (public_prefixes in default.toml)")?;
-            EngineHandle::Local(LocalEngine::start(engine, cfg.limits.queue, metrics.clone())?)
+                .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
+                .await;
         }
-        (None, Some(router)) => {
-            let handle = EngineHandle::Remote(router);
-            let set = quotas.set();
-            rt.block_on(async {
-                for t in store.tenants()? {
-                    handle
-                        .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
-                        .await;
-                }
-                handle
-                    .set_public_prefixes(set.public_prefixes())
-                    .await
-                    .map_err(|e| anyhow::anyhow!(e))
-                    .context("computing the public prefixes of the policies on the prefill nodes")
-            })?;
-            handle
-        }
-        (None, None) => unreachable!("one of the two is built above"),
-    };
+        engine
+            .set_public_prefixes(set.public_prefixes())
+            .await
+            .map_err(|e| anyhow::anyhow!(e))
+            .context("computing the public prefixes of the policies (public_prefixes in default.toml)")
+    })?;
     println!(
         "policies from {}: version {}",
         cfg.policies.display(),
@@ -202,7 +135,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         loaded.tokenizer.clone(),
         &plugins::compiler()?,
     )?;
-    let tls = if opts.insecure_http {
+    let tls = if insecure_http {
         None
     } else {
         let t = tls::setup(&cfg.tls, &cfg.data_dir)?;
@@ -221,7 +154,7 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         },
         cfg,
         store,
-        engine: handle,
+        engine,
         plugins,
         metrics,
         tokenizer: loaded.tokenizer,
@@ -236,25 +169,6 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> anyhow::Result<()> {
         quotas,
     });
     rt.block_on(run(state, tls))
-}
-
-/// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
-/// context (invariant 4) or a setting is impossible.
-pub(crate) fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> anyhow::Result<Engine> {
-    let mut ec = EngineConfig::for_model(&loaded.model);
-    if let Some(m) = cfg.limits.max_context {
-        ec.max_context = m;
-    }
-    ec.max_batch_tokens = cfg.limits.max_batch_tokens;
-    ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
-    ec.max_running = cfg.limits.max_running;
-    ec.max_waiting = cfg.limits.queue;
-    ec.page_size = cfg.kv.page_size;
-    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
-    ec.prefix_cache = cfg.kv.prefix_cache;
-    ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
-    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
-        .context("starting the engine (see [kv] and [limits] in the config)")
 }
 
 /// With an empty store: tenant `default` and its key (printed once). Always: an admin token in
@@ -349,38 +263,6 @@ async fn watch_policies(state: Arc<State>) {
                 }
             }
         }
-    }
-}
-
-/// The next connection, or `None` once `stop` resolves. An accept error (out of descriptors,
-/// say) backs off instead of spinning.
-pub(crate) async fn accept<F: std::future::Future<Output = ()>>(
-    listener: &TcpListener,
-    mut stop: std::pin::Pin<&mut F>,
-) -> Option<(tokio::net::TcpStream, SocketAddr)> {
-    loop {
-        tokio::select! {
-            a = listener.accept() => match a {
-                Ok(a) => return Some(a),
-                Err(e) => {
-                    eprintln!("accept: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            },
-            _ = &mut stop => return None,
-        }
-    }
-}
-
-pub(crate) async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        // Without signal handlers, run until killed.
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
     }
 }
 

@@ -27,6 +27,7 @@ use super::usage::{UsageBook, Used, periods};
 use crate::engine::request::Usage;
 use crate::policy::rate::{Denied, Gcra};
 use crate::policy::{Bounds, Policy, PolicyError, PolicySet};
+use crate::runner::UsageMeter;
 
 /// A tenant's live limiters.
 #[derive(Default)]
@@ -281,15 +282,6 @@ impl Grant {
         Ok(())
     }
 
-    /// Records what one choice used.
-    pub fn record(&self, u: &Usage) {
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
-        let used = used.get_or_insert_default();
-        used.prompt_tokens = used.prompt_tokens.max(u.prompt_tokens as u64);
-        used.completion_tokens += u.completion_tokens as u64;
-        used.cached_tokens = used.cached_tokens.max(u.cached_tokens as u64);
-    }
-
     /// Adds fuel the request's plugin burned.
     pub fn add_fuel(&self, fuel: u64) {
         self.used
@@ -297,6 +289,17 @@ impl Grant {
             .unwrap_or_else(|p| p.into_inner())
             .get_or_insert_default()
             .plugin_fuel += fuel;
+    }
+}
+
+/// Each choice records what it used.
+impl UsageMeter for Grant {
+    fn record(&self, u: &Usage) {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        let used = used.get_or_insert_default();
+        used.prompt_tokens = used.prompt_tokens.max(u.prompt_tokens as u64);
+        used.completion_tokens += u.completion_tokens as u64;
+        used.cached_tokens = used.cached_tokens.max(u.cached_tokens as u64);
     }
 }
 

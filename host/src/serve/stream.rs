@@ -17,9 +17,10 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::openai::ApiError;
-use super::worker::Update;
+use super::plugins::failure_error;
 use crate::engine::TokenLogprobs;
 use crate::engine::request::{AbortReason, Outcome};
+use crate::runner::Update;
 use crate::tokenizer::Tokenizer;
 
 /// Which endpoint's shapes.
@@ -59,30 +60,13 @@ pub struct Responder {
 /// The error an aborted request ends with.
 pub fn abort_error(r: &AbortReason) -> ApiError {
     use hyper::StatusCode;
-    match r {
-        AbortReason::Cancelled => ApiError::new(StatusCode::BAD_REQUEST, "cancelled", "the request was cancelled"),
-        AbortReason::Shutdown => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "shutting_down",
-            "the server is shutting down",
-        ),
-        AbortReason::Isolation(_) => ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "isolation_violation",
-            "the request was stopped by a KV isolation check; no data from it was returned",
-        ),
-        AbortReason::Kv(e) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "kv_unavailable", e.to_string()),
-        AbortReason::Transfer(e) => ApiError::new(StatusCode::BAD_GATEWAY, "kv_transfer_failed", e.clone()),
-        AbortReason::Node { code, message } => {
-            let status = match *code {
-                "isolation_violation" => StatusCode::INTERNAL_SERVER_ERROR,
-                "kv_unavailable" | "shutting_down" => StatusCode::SERVICE_UNAVAILABLE,
-                "cancelled" => StatusCode::BAD_REQUEST,
-                _ => StatusCode::BAD_GATEWAY,
-            };
-            ApiError::new(status, code, message.clone())
-        }
-    }
+    let status = match r.code() {
+        "cancelled" => StatusCode::BAD_REQUEST,
+        "isolation_violation" => StatusCode::INTERNAL_SERVER_ERROR,
+        "shutting_down" | "kv_unavailable" => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::BAD_GATEWAY,
+    };
+    ApiError::new(status, r.code(), r.client_message())
 }
 
 fn token_value(tok: &Tokenizer, id: u32, logprob: f32) -> Value {
@@ -232,7 +216,7 @@ impl Responder {
                 }
             }
             Update::Rejected(r) => self.fail(r.reason.into(), out),
-            Update::Failed(e) => self.fail(e, out),
+            Update::Failed(f) => self.fail(failure_error(&f), out),
             Update::ShuttingDown => self.fail(abort_error(&AbortReason::Shutdown), out),
         }
     }

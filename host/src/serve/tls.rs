@@ -10,7 +10,7 @@ use rustls::ServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sha2::{Digest, Sha256};
 
-use super::config::TlsConfig;
+use crate::config::TlsConfig;
 
 /// The server's TLS settings and where its certificate came from.
 pub struct TlsSetup {

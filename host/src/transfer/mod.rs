@@ -22,6 +22,9 @@ use warden_kernels::attention::IsolationViolation;
 use crate::kv::{KvError, KvPool, SeqId};
 use wire::{Frame, PageFrame};
 
+/// Most pages one transfer batch may carry (`cluster.pages_per_batch`).
+pub const MAX_PAGES_PER_BATCH: usize = 256;
+
 /// Bounds on a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {

@@ -80,7 +80,7 @@ impl TenantLogs {
         if admitted == 0 {
             return;
         }
-        let secs = crate::serve::store::now();
+        let secs = crate::serve::store::error::now();
         let short = src.version.get(..12).unwrap_or(src.version);
         let mut out = String::new();
         if dropped > 0 {

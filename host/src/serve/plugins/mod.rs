@@ -9,7 +9,6 @@
 pub mod artefacts;
 pub mod logs;
 pub mod pipeline;
-pub mod records;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -19,16 +18,17 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use super::config::PluginsConfig;
 use super::openai::ApiError;
-use super::store::{Store, StoreError, Tenant, valid_tenant_name};
+use super::store::records::{self, PluginRecord, version_of};
+use super::store::{Store, StoreError, Tenant};
+use crate::config::PluginsConfig;
 use crate::plugin::compile::{CompileLimits, compile_isolated};
 use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling};
 use crate::policy::rate::{Denied, Gcra};
+use crate::tenant::valid_tenant_name;
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
 use logs::TenantLogs;
-use records::{PluginRecord, version_of};
 
 /// Compiled plugins kept in memory; beyond this, one is dropped per compile.
 const COMPILED_CACHE: usize = 256;

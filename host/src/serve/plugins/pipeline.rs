@@ -17,13 +17,13 @@ use tokio::sync::mpsc;
 use super::logs::{Source, TenantLogs};
 use super::{Resolved, Share, failure_error};
 use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Usage};
+use crate::metrics::Metrics;
 use crate::plugin::{
     Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
 };
-use crate::serve::metrics::Metrics;
+use crate::runner::{EndFlag, Update};
 use crate::serve::openai::ApiError;
 use crate::serve::quota::Grant;
-use crate::serve::worker::{EndFlag, Update};
 use crate::tokenizer::Tokenizer;
 
 /// Where a request's plugin reports: failures to the tenant's metrics, log lines to the
@@ -47,8 +47,13 @@ pub struct Reporter {
 
 impl Reporter {
     fn error(&self, f: &PluginFailure) -> ApiError {
+        failure_error(&self.failed(f.clone()))
+    }
+
+    /// Counts `f` in the tenant's metrics.
+    fn failed(&self, f: PluginFailure) -> PluginFailure {
         self.metrics.plugin_failure(&self.tenant, f.code());
-        failure_error(f)
+        f
     }
 
     fn flush_logs(&self, resolved: &Resolved, instance: &mut Instance) {
@@ -295,12 +300,12 @@ impl Output {
                     match c.instance.on_token(&t).await {
                         Ok(TokenAction::Stop) => stop = true,
                         Ok(TokenAction::Continue) => {}
-                        Err(f) => return c.fail(r.error(&f)),
+                        Err(f) => return c.fail(r.failed(f)),
                     }
                 }
                 let text = match c.instance.postprocess(&text, false).await {
                     Ok(t) => t,
-                    Err(f) => return c.fail(r.error(&f)),
+                    Err(f) => return c.fail(r.failed(f)),
                 };
                 if stop {
                     // The engine ends the sequence between steps and answers with its `Done`.
@@ -326,7 +331,7 @@ impl Output {
                             ..usage
                         },
                     }],
-                    Err(f) => vec![Update::Failed(r.error(&f))],
+                    Err(f) => vec![Update::Failed(r.failed(f))],
                 }
             }
             Update::Done {
@@ -337,7 +342,7 @@ impl Output {
                 c.done = true;
                 match c.instance.postprocess(&text, true).await {
                     Ok(text) => vec![Update::Done { outcome, text, usage }],
-                    Err(f) => vec![Update::Failed(r.error(&f))],
+                    Err(f) => vec![Update::Failed(r.failed(f))],
                 }
             }
             other => {
@@ -351,7 +356,7 @@ impl Output {
 }
 
 impl ChoiceStage {
-    fn fail(&mut self, e: ApiError) -> Vec<Update> {
+    fn fail(&mut self, e: PluginFailure) -> Vec<Update> {
         self.done = true;
         self.stop.cancel();
         vec![Update::Failed(e)]

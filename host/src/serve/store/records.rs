@@ -7,7 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::serve::store::{StoreError, now};
+use super::error::{StoreError, now};
 
 /// One uploaded version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The whole configuration.
 #[derive(Debug, Clone, Deserialize)]
@@ -404,7 +404,7 @@ impl ServeConfig {
         if self.limits.max_context == Some(0) {
             return Err(bad("limits.max_context", 0, "must be at least 1"));
         }
-        if self.cluster.pages_per_batch > crate::cluster::MAX_PAGES_PER_BATCH {
+        if self.cluster.pages_per_batch > crate::transfer::MAX_PAGES_PER_BATCH {
             return Err(bad(
                 "cluster.pages_per_batch",
                 self.cluster.pages_per_batch,
@@ -438,6 +438,32 @@ impl ServeConfig {
     }
 }
 
+/// What a `warden serve` process is.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Everything in one process: API, engine, pool.
+    #[default]
+    All,
+    /// Computes prompts and sends their KV to decode nodes.
+    Prefill,
+    /// Receives prompts' KV and generates.
+    Decode,
+    /// The API, keys, policies and plugins; dispatches to prefill and decode nodes.
+    Router,
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Role::All => "all",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Router => "router",
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,7 +482,7 @@ mod tests {
 
     #[test]
     fn the_example_file_parses() {
-        let text = include_str!("../../../warden.example.toml");
+        let text = include_str!("../../warden.example.toml");
         let c = parse(text).unwrap();
         assert_eq!(c.limits.body_bytes, 1 << 20);
     }

@@ -1,6 +1,6 @@
 //! The engine thread: owns the [`Engine`], takes jobs from a bounded queue, steps, and sends each
 //! request's tokens to its own channel. On a prefill or decode node it also holds the ends of KV
-//! transfers ([`crate::cluster::ends`]); on a router the "engine" is the cluster's
+//! transfers ([`crate::runner::ends`]); on a router the "engine" is the cluster's
 //! ([`crate::cluster::router`]), behind the same [`EngineHandle`].
 //!
 //! A job's channel is its lifeline: when the client goes away its receiver is dropped, and the
@@ -16,17 +16,26 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::metrics::Metrics;
-use super::openai::ApiError;
-use super::quota::Grant;
-use crate::cluster::ends::{Ends, Received};
-use crate::cluster::router::Router;
+pub mod ends;
+
+use std::future::Future;
+use std::pin::Pin;
+
+use anyhow::Context;
+
+use crate::config::ServeConfig;
+use crate::engine::EngineConfig;
+use crate::engine::request::AdmissionLimits;
 use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
 use crate::engine::{Engine, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, PageInfo};
+use crate::loaded::LoadedModel;
+use crate::metrics::Metrics;
+use crate::plugin::PluginFailure;
 use crate::plugin::{BoxFuture, KvAccess};
 use crate::transfer::Limits;
 use crate::transfer::wire::Frame;
+use ends::{Ends, Received};
 use warden_kernels::attention::PageEntry;
 
 /// What a request's channel receives.
@@ -53,7 +62,7 @@ pub enum Update {
     /// Admission refused it; nothing ran.
     Rejected(Rejected),
     /// Its plugin failed on the output (sent by the plugin stage, never by the engine).
-    Failed(ApiError),
+    Failed(PluginFailure),
     /// The server is shutting down and took no new work.
     ShuttingDown,
 }
@@ -82,6 +91,13 @@ impl EndFlag {
     }
 }
 
+/// Where a request's usage is booked as each of its choices ends: the request's hold on its
+/// tenant's quotas. Dropping the last reference lets the hold go.
+pub trait UsageMeter: Send + Sync {
+    /// Books one choice's token counts.
+    fn record(&self, usage: &Usage);
+}
+
 /// One request for the engine.
 pub struct Job {
     /// The request (its owner is the tenant's id).
@@ -103,7 +119,7 @@ pub struct Job {
     /// already has for the tenant (a reload happened meanwhile) are not applied.
     pub policy_generation: u64,
     /// The request's hold on its tenant's quotas; each choice records its usage in it.
-    pub grant: Option<Arc<Grant>>,
+    pub grant: Option<Arc<dyn UsageMeter>>,
 }
 
 /// A question a plugin asks about its own request's KV, answered on the engine thread between
@@ -229,75 +245,59 @@ impl SeqSlot {
 #[derive(Debug)]
 pub struct Busy;
 
-/// The handle the HTTP side holds: the engine thread of this process, or (on a router) the
-/// cluster's nodes.
-#[derive(Clone)]
-pub enum EngineHandle {
-    /// This process's engine thread.
-    Local(LocalEngine),
-    /// A router's prefill and decode nodes.
-    Remote(Arc<Router>),
+/// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
+/// context (invariant 4) or a setting is impossible.
+pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> anyhow::Result<Engine> {
+    let mut ec = EngineConfig::for_model(&loaded.model);
+    if let Some(m) = cfg.limits.max_context {
+        ec.max_context = m;
+    }
+    ec.max_batch_tokens = cfg.limits.max_batch_tokens;
+    ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
+    ec.max_running = cfg.limits.max_running;
+    ec.max_waiting = cfg.limits.queue;
+    ec.page_size = cfg.kv.page_size;
+    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
+    ec.prefix_cache = cfg.kv.prefix_cache;
+    ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
+    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
+        .context("starting the engine (see [kv] and [limits] in the config)")
 }
 
-impl EngineHandle {
+/// A future an [`EngineHandle`] returns.
+pub type EngineFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// The engine as the API sees it: this process's engine thread ([`LocalEngine`]), or on a router
+/// the cluster's nodes (`cluster::router`). The boot code picks one and hands it to the server.
+pub trait EngineHandle: Send + Sync {
     /// Queues a job without waiting; [`Busy`] when the queue is full.
-    pub fn submit(&self, job: Job) -> Result<(), Busy> {
-        match self {
-            EngineHandle::Local(l) => l.submit(job),
-            EngineHandle::Remote(r) => r.submit(job),
-        }
-    }
+    fn submit(&self, job: Job) -> Result<(), Busy>;
 
     /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
-    pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
-        match self {
-            EngineHandle::Local(l) => l.set_tenant(owner, settings, generation).await,
-            EngineHandle::Remote(r) => r.set_tenant(owner, settings, generation).await,
-        }
-    }
+    fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()>;
 
     /// Makes `prefixes` the public prefixes (see [`Engine::set_public_prefixes`]).
-    pub async fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> Result<(), String> {
-        match self {
-            EngineHandle::Local(l) => l.set_public_prefixes(prefixes).await,
-            EngineHandle::Remote(r) => r.set_public_prefixes(prefixes).await,
-        }
-    }
+    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>>;
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
-    pub async fn forget_tenant(&self, owner: u64) {
-        match self {
-            EngineHandle::Local(l) => l.forget_tenant(owner).await,
-            EngineHandle::Remote(r) => r.forget_tenant(owner).await,
-        }
-    }
+    fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()>;
 
     /// Whether the engine can take work.
-    pub fn is_alive(&self) -> bool {
-        match self {
-            EngineHandle::Local(l) => l.is_alive(),
-            EngineHandle::Remote(r) => r.is_alive(),
-        }
-    }
+    fn is_alive(&self) -> bool;
 
     /// Lets in-flight requests finish until `deadline`, cancels what remains; resolves when
     /// they have ended.
-    pub async fn shutdown(&self, deadline: Instant) {
-        match self {
-            EngineHandle::Local(l) => l.shutdown(deadline).await,
-            EngineHandle::Remote(r) => r.shutdown(deadline).await,
-        }
-    }
+    fn shutdown(&self, deadline: Instant) -> EngineFuture<'_, ()>;
 
-    /// Sends a KV question about the choice in `slot` without waiting; false when it cannot go
-    /// (the reply channel then closes).
-    fn ask(&self, slot: &SeqSlot, q: KvQuery) -> bool {
-        match (self, slot.remote.get()) {
-            (_, Some(remote)) => remote.send(q).is_ok(),
-            (EngineHandle::Local(l), None) => l.ask(q),
-            (EngineHandle::Remote(_), None) => false,
-        }
-    }
+    /// The limits admission applies to every request.
+    fn admission(&self) -> AdmissionLimits;
+
+    /// The pool's pages, and how many of them may be pinned (on a router: the smallest node's).
+    fn pool_pages(&self) -> (usize, usize);
+
+    /// Sends a KV question without waiting, for a choice with no route of its own (see
+    /// [`SeqSlot`]); false when it cannot go (the reply channel then closes).
+    fn ask(&self, q: KvQuery) -> bool;
 }
 
 /// This process's engine thread.
@@ -306,6 +306,8 @@ pub struct LocalEngine {
     tx: SyncSender<Cmd>,
     kv: SyncSender<KvQuery>,
     alive: Arc<AtomicBool>,
+    admission: AdmissionLimits,
+    pool_pages: (usize, usize),
 }
 
 struct Live {
@@ -313,7 +315,7 @@ struct Live {
     tx: mpsc::UnboundedSender<(usize, Update)>,
     stop: Arc<EndFlag>,
     slot: Arc<SeqSlot>,
-    grant: Option<Arc<Grant>>,
+    grant: Option<Arc<dyn UsageMeter>>,
     tenant: String,
     submitted: Instant,
     last: Option<Instant>,
@@ -326,6 +328,8 @@ impl LocalEngine {
         let (kv, kv_rx) = std::sync::mpsc::sync_channel(KV_QUEUE);
         let alive = Arc::new(AtomicBool::new(true));
         let flag = alive.clone();
+        let admission = engine.limits();
+        let pool_pages = (engine.kv_counters().pages_total, engine.pinnable_pages());
         std::thread::Builder::new()
             .name("warden-engine".into())
             .spawn(move || {
@@ -339,26 +343,13 @@ impl LocalEngine {
                 let _alive = Alive(flag);
                 run(engine, rx, kv_rx, &metrics);
             })?;
-        Ok(Self { tx, kv, alive })
-    }
-
-    /// Queues a job without waiting; [`Busy`] when the queue is full.
-    pub fn submit(&self, job: Job) -> Result<(), Busy> {
-        match self.tx.try_send(Cmd::Job(Box::new(job), Instant::now())) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => Err(Busy),
-            Err(TrySendError::Disconnected(Cmd::Job(job, _))) => {
-                let _ = job.tx.send((job.index, Update::ShuttingDown));
-                Ok(())
-            }
-            Err(TrySendError::Disconnected(_)) => Ok(()),
-        }
-    }
-
-    /// Sends a KV question to the engine thread without waiting; false when the queue is full
-    /// or the thread is gone (the reply channel then closes).
-    pub fn ask(&self, q: KvQuery) -> bool {
-        self.kv.try_send(q).is_ok()
+        Ok(Self {
+            tx,
+            kv,
+            alive,
+            admission,
+            pool_pages,
+        })
     }
 
     /// Decode node: opens the decode half of a disaggregated request; `opening` hears of its
@@ -400,30 +391,6 @@ impl LocalEngine {
         self.send_waiting(Cmd::Answer(id, frame)).await;
     }
 
-    /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
-    pub async fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) {
-        self.send_waiting(Cmd::TenantSettings(owner, settings, generation))
-            .await;
-    }
-
-    /// Makes `prefixes` the public prefixes (see [`Engine::set_public_prefixes`]); the engine
-    /// computes what is new between two steps.
-    pub async fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> Result<(), String> {
-        let (done, rx) = oneshot::channel();
-        self.send_waiting(Cmd::PublicPrefixes(prefixes, done)).await;
-        match rx.await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(_) => Err("the engine thread is gone".into()),
-        }
-    }
-
-    /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
-    pub async fn forget_tenant(&self, owner: u64) {
-        let (done, rx) = oneshot::channel();
-        self.send_waiting(Cmd::Forget(owner, done)).await;
-        let _ = rx.await;
-    }
-
     /// Offers a command until the queue takes it or the thread is gone.
     async fn send_waiting(&self, mut cmd: Cmd) {
         loop {
@@ -437,38 +404,97 @@ impl LocalEngine {
             }
         }
     }
+}
 
-    /// Whether the engine thread is running.
-    pub fn is_alive(&self) -> bool {
+impl EngineHandle for LocalEngine {
+    fn submit(&self, job: Job) -> Result<(), Busy> {
+        match self.tx.try_send(Cmd::Job(Box::new(job), Instant::now())) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(Busy),
+            Err(TrySendError::Disconnected(Cmd::Job(job, _))) => {
+                let _ = job.tx.send((job.index, Update::ShuttingDown));
+                Ok(())
+            }
+            Err(TrySendError::Disconnected(_)) => Ok(()),
+        }
+    }
+
+    fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()> {
+        Box::pin(self.send_waiting(Cmd::TenantSettings(owner, settings, generation)))
+    }
+
+    /// The engine computes what is new between two steps.
+    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            let (done, rx) = oneshot::channel();
+            self.send_waiting(Cmd::PublicPrefixes(prefixes, done)).await;
+            match rx.await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err("the engine thread is gone".into()),
+            }
+        })
+    }
+
+    fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            let (done, rx) = oneshot::channel();
+            self.send_waiting(Cmd::Forget(owner, done)).await;
+            let _ = rx.await;
+        })
+    }
+
+    fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// Lets in-flight requests finish until `deadline`, cancels what remains, and stops the
-    /// thread; resolves when it has.
-    pub async fn shutdown(&self, deadline: Instant) {
-        let (done_tx, done_rx) = oneshot::channel();
-        // The queue may be full: keep offering the command until it fits or the thread is gone.
-        self.send_waiting(Cmd::Shutdown(deadline, done_tx)).await;
-        let _ = done_rx.await;
+    /// Stops the thread too.
+    fn shutdown(&self, deadline: Instant) -> EngineFuture<'_, ()> {
+        Box::pin(async move {
+            let (done_tx, done_rx) = oneshot::channel();
+            // The queue may be full: keep offering the command until it fits or the thread is gone.
+            self.send_waiting(Cmd::Shutdown(deadline, done_tx)).await;
+            let _ = done_rx.await;
+        })
+    }
+
+    fn admission(&self) -> AdmissionLimits {
+        self.admission
+    }
+
+    fn pool_pages(&self) -> (usize, usize) {
+        self.pool_pages
+    }
+
+    fn ask(&self, q: KvQuery) -> bool {
+        self.kv.try_send(q).is_ok()
     }
 }
 
 /// A plugin's access to its own request's KV, through the engine thread (on a router, through
 /// its decode node's connection).
 pub struct EngineKv {
-    engine: EngineHandle,
+    engine: Arc<dyn EngineHandle>,
     owner: u64,
     slot: Arc<SeqSlot>,
 }
 
 impl EngineKv {
     /// Access for the request of tenant `owner` whose job is `slot`.
-    pub fn new(engine: EngineHandle, owner: u64, slot: Arc<SeqSlot>) -> Self {
+    pub fn new(engine: Arc<dyn EngineHandle>, owner: u64, slot: Arc<SeqSlot>) -> Self {
         Self { engine, owner, slot }
     }
 }
 
 impl EngineKv {
+    /// Sends `q` on the choice's own route (on a router, its decode node's connection), else to
+    /// the engine; false when it cannot go.
+    fn ask(&self, q: KvQuery) -> bool {
+        match self.slot.remote.get() {
+            Some(remote) => remote.send(q).is_ok(),
+            None => self.engine.ask(q),
+        }
+    }
+
     /// Asks the engine about this request's own sequence; `ask` builds the question from the
     /// request's id and a reply channel. An ended or not yet admitted request is answered here.
     fn ask_own<T: Send + 'static>(
@@ -482,7 +508,7 @@ impl EngineKv {
             return Box::pin(async { Err("the request has no sequence yet".to_string()) });
         };
         let (reply, rx) = oneshot::channel();
-        if !self.engine.ask(&self.slot, ask(id, reply)) {
+        if !self.ask(ask(id, reply)) {
             return Box::pin(async { Err("the engine's queue is full; retry".to_string()) });
         }
         Box::pin(async move { rx.await.unwrap_or_else(|_| Err("the engine stopped".into())) })
@@ -500,14 +526,11 @@ impl KvAccess for EngineKv {
         let live = !self.slot.ended.load(Ordering::SeqCst);
         let asked = live
             && self.slot.id.get().is_some_and(|&id| {
-                self.engine.ask(
-                    &self.slot,
-                    KvQuery::Pages {
-                        id,
-                        owner: self.owner,
-                        reply,
-                    },
-                )
+                self.ask(KvQuery::Pages {
+                    id,
+                    owner: self.owner,
+                    reply,
+                })
             });
         Box::pin(async move { if asked { rx.await.ok().flatten() } else { None } })
     }

@@ -6,8 +6,7 @@
 //! later tenant's. sled admits one process at a time: [`Store::open`] reports
 //! [`StoreError::Locked`] while a server holds the store.
 
-use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::path::Path;
 
 use base64::Engine as _;
 use rand::RngCore;
@@ -15,7 +14,13 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use super::plugins::records::Records;
+pub mod error;
+pub mod records;
+
+use crate::tenant::valid_tenant_name;
+pub use error::StoreError;
+use error::now;
+use records::Records;
 
 /// A tenant.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,34 +53,6 @@ struct KeyRecord {
     hash: [u8; 32],
 }
 
-/// Store errors.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    /// Another process (a running server) holds the store.
-    #[error("the state store {0} is in use by another process (a running warden serve?)")]
-    Locked(PathBuf),
-    /// sled failed.
-    #[error("state store: {0}")]
-    Sled(#[from] sled::Error),
-    /// A record could not be decoded.
-    #[error("state store record {0} is corrupt")]
-    Corrupt(String),
-    /// A tenant name is not allowed.
-    #[error(
-        "invalid tenant name {0:?}: use 1 to 63 characters, lowercase letters, digits, '-' and '_', starting with a letter or digit"
-    )]
-    BadName(String),
-    /// The tenant exists.
-    #[error("tenant {0:?} already exists")]
-    TenantExists(String),
-    /// No such tenant.
-    #[error("no tenant {0:?}")]
-    NoTenant(String),
-    /// No such key.
-    #[error("no API key with id {0:?}")]
-    NoKey(String),
-}
-
 /// The store.
 #[derive(Clone)]
 pub struct Store {
@@ -91,14 +68,6 @@ const ADMIN_TOKEN_HASH: &[u8] = b"admin_token_hash";
 const KEY_PREFIX: &str = "wdn-";
 const KEY_ID_LEN: usize = 16;
 
-/// Seconds since the Unix epoch.
-pub(crate) fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 fn random_bytes<const N: usize>() -> [u8; N] {
     let mut b = [0u8; N];
     rand::rng().fill_bytes(&mut b);
@@ -111,15 +80,6 @@ fn b64(bytes: &[u8]) -> String {
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
     Sha256::digest(bytes).into()
-}
-
-/// Whether `name` is a valid tenant name.
-pub fn valid_tenant_name(name: &str) -> bool {
-    let b = name.as_bytes();
-    (1..=63).contains(&b.len())
-        && b[0].is_ascii_alphanumeric()
-        && b.iter()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
 }
 
 impl Store {
@@ -348,7 +308,7 @@ impl Store {
 mod tests {
     use super::*;
 
-    fn temp_dir(tag: &str) -> PathBuf {
+    fn temp_dir(tag: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("warden-store-{tag}-{}-{}", std::process::id(), now()));
         let _ = std::fs::remove_dir_all(&d);
         d

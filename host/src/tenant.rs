@@ -1,0 +1,12 @@
+//! Tenant names: what an operator may call a tenant (the store, the policy files and the metrics'
+//! labels all take them, so the rule lives below all three).
+
+/// Whether `name` is a valid tenant name: 1 to 63 bytes of lowercase ASCII letters, digits, `-`
+/// and `_`, starting with a letter or digit.
+pub fn valid_tenant_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    (1..=63).contains(&b.len())
+        && b[0].is_ascii_alphanumeric()
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-' || *c == b'_')
+}

@@ -1,0 +1,312 @@
+//! The library's layers import one way only, and no two of its files import each other.
+//!
+//! Reads every file under `host/src`, takes the module paths each names in code (`crate::…`,
+//! `super::…` and its own submodules; comments, test-only files and `#[cfg(test)]` blocks left
+//! out), and checks them against [`LAYERS`]: a file may name a module of its own top-level
+//! module or of a lower layer, never one beside or above it.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The layers, lowest first. A top-level module may import from lower layers only (and within
+/// itself); `warden_kernels` is below them all.
+const LAYERS: &[&[&str]] = &[
+    &["gguf", "tenant", "net", "kv"],
+    &["tokenizer", "chat", "model", "transfer"],
+    &["loaded", "engine"],
+    &["config", "plugin", "policy"],
+    &["metrics"],
+    &["runner"],
+    &["serve", "cluster"],
+    &["boot", "bench"],
+];
+
+fn layer(top: &str) -> usize {
+    LAYERS
+        .iter()
+        .position(|l| l.contains(&top))
+        .unwrap_or_else(|| panic!("module {top} is in no layer: add it to LAYERS in tests/layers.rs"))
+}
+
+/// One source file: its module path and the code of it that ships.
+struct File {
+    module: Vec<String>,
+    /// Whether it is a `mod.rs` (its `super` is its module's parent).
+    is_mod: bool,
+    code: String,
+}
+
+fn src_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
+}
+
+/// Drops comment lines and `#[cfg(test)]` items (a `mod x { … }` block, or a `mod x;` line).
+fn shipped(text: &str) -> (String, BTreeSet<String>) {
+    let mut out = String::new();
+    let mut test_mods = BTreeSet::new();
+    let lines: Vec<&str> = text.lines().collect();
+    let mut i = 0;
+    while i < lines.len() {
+        let t = lines[i].trim();
+        if t == "#[cfg(test)]" {
+            let next = lines.get(i + 1).map(|l| l.trim()).unwrap_or("");
+            let decl = next.strip_prefix("pub ").unwrap_or(next);
+            if let Some(name) = decl.strip_prefix("mod ") {
+                if let Some(name) = name.strip_suffix(';') {
+                    test_mods.insert(name.trim().to_string());
+                    i += 2;
+                    continue;
+                }
+                // Skip the block to its closing brace.
+                let mut depth = 0i64;
+                let mut j = i + 1;
+                loop {
+                    depth += lines[j].matches('{').count() as i64 - lines[j].matches('}').count() as i64;
+                    j += 1;
+                    if depth == 0 || j == lines.len() {
+                        break;
+                    }
+                }
+                i = j;
+                continue;
+            }
+        }
+        if !t.starts_with("//") {
+            out.push_str(lines[i]);
+            out.push('\n');
+        }
+        i += 1;
+    }
+    (out, test_mods)
+}
+
+fn files() -> Vec<File> {
+    fn walk(dir: &Path, module: &[String], test_only: &BTreeSet<String>, out: &mut Vec<File>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
+        entries.sort();
+        // mod.rs first: it says which children are test-only.
+        entries.sort_by_key(|p| p.file_name().unwrap() != "mod.rs");
+        let mut tests = test_only.clone();
+        for p in entries {
+            let name = p.file_stem().unwrap().to_string_lossy().into_owned();
+            if p.is_dir() {
+                if tests.contains(&name) {
+                    continue;
+                }
+                let mut m = module.to_vec();
+                m.push(name);
+                walk(&p, &m, &BTreeSet::new(), out);
+                continue;
+            }
+            if p.extension().is_none_or(|e| e != "rs") || name == "main" {
+                continue;
+            }
+            let (code, test_mods) = shipped(&std::fs::read_to_string(&p).unwrap());
+            if name == "mod" || name == "lib" {
+                tests.extend(test_mods);
+                out.push(File {
+                    module: module.to_vec(),
+                    is_mod: true,
+                    code,
+                });
+                continue;
+            }
+            if tests.contains(&name) {
+                continue;
+            }
+            let mut m = module.to_vec();
+            m.push(name);
+            // A plain file's test-only children live in a folder of its name.
+            let _ = test_mods;
+            out.push(File {
+                module: m,
+                is_mod: false,
+                code,
+            });
+        }
+    }
+    let mut out = Vec::new();
+    walk(&src_dir(), &[], &BTreeSet::new(), &mut out);
+    // lib.rs declares the top-level modules; it is the crate root, not a layer.
+    out.retain(|f| !f.module.is_empty());
+    out
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// Expands the path (or `use` tree) that starts at `s`: `a::b::{c, d::{e}}` gives `a::b::c` and
+/// `a::b::d::e`.
+fn expand(s: &str, prefix: Vec<String>, out: &mut Vec<Vec<String>>) -> usize {
+    let b = s.as_bytes();
+    let mut i = 0;
+    let mut path = prefix;
+    loop {
+        while i < b.len() && b[i] == b' ' {
+            i += 1;
+        }
+        if i < b.len() && b[i] == b'{' {
+            i += 1;
+            loop {
+                while i < b.len() && (b[i] as char).is_whitespace() {
+                    i += 1;
+                }
+                if i >= b.len() {
+                    return i;
+                }
+                if b[i] == b'}' {
+                    return i + 1;
+                }
+                i += expand(&s[i..], path.clone(), out);
+                while i < b.len() && (b[i] as char).is_whitespace() {
+                    i += 1;
+                }
+                if i < b.len() && b[i] == b',' {
+                    i += 1;
+                }
+            }
+        }
+        let start = i;
+        while i < b.len() && is_ident(b[i] as char) {
+            i += 1;
+        }
+        if i == start {
+            out.push(path);
+            return i;
+        }
+        path.push(s[start..i].to_string());
+        if s[i..].starts_with("::") {
+            i += 2;
+        } else {
+            out.push(path);
+            return i;
+        }
+    }
+}
+
+/// The module paths (absolute, from the crate root) `f` names.
+fn references(f: &File, modules: &BTreeSet<Vec<String>>) -> BTreeSet<Vec<String>> {
+    let mut paths = Vec::new();
+    let code = &f.code;
+    // The module `super` means in this file (a `mod.rs` is its folder's module, so for both
+    // kinds it is the parent), and this file's own children.
+    let own = f.module.clone();
+    let parent = own[..own.len() - 1].to_vec();
+    let children: BTreeSet<String> = modules
+        .iter()
+        .filter(|m| m.len() == own.len() + 1 && m.starts_with(&own) && f.is_mod)
+        .map(|m| m[own.len()].clone())
+        .collect();
+    let bytes = code.as_bytes();
+    let mut i = 0;
+    while i < code.len() {
+        if !code.is_char_boundary(i) {
+            i += 1;
+            continue;
+        }
+        let at_word = i == 0 || !(is_ident(bytes[i - 1] as char) || bytes[i - 1] == b':');
+        if at_word {
+            let rest = &code[i..];
+            let root: Option<(usize, Vec<String>)> = if rest.starts_with("crate::") {
+                Some((7, Vec::new()))
+            } else if rest.starts_with("super::") {
+                Some((7, parent.clone()))
+            } else {
+                children
+                    .iter()
+                    .find(|c| rest.starts_with(&format!("{c}::")) || rest.starts_with(&format!("{c}::{{")))
+                    .map(|_| (0, own.clone()))
+            };
+            if let Some((skip, prefix)) = root {
+                let used = expand(&rest[skip..], prefix, &mut paths);
+                i += skip + used.max(1);
+                continue;
+            }
+        }
+        i += 1;
+    }
+    // Each path names the longest module it starts with.
+    paths
+        .into_iter()
+        .filter_map(|p| {
+            (1..=p.len())
+                .rev()
+                .map(|k| p[..k].to_vec())
+                .find(|m| modules.contains(m))
+        })
+        .filter(|m| *m != f.module)
+        .collect()
+}
+
+#[test]
+fn layers_import_downward_only_and_no_two_files_import_each_other() {
+    let files = files();
+    assert!(
+        files.len() > 40,
+        "found only {} source files under {:?}",
+        files.len(),
+        src_dir()
+    );
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| f.module.clone()).collect();
+    let mut graph: BTreeMap<Vec<String>, BTreeSet<Vec<String>>> = BTreeMap::new();
+    let mut wrong = Vec::new();
+    for f in &files {
+        let refs = references(f, &modules);
+        let top = &f.module[0];
+        for r in &refs {
+            if r[0] != *top && layer(&r[0]) >= layer(top) {
+                wrong.push(format!(
+                    "{} (layer {}) imports {} (layer {})",
+                    f.module.join("::"),
+                    layer(top),
+                    r.join("::"),
+                    layer(&r[0])
+                ));
+            }
+        }
+        graph.insert(f.module.clone(), refs);
+    }
+    for (a, refs) in &graph {
+        for b in refs {
+            // A module's own parent is named by its children's `super::` paths only as their
+            // scope; an import back from the parent makes the cycle.
+            if a < b && graph.get(b).is_some_and(|r| r.contains(a)) {
+                wrong.push(format!("{} and {} import each other", a.join("::"), b.join("::")));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "layering broken:\n{}", wrong.join("\n"));
+}
+
+#[test]
+fn the_checker_sees_crate_super_and_child_paths() {
+    let modules: BTreeSet<Vec<String>> = [
+        vec!["serve"],
+        vec!["serve", "http"],
+        vec!["serve", "store"],
+        vec!["engine"],
+        vec!["cluster"],
+    ]
+    .into_iter()
+    .map(|m| m.into_iter().map(String::from).collect())
+    .collect();
+    let f = File {
+        module: vec!["serve".into(), "http".into()],
+        is_mod: false,
+        code: "use crate::{engine::Engine, cluster::{self}};\nfn f() { super::store::open(); }\n".into(),
+    };
+    let refs: BTreeSet<String> = references(&f, &modules).into_iter().map(|m| m.join("::")).collect();
+    assert_eq!(
+        refs,
+        ["cluster", "engine", "serve::store"]
+            .into_iter()
+            .map(String::from)
+            .collect()
+    );
+    let (code, tests) = shipped(
+        "// crate::serve\n#[cfg(test)]\nmod tests {\n  use crate::serve;\n}\n#[cfg(test)]\nmod model;\nuse crate::kv;\n",
+    );
+    assert_eq!(code, "use crate::kv;\n");
+    assert!(tests.contains("model"));
+}
