@@ -11,7 +11,7 @@
 //! config, plugin, policy         the config file; the Wasm plugin runtime; tenants' policies
 //! loaded, engine                 a model file opened; admission, scheduling, sampling
 //! tokenizer, chat, model, transfer
-//! gguf, tenant, net, kv          model files; tenant names; listening; the tagged, paged KV pool
+//! gguf, tenant, net, heap, kv    model files; tenant names; listening; the heap; the KV pool
 //! warden_kernels                 (its own crate) the compute kernels
 //! ```
 //!
@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod config;
 pub mod engine;
 pub mod gguf;
+pub mod heap;
 pub mod kv;
 pub mod loaded;
 pub mod metrics;

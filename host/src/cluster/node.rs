@@ -91,6 +91,7 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> anyhow::Result<()> {
         "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {})",
         node.info.role, node.info.model, node.info.pages, node.info.page_size, node.info.max_context
     );
+    tokio::spawn(crate::heap::trim_periodically());
     let signal = crate::net::shutdown_signal();
     tokio::pin!(signal);
     loop {

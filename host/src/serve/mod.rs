@@ -285,6 +285,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
         .policy(&state.quotas.set().version, state.quotas.reload_failures());
     tokio::spawn(flush_usage(state.clone()));
     tokio::spawn(watch_policies(state.clone()));
+    tokio::spawn(crate::heap::trim_periodically());
     let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
     // The protocol comes from ALPN (plain HTTP is HTTP/1.1 only), so no connection sits in
     // protocol detection, where no timeout would apply.
