@@ -336,6 +336,10 @@ fn no_canary_crosses_tenants_in_one_process() {
 }
 
 #[test]
+#[cfg_attr(
+    not(feature = "transfer-faults"),
+    ignore = "injects transfer faults: needs --all-features (or --features transfer-faults), as the README's test command has"
+)]
 fn no_canary_crosses_tenants_in_a_cluster_with_every_transfer_fault() {
     let tok = tokenizer();
     let prefill = Node::start("canary-prefill", "prefill", ENGINE);

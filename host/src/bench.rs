@@ -1,8 +1,10 @@
 //! `warden bench`: engine throughput on the loaded model, with and without tag checks.
 //!
-//! Every figure is measured twice in the same process, once with the tag checks of invariant 2 on
-//! and once with them off (a switch only this module sets), alternating so drift on a shared
-//! machine hits both alike; the ratio of the two is the price of isolation. Each configuration runs
+//! In a build with the `bench-tags-off` feature (`scripts/bench.sh` makes one in its own target
+//! folder; release builds never have it), every figure is measured twice in the same process,
+//! once with the tag checks of invariant 2 on and once with them off, alternating so drift on a
+//! shared machine hits both alike; the ratio of the two is the price of isolation. Other builds
+//! report the tags-on figures and leave the tags-off ones out. Each configuration runs
 //! [`BenchConfig::repeats`] times and reports its best run, as throughput benchmarks usually do:
 //! noise only ever slows a run down. These engines run without the prefix cache, so every run
 //! computes what it times; the prefix cache has its own figure, the same prompt's time to first
@@ -18,6 +20,12 @@ use crate::engine::request::{GenerateRequest, Outcome};
 use crate::engine::text::Detokenizer;
 use crate::engine::{Engine, EngineConfig, EngineError, Event};
 use crate::model::Model;
+
+/// The tags-off switch, in builds that have it.
+#[cfg(feature = "bench-tags-off")]
+const TAGS_OFF: Option<TagCheck> = Some(TagCheck::SkipForBenchmark);
+#[cfg(not(feature = "bench-tags-off"))]
+const TAGS_OFF: Option<TagCheck> = None;
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -39,10 +47,10 @@ pub struct Figure {
     pub sequences: usize,
     /// Tokens per second with tag checks (the product as it runs).
     pub tok_s: f64,
-    /// Tokens per second with tag checks off (bench only).
-    pub tok_s_tags_off: f64,
+    /// Tokens per second with tag checks off (`bench-tags-off` builds only).
+    pub tok_s_tags_off: Option<f64>,
     /// `tok_s / tok_s_tags_off`: 1.0 means isolation is free.
-    pub ratio: f64,
+    pub ratio: Option<f64>,
 }
 
 /// The bench's result, printed as one JSON object.
@@ -118,16 +126,18 @@ pub fn run(
         Engine::new(model.clone(), detok.clone(), ec)
     };
     let mut on = engine(TagCheck::Enforce, false)?;
-    let mut off = engine(TagCheck::SkipForBenchmark, false)?;
+    let mut off = TAGS_OFF.map(|c| engine(c, false)).transpose()?;
     // Warm caches, page in the weights and start the thread pool before anything is timed.
     prefill(&mut on, &cfg.prefill_prompt);
-    prefill(&mut off, &cfg.prefill_prompt);
+    if let Some(off) = off.as_mut() {
+        prefill(off, &cfg.prefill_prompt);
+    }
 
     let n = cfg.prefill_prompt.len();
     let (a, b) = best_of(
         cfg.repeats,
         || prefill(&mut on, &cfg.prefill_prompt),
-        || prefill(&mut off, &cfg.prefill_prompt),
+        || off.as_mut().map(|e| prefill(e, &cfg.prefill_prompt)),
     );
     let prefill_fig = figure(1, n as f64, a, b);
 
@@ -151,7 +161,7 @@ pub fn run(
         let (a, b) = best_of(
             cfg.repeats,
             || decode(&mut on, k, cfg.decode_tokens),
-            || decode(&mut off, k, cfg.decode_tokens),
+            || off.as_mut().map(|e| decode(e, k, cfg.decode_tokens)),
         );
         decode_figs.push(figure(k, (k * (cfg.decode_tokens - 1)) as f64, a, b));
     }
@@ -236,23 +246,30 @@ fn tag_check_cost(layers: usize, page_size: usize, sequences: usize, context: us
     }
 }
 
-fn figure(sequences: usize, tokens: f64, on: Duration, off: Duration) -> Figure {
+fn figure(sequences: usize, tokens: f64, on: Duration, off: Option<Duration>) -> Figure {
     let tok_s = tokens / on.as_secs_f64();
-    let tok_s_tags_off = tokens / off.as_secs_f64();
+    let tok_s_tags_off = off.map(|off| tokens / off.as_secs_f64());
     Figure {
         sequences,
         tok_s,
         tok_s_tags_off,
-        ratio: tok_s / tok_s_tags_off,
+        ratio: tok_s_tags_off.map(|t| tok_s / t),
     }
 }
 
-/// Alternates the two runs `repeats` times and keeps each one's best.
-fn best_of(repeats: usize, mut a: impl FnMut() -> Duration, mut b: impl FnMut() -> Duration) -> (Duration, Duration) {
-    let (mut best_a, mut best_b) = (Duration::MAX, Duration::MAX);
+/// Alternates the two runs `repeats` times and keeps each one's best (the second runs only in
+/// `bench-tags-off` builds: `None` elsewhere).
+fn best_of(
+    repeats: usize,
+    mut a: impl FnMut() -> Duration,
+    mut b: impl FnMut() -> Option<Duration>,
+) -> (Duration, Option<Duration>) {
+    let (mut best_a, mut best_b) = (Duration::MAX, None::<Duration>);
     for _ in 0..repeats.max(1) {
         best_a = best_a.min(a());
-        best_b = best_b.min(b());
+        if let Some(t) = b() {
+            best_b = Some(best_b.map_or(t, |best| best.min(t)));
+        }
     }
     (best_a, best_b)
 }

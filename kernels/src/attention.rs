@@ -131,13 +131,15 @@ pub enum IsolationViolation {
     },
 }
 
-/// Whether tags are compared. [`TagCheck::Enforce`] everywhere except the benchmark that
-/// measures what the checks cost.
+/// Whether tags are compared. [`TagCheck::Enforce`] everywhere: the one other variant exists
+/// only in builds with the `bench-tags-off` feature, for the benchmark that measures what the
+/// checks cost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TagCheck {
     /// Compare owner, epoch and written slots before every read.
     Enforce,
     /// Bench-only: skip the comparisons (page indices are still bounds-checked).
+    #[cfg(feature = "bench-tags-off")]
     SkipForBenchmark,
 }
 
@@ -197,6 +199,9 @@ pub fn check_pages(
     tags: &[PageTag],
     check: TagCheck,
 ) -> Result<(), IsolationViolation> {
+    // Without the bench feature, enforcing is the only way there is.
+    #[cfg(not(feature = "bench-tags-off"))]
+    let TagCheck::Enforce = check;
     let need = positions.div_ceil(page_size);
     if pages.len() < need {
         return Err(IsolationViolation::ShortPageTable {
@@ -209,6 +214,7 @@ pub fn check_pages(
             page: e.page,
             pages: tags.len(),
         })?;
+        #[cfg(feature = "bench-tags-off")]
         if check == TagCheck::SkipForBenchmark {
             continue;
         }
@@ -841,10 +847,12 @@ mod tests {
             let r = paged_attention(KvLayer { k: &f.k, v: &f.v }, &f.tags, &shape, &seqs, &q, &mut out, TagCheck::Enforce);
             prop_assert!(r[0].is_ok());
             let want = dense(&f, &table, pos0, n_new, &q);
+            // The running output is kept in f16 (as llama.cpp keeps it) and rounded at every
+            // position it takes in: its error grows like the square root of the positions (9 f16
+            // ulps at 117, a case proptest found); reading a wrong page or slot is off by O(1).
+            let tol = 1e-3 * (1.0 + (positions as f32).sqrt());
             for (a, b) in out.iter().zip(&want) {
-                // The running output is kept in f16 (as llama.cpp keeps it): a few f16 ulps of
-                // error; reading a wrong page or slot would be off by O(1).
-                prop_assert!((a - b).abs() < 4e-3, "{} vs {}", a, b);
+                prop_assert!((a - b).abs() < tol, "{} vs {} (tolerance {})", a, b, tol);
             }
         }
     }
@@ -1002,6 +1010,7 @@ mod tests {
         assert!(out[..16].iter().all(|&x| x == 0.0) && out[16..].iter().any(|&x| x != 0.0));
     }
 
+    #[cfg(feature = "bench-tags-off")]
     #[test]
     fn short_table_and_bad_index_are_errors_even_unchecked() {
         let f = Fixture::new(SHAPE, 2);

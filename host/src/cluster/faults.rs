@@ -1,6 +1,7 @@
-//! Faults injected into KV transfers, compiled into test builds only (`debug_assertions`): a
-//! router started with `WARDEN_TRANSFER_FAULTS=tenant=fault,...` names the fault in the
-//! dispatch of that tenant's requests, and the prefill node commits it on the transfer's first
+//! Faults injected into KV transfers, compiled only into builds with the `transfer-faults`
+//! feature (the test command's; never a release build): a router started with
+//! `WARDEN_TRANSFER_FAULTS=tenant=fault,...` names the fault in the dispatch of that tenant's
+//! requests, and the prefill node commits it on the transfer's first
 //! batch. Every fault but `delay` must fail the request on the decode node, with its error and
 //! no output (invariant 7); the leak-canary suite checks that it does.
 

@@ -50,14 +50,14 @@ pub struct Dispatch {
     pub agreed: super::Agreement,
     /// The transfer's bounds.
     pub limits: Limits,
-    /// A fault for the prefill node to inject into this transfer (test builds only).
-    #[cfg(debug_assertions)]
+    /// A fault for the prefill node to inject into this transfer (`transfer-faults` builds only).
+    #[cfg(feature = "transfer-faults")]
     #[serde(default)]
     pub fault: Option<Fault>,
 }
 
 /// What a prefill node does wrong to a transfer's first batch.
-#[cfg(debug_assertions)]
+#[cfg(feature = "transfer-faults")]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Fault {
@@ -77,7 +77,7 @@ pub enum Fault {
     Retag,
 }
 
-#[cfg(debug_assertions)]
+#[cfg(feature = "transfer-faults")]
 impl Fault {
     pub(super) fn parse(s: &str) -> Option<Self> {
         serde_json::from_value(serde_json::Value::String(s.to_string())).ok()

@@ -23,13 +23,13 @@
 //! steps, so none is freed while a transfer touches it.
 //!
 //! Nodes talk over loopback only (the configuration refuses other addresses). Modules: [`link`]
-//! (the messages and their framing), [`node`]
-//! (the prefill and decode processes), [`router`] (the router's engine backend), [`health`]
-//! (which nodes the router may send work to), and, in test
-//! builds only, `faults` (what a prefill node can do wrong to a transfer, on the router's word)
-//! and `lifecycle_model` (the request lifecycle and transfer, model-checked with `stateright`).
+//! (the messages and their framing), [`node`] (the prefill and decode processes), [`router`]
+//! (the router's engine backend), [`health`] (which nodes the router may send work to); with the
+//! `transfer-faults` feature only, `faults` (what a prefill node can do wrong to a transfer, on
+//! the router's word); in tests only, `lifecycle_model` (the request lifecycle and transfer,
+//! model-checked with `stateright`).
 
-#[cfg(debug_assertions)]
+#[cfg(feature = "transfer-faults")]
 pub mod faults;
 pub mod health;
 pub mod link;

@@ -460,7 +460,7 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWri
         limits,
         frames: frames_tx,
     };
-    #[cfg(debug_assertions)]
+    #[cfg(feature = "transfer-faults")]
     let mut fault = super::faults::Injector::new(d.fault);
     let (admitted, answer) = oneshot::channel();
     if node.engine.prefill(job, admitted).is_err() {
@@ -483,9 +483,9 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWri
         tokio::select! {
             f = frames.recv() => match f {
                 Some(f) => {
-                    #[cfg(debug_assertions)]
+                    #[cfg(feature = "transfer-faults")]
                     let sent = fault.send(&mut w, f).await;
-                    #[cfg(not(debug_assertions))]
+                    #[cfg(not(feature = "transfer-faults"))]
                     let sent = link::send_frame(&mut w, &f).await;
                     if sent.is_err() {
                         return;

@@ -46,8 +46,8 @@ pub struct Router {
     agreed: NodeInfo,
     /// The smallest pool's figures.
     smallest: NodeInfo,
-    /// Faults to inject, by tenant name (test builds only).
-    #[cfg(debug_assertions)]
+    /// Faults to inject, by tenant name (`transfer-faults` builds only).
+    #[cfg(feature = "transfer-faults")]
     faults: HashMap<String, super::link::Fault>,
 }
 
@@ -114,7 +114,7 @@ impl Router {
             closing,
             agreed: first,
             smallest,
-            #[cfg(debug_assertions)]
+            #[cfg(feature = "transfer-faults")]
             faults: super::faults::from_env(),
         })
     }
@@ -174,7 +174,7 @@ impl Router {
             prefill,
             agreed: self.agreed.agreement(),
             limits: self.limits,
-            #[cfg(debug_assertions)]
+            #[cfg(feature = "transfer-faults")]
             fault: self.faults.get(&tenant).copied(),
         };
         // A decode node that cannot be reached has been sent nothing: the next one up is tried.

@@ -1,6 +1,7 @@
-//! The library's layers import one way only, and no two of its files import each other.
+//! The code's shape, checked: the library's layers import one way only, no two of its files
+//! import each other, and what exists for tests and benchmarks only stays out of default builds.
 //!
-//! Reads every file under `host/src`, takes the module paths each names in code (`crate::…`,
+//! The layer check reads every file under `host/src`, takes the module paths each names in code (`crate::…`,
 //! `super::…` and its own submodules; comments, test-only files and `#[cfg(test)]` blocks left
 //! out), and checks them against [`LAYERS`]: a file may name a module of its own top-level
 //! module or of a lower layer, never one beside or above it.
@@ -30,6 +31,8 @@ fn layer(top: &str) -> usize {
 
 /// One source file: its module path and the code of it that ships.
 struct File {
+    /// Its path under the crate's `src`.
+    rel: String,
     module: Vec<String>,
     /// Whether it is a `mod.rs` (its `super` is its module's parent).
     is_mod: bool,
@@ -39,6 +42,22 @@ struct File {
 fn src_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("src")
 }
+
+/// The test-only and bench-only switches: each feature, and what only a build with it may name.
+const SWITCHES: &[(&str, &[&str])] = &[
+    (
+        "transfer-faults",
+        &[
+            "faults::",
+            "Injector",
+            "WARDEN_TRANSFER_FAULTS",
+            "Option<Fault>",
+            "enum Fault",
+            "link::Fault",
+        ],
+    ),
+    ("bench-tags-off", &["SkipForBenchmark"]),
+];
 
 /// Drops comment lines and `#[cfg(test)]` items (a `mod x { … }` block, or a `mod x;` line).
 fn shipped(text: &str) -> (String, BTreeSet<String>) {
@@ -81,7 +100,20 @@ fn shipped(text: &str) -> (String, BTreeSet<String>) {
 }
 
 fn files() -> Vec<File> {
-    fn walk(dir: &Path, module: &[String], test_only: &BTreeSet<String>, out: &mut Vec<File>) {
+    files_in(&src_dir())
+}
+
+/// The shipped source files under `dir` (a crate's `src`), test-only files left out.
+fn files_in(dir: &Path) -> Vec<File> {
+    let root = dir.to_path_buf();
+    let rel = |p: &Path| p.strip_prefix(&root).unwrap().to_string_lossy().replace('\\', "/");
+    fn walk(
+        dir: &Path,
+        module: &[String],
+        test_only: &BTreeSet<String>,
+        rel: &dyn Fn(&Path) -> String,
+        out: &mut Vec<File>,
+    ) {
         let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
         entries.sort();
         // mod.rs first: it says which children are test-only.
@@ -95,7 +127,7 @@ fn files() -> Vec<File> {
                 }
                 let mut m = module.to_vec();
                 m.push(name);
-                walk(&p, &m, &BTreeSet::new(), out);
+                walk(&p, &m, &BTreeSet::new(), rel, out);
                 continue;
             }
             if p.extension().is_none_or(|e| e != "rs") || name == "main" {
@@ -105,6 +137,7 @@ fn files() -> Vec<File> {
             if name == "mod" || name == "lib" {
                 tests.extend(test_mods);
                 out.push(File {
+                    rel: rel(&p),
                     module: module.to_vec(),
                     is_mod: true,
                     code,
@@ -119,6 +152,7 @@ fn files() -> Vec<File> {
             // A plain file's test-only children live in a folder of its name.
             let _ = test_mods;
             out.push(File {
+                rel: rel(&p),
                 module: m,
                 is_mod: false,
                 code,
@@ -126,7 +160,7 @@ fn files() -> Vec<File> {
         }
     }
     let mut out = Vec::new();
-    walk(&src_dir(), &[], &BTreeSet::new(), &mut out);
+    walk(dir, &[], &BTreeSet::new(), &rel, &mut out);
     // lib.rs declares the top-level modules; it is the crate root, not a layer.
     out.retain(|f| !f.module.is_empty());
     out
@@ -292,6 +326,7 @@ fn the_checker_sees_crate_super_and_child_paths() {
     .map(|m| m.into_iter().map(String::from).collect())
     .collect();
     let f = File {
+        rel: "serve/http.rs".into(),
         module: vec!["serve".into(), "http".into()],
         is_mod: false,
         code: "use crate::{engine::Engine, cluster::{self}};\nfn f() { super::store::open(); }\n".into(),
@@ -309,4 +344,58 @@ fn the_checker_sees_crate_super_and_child_paths() {
     );
     assert_eq!(code, "use crate::kv;\n");
     assert!(tests.contains("model"));
+}
+
+#[test]
+fn test_and_bench_switches_are_features_default_builds_lack() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    // No default feature turns a switch on.
+    for manifest in ["host/Cargo.toml", "kernels/Cargo.toml"] {
+        let text = std::fs::read_to_string(root.join(manifest)).unwrap();
+        let doc: toml::Table = toml::from_str(&text).unwrap();
+        let features = doc.get("features").and_then(|f| f.as_table());
+        let default: Vec<String> = features
+            .and_then(|f| f.get("default"))
+            .and_then(|d| d.as_array())
+            .map(|a| a.iter().filter_map(|v| v.as_str().map(String::from)).collect())
+            .unwrap_or_default();
+        for (feature, _) in SWITCHES {
+            assert!(
+                !default.iter().any(|d| d.contains(feature)),
+                "{manifest}: the default features turn on {feature}"
+            );
+        }
+    }
+    // Every line of shipped code that names a switch's items sits under its feature's cfg (on the
+    // line itself or one of the three above), or in a file only such a build compiles.
+    let only_with: BTreeMap<&str, &str> = [("cluster/faults.rs", "transfer-faults")].into_iter().collect();
+    let mut wrong = Vec::new();
+    for dir in [root.join("host/src"), root.join("kernels/src")] {
+        for f in files_in(&dir) {
+            let lines: Vec<&str> = f.code.lines().collect();
+            for (feature, names) in SWITCHES {
+                if only_with.get(f.rel.as_str()) == Some(feature) {
+                    continue;
+                }
+                let gate = format!("feature = \"{feature}\"");
+                for (i, line) in lines.iter().enumerate() {
+                    if !names.iter().any(|n| line.contains(n)) {
+                        continue;
+                    }
+                    // `#[cfg(not(feature …))]` gates the other way.
+                    let gated = lines[i.saturating_sub(3)..=i]
+                        .iter()
+                        .any(|l| l.contains(&gate) && l.contains("cfg(") && !l.contains("not("));
+                    if !gated {
+                        wrong.push(format!("{}:{}: {}", f.rel, i + 1, line.trim()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "switch code outside its feature's cfg:\n{}",
+        wrong.join("\n")
+    );
 }
