@@ -2,8 +2,9 @@
 //!
 //! glibc keeps what a thread's arena freed until that arena's top is free, so a server whose
 //! threads (the async workers, the blocking pool, the engine) free large buffers out of order —
-//! request bodies, tokenized prompts, values a plugin returned — creeps upward. A 30-minute soak
-//! of 8 tenants showed its arenas grow about 0.3 MiB a minute after warm-up without a trim.
+//! request bodies, tokenized prompts, values a plugin returned — creeps upward. In a 30-minute
+//! soak of 8 tenants (`examples/soak.rs`), resident memory grew 7.5 MiB from minute 6 to the end
+//! without a trim (4.5 MiB of it in glibc's arenas), and 2.2 MiB with one every 30 s.
 
 use std::time::Duration;
 

@@ -19,7 +19,7 @@ use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 use super::NodeInfo;
-use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, Usage};
+use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, RequestId, Usage};
 use crate::engine::{TenantSettings, TokenLogprobs};
 use crate::kv::PageInfo;
 use crate::transfer::Limits;
@@ -190,7 +190,7 @@ pub enum Msg {
     /// Decode node → router: admitted, with the node's id for it.
     Opened {
         /// The request's id on the decode node.
-        id: u64,
+        id: RequestId,
     },
     /// Decode node → router: admission refused it; nothing ran.
     Rejected {

@@ -21,7 +21,7 @@ use super::NodeInfo;
 use super::link::{self, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet};
 use crate::config::Role;
 use crate::config::ServeConfig;
-use crate::engine::request::{AbortReason, Outcome, RejectReason, Usage};
+use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usage};
 use crate::kv::KvPool;
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
@@ -384,7 +384,14 @@ async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, String> {
 }
 
 /// Answers a plugin's KV question about the connection's own request `id` of `owner`.
-fn ask_kv(node: &Node, id: u64, owner: u64, call: u64, query: KvCall, out: mpsc::UnboundedSender<(u64, KvReply)>) {
+fn ask_kv(
+    node: &Node,
+    id: RequestId,
+    owner: u64,
+    call: u64,
+    query: KvCall,
+    out: mpsc::UnboundedSender<(u64, KvReply)>,
+) {
     let engine = node.engine.clone();
     tokio::spawn(async move {
         let gone = || "the engine's queue is full; retry".to_string();

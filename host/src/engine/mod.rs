@@ -320,7 +320,7 @@ impl Engine {
             pool,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            next_id: 1,
+            next_id: RequestId(1),
             tenants: HashMap::new(),
             served: HashMap::new(),
             public_prefixes: Vec::new(),
@@ -350,7 +350,7 @@ impl Engine {
 
     /// The page table of request `id`, if it is open and `owner`'s.
     pub fn kv_pages(&self, id: RequestId, owner: u64) -> Option<Vec<PageEntry>> {
-        let (o, pages) = self.pool.table(id).ok()?;
+        let (o, pages) = self.pool.table(id.seq()).ok()?;
         (o == owner).then(|| pages.to_vec())
     }
 
@@ -367,14 +367,14 @@ impl Engine {
             .tenants
             .get(&owner)
             .map_or(self.cfg.max_pinned_pages, |k| k.max_pinned_pages);
-        self.pool.pin_prefix(id, tokens, limit)
+        self.pool.pin_prefix(id.seq(), tokens, limit)
     }
 
     /// Unpins the pinned prefixes within request `id`'s cached prefix (if it is open and
     /// `owner`'s); returns the pages unpinned.
     pub fn kv_unpin(&mut self, id: RequestId, owner: u64) -> Result<usize, KvError> {
         self.owned(id, owner)?;
-        self.pool.unpin_prefix(id)
+        self.pool.unpin_prefix(id.seq())
     }
 
     /// Forgets tenant `owner` (it was deleted): everything it has in the prefix cache, its page
@@ -435,10 +435,12 @@ impl Engine {
             }
             let tokens = &tokens[..whole];
             let id = self.next_id;
-            self.next_id += 1;
-            let from = self.pool.open(id, PUBLIC_OWNER, self.pool.pages_for(whole), tokens)?;
+            self.next_id = self.next_id.next();
+            let from = self
+                .pool
+                .open(id.seq(), PUBLIC_OWNER, self.pool.pages_for(whole), tokens)?;
             let filled = self.fill_public(id, tokens, from);
-            self.pool.close(id)?;
+            self.pool.close(id.seq())?;
             filled?;
             self.public_prefixes.push(tokens.to_vec());
         }
@@ -450,10 +452,10 @@ impl Engine {
         let mut at = from;
         while at < tokens.len() {
             let n = (tokens.len() - at).min(self.cfg.max_batch_tokens);
-            self.pool.ensure(id, at + n)?;
-            self.pool.commit_slots(id, at + n)?;
+            self.pool.ensure(id.seq(), at + n)?;
+            self.pool.commit_slots(id.seq(), at + n)?;
             let seqs = [StepSeq {
-                seq: id,
+                seq: id.seq(),
                 tokens: &tokens[at..at + n],
                 pos0: at,
                 want_logits: false,
@@ -470,8 +472,8 @@ impl Engine {
             }
             at += n;
         }
-        self.pool.cache_computed(id, tokens)?;
-        self.pool.pin_prefix(id, tokens.len(), usize::MAX)?;
+        self.pool.cache_computed(id.seq(), tokens)?;
+        self.pool.pin_prefix(id.seq(), tokens.len(), usize::MAX)?;
         Ok(())
     }
 
@@ -508,9 +510,9 @@ impl Engine {
         if !self.prefix_cache_for(owner) {
             return Err(KvError::PrefixCacheOff);
         }
-        match self.pool.table(id) {
+        match self.pool.table(id.seq()) {
             Ok((o, _)) if o == owner => Ok(()),
-            _ => Err(KvError::NoSuchSequence(id)),
+            _ => Err(KvError::NoSuchSequence(id.seq())),
         }
     }
 
@@ -589,7 +591,7 @@ impl Engine {
     pub fn release_prefilled(&mut self, id: RequestId) -> bool {
         match self.held.remove(&id) {
             Some(_) => {
-                let _ = self.pool.close(id);
+                let _ = self.pool.close(id.seq());
                 true
             }
             None => false,
@@ -689,7 +691,7 @@ impl Engine {
             *c = c.max(lift);
         }
         let id = self.next_id;
-        self.next_id += 1;
+        self.next_id = self.next_id.next();
         self.waiting.push_back(Seq {
             id,
             logprobs: r.logprobs,
@@ -761,7 +763,7 @@ impl Engine {
     fn retire(&mut self, mut seq: Seq, outcome: Outcome) {
         if seq.opened {
             // Closing cannot fail for an open sequence; its pages go back once unreferenced.
-            let _ = self.pool.close(seq.id);
+            let _ = self.pool.close(seq.id.seq());
         }
         let text = match outcome {
             Outcome::Finished(_) => seq.text.finish(),
@@ -817,7 +819,7 @@ impl Engine {
             } else {
                 &[]
             };
-            match self.pool.open(s.id, s.owner, pages, reusable) {
+            match self.pool.open(s.id.seq(), s.owner, pages, reusable) {
                 Ok(cached) => {
                     *admitted.entry(s.owner).or_insert(0.0) += (s.prompt_len - cached) as f64 / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
@@ -1004,8 +1006,8 @@ impl Engine {
             let upto = s.computed + n;
             match self
                 .pool
-                .ensure(s.id, upto)
-                .and_then(|()| self.pool.commit_slots(s.id, upto))
+                .ensure(s.id.seq(), upto)
+                .and_then(|()| self.pool.commit_slots(s.id.seq(), upto))
             {
                 Ok(()) => step.push((i, n)),
                 Err(KvError::Isolation(v)) => ends[i] = Some(Outcome::Aborted(AbortReason::Isolation(v))),
@@ -1018,7 +1020,7 @@ impl Engine {
                 .map(|&(i, n)| {
                     let s = &self.running[i];
                     StepSeq {
-                        seq: s.id,
+                        seq: s.id.seq(),
                         tokens: &s.tokens[s.computed..s.computed + n],
                         pos0: s.computed,
                         want_logits: s.samples_at(s.computed + n),
@@ -1052,7 +1054,7 @@ impl Engine {
                         let ps = self.cfg.page_size;
                         if caches
                             && s.computed / ps > (s.computed - n) / ps
-                            && let Err(e) = self.pool.cache_computed(s.id, &s.tokens[..s.computed])
+                            && let Err(e) = self.pool.cache_computed(s.id.seq(), &s.tokens[..s.computed])
                         {
                             ends[i] = Some(match e {
                                 KvError::Isolation(v) => Outcome::Aborted(AbortReason::Isolation(v)),

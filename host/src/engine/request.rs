@@ -9,10 +9,30 @@
 use warden_kernels::attention::IsolationViolation;
 
 use super::sampling::SamplingParams;
-use crate::kv::KvError;
+use crate::kv::{KvError, SeqId};
 
-/// A request's id within one engine.
-pub type RequestId = u64;
+/// A request's id within one engine (on the wire, a plain number).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(transparent)]
+pub struct RequestId(pub u64);
+
+impl RequestId {
+    /// The pool sequence that holds this request's KV: each request has its own, numbered alike.
+    pub fn seq(self) -> SeqId {
+        SeqId(self.0)
+    }
+
+    /// The id after this one.
+    pub fn next(self) -> Self {
+        Self(self.0 + 1)
+    }
+}
+
+impl std::fmt::Display for RequestId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// A generation request as a caller submits it.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]

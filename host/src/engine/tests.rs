@@ -1,6 +1,7 @@
 //! Engine tests on the real default model: llama.cpp parity, batching equivalence, isolation and
 //! admission.
 
+use crate::kv::SeqId;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -127,11 +128,11 @@ fn first_position_logits_match_llama_cpp() {
     for p in &prompts {
         let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
         let n = p.prompt_tokens.len();
-        pool.open(1, 1, pool.pages_for(n), &[]).expect("open");
-        pool.ensure(1, n).expect("ensure");
-        pool.commit_slots(1, n).expect("commit");
+        pool.open(SeqId(1), 1, pool.pages_for(n), &[]).expect("open");
+        pool.ensure(SeqId(1), n).expect("ensure");
+        pool.commit_slots(SeqId(1), n).expect("commit");
         let step = [StepSeq {
-            seq: 1,
+            seq: SeqId(1),
             tokens: &p.prompt_tokens,
             pos0: 0,
             want_logits: true,
@@ -245,8 +246,8 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
     let mismatches_before = e.kv_counters().tag_mismatches;
 
     // A bug hands A's page table tenant B's first page.
-    let b_page = e.pool.table(b).expect("b open").1[0];
-    let table = e.pool.forge_table(a);
+    let b_page = e.pool.table(b.seq()).expect("b open").1[0];
+    let table = e.pool.forge_table(a.seq());
     let own = table[0];
     table[0] = b_page;
     table.push(own);
@@ -292,19 +293,26 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
     let mut runs = Runs::default();
     let ev = e.step();
     runs.absorb(ev);
-    let x_table = e.pool.table(x).expect("x open").1.to_vec();
+    let x_table = e.pool.table(x.seq()).expect("x open").1.to_vec();
     runs.drain(&mut e);
     // Y, the same tenant, gets X's freed pages back with new epochs.
     let y = e
         .submit(GenerateRequest::greedy(5, prompts[3].clone(), 8))
         .expect("admitted");
     step_until_decoding(&mut e, &mut runs, &[y]);
-    let y_pages: Vec<u32> = e.pool.table(y).expect("y open").1.iter().map(|p| p.page).collect();
+    let y_pages: Vec<u32> = e
+        .pool
+        .table(y.seq())
+        .expect("y open")
+        .1
+        .iter()
+        .map(|p| p.page)
+        .collect();
     let stale = *x_table
         .iter()
         .find(|p| y_pages.contains(&p.page))
         .expect("a page of X was reused by Y");
-    let table = e.pool.forge_table(y);
+    let table = e.pool.forge_table(y.seq());
     let own = table[0];
     table[0] = stale;
     table.push(own);
@@ -327,12 +335,12 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
 fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
     let m = model();
     let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
-    pool.open(1, 3, 8, &[]).expect("open");
-    pool.ensure(1, 8 * 16).expect("eight pages");
+    pool.open(SeqId(1), 3, 8, &[]).expect("open");
+    pool.ensure(SeqId(1), 8 * 16).expect("eight pages");
     let prompt: Vec<u32> = sixteen_prompts()[2][..16].to_vec();
-    pool.commit_slots(1, 16).expect("commit the first page");
+    pool.commit_slots(SeqId(1), 16).expect("commit the first page");
     let step = [StepSeq {
-        seq: 1,
+        seq: SeqId(1),
         tokens: &prompt,
         pos0: 0,
         want_logits: true,
@@ -342,7 +350,7 @@ fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
     let before = pool.counters().tag_mismatches;
     // A step that claims position 127 reads all eight pages; seven were never written.
     let step = [StepSeq {
-        seq: 1,
+        seq: SeqId(1),
         tokens: &prompt[..1],
         pos0: 127,
         want_logits: true,
@@ -541,8 +549,8 @@ fn transfer_kv(
         pages_per_batch: 2,
         ..Limits::default()
     };
-    let mut out = Outbound::new(p.pool(), pid, owner, tokens, limits);
-    let mut inb = Inbound::begin(d.pool_mut(), did, owner, out.begin())?;
+    let mut out = Outbound::new(p.pool(), pid.seq(), owner, tokens, limits);
+    let mut inb = Inbound::begin(d.pool_mut(), did.seq(), owner, out.begin())?;
     while !out.done() {
         while let Some(f) = out.next_frame(p.pool())? {
             let mut b = f.encode();
@@ -745,9 +753,10 @@ fn pins_are_the_owners_and_hold_against_pressure() {
     // Evict everything evictable: the pinned pages stay.
     let total = e.kv_counters().pages_total;
     let pool = e.pool_mut();
-    pool.open(999, 5, total - 2, &[]).expect("all but the pinned pages");
-    pool.ensure(999, (total - 2) * 16).expect("allocated");
-    pool.close(999).expect("closed");
+    pool.open(SeqId(999), 5, total - 2, &[])
+        .expect("all but the pinned pages");
+    pool.ensure(SeqId(999), (total - 2) * 16).expect("allocated");
+    pool.close(SeqId(999)).expect("closed");
     let again = e
         .submit(GenerateRequest::greedy(4, prompt.clone(), 4))
         .expect("admitted");

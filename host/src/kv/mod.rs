@@ -29,8 +29,16 @@ use half::f16;
 use warden_kernels::attention::{AttnShape, IsolationViolation, KvLayer, PUBLIC_OWNER, PageEntry, PageTag};
 use xxhash_rust::xxh3::Xxh3;
 
-/// A sequence's id in the pool.
-pub type SeqId = u64;
+/// A sequence's id in the pool: its own type, never a request's id (the engine maps one to the
+/// other in one place).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
 
 /// Errors from the KV pool.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -1118,10 +1126,10 @@ mod tests {
     #[test]
     fn free_bumps_epoch_and_clears_tag() {
         let mut p = pool(2);
-        p.open(1, 5, 1, &[]).unwrap();
-        p.ensure(1, 3).unwrap();
-        let e = p.table(1).unwrap().1[0];
-        p.commit_slots(1, 3).unwrap();
+        p.open(SeqId(1), 5, 1, &[]).unwrap();
+        p.ensure(SeqId(1), 3).unwrap();
+        let e = p.table(SeqId(1)).unwrap().1[0];
+        p.commit_slots(SeqId(1), 3).unwrap();
         assert_eq!(
             p.tags()[e.page as usize],
             PageTag {
@@ -1130,7 +1138,7 @@ mod tests {
                 written: 3
             }
         );
-        p.close(1).unwrap();
+        p.close(SeqId(1)).unwrap();
         assert_eq!(
             p.tags()[e.page as usize],
             PageTag {
@@ -1148,11 +1156,11 @@ mod tests {
     #[test]
     fn release_is_deferred_while_held() {
         let mut p = pool(2);
-        p.open(1, 5, 2, &[]).unwrap();
-        p.ensure(1, 5).unwrap();
-        let held = p.table(1).unwrap().1[1];
+        p.open(SeqId(1), 5, 2, &[]).unwrap();
+        p.ensure(SeqId(1), 5).unwrap();
+        let held = p.table(SeqId(1)).unwrap().1[1];
         p.retain(held).unwrap(); // e.g. a transfer in flight
-        p.close(1).unwrap();
+        p.close(SeqId(1)).unwrap();
         let c = p.counters();
         assert_eq!((c.pages_free, c.pages_awaiting_release, c.pages_used), (1, 1, 0));
         p.release(held).unwrap();
@@ -1164,23 +1172,29 @@ mod tests {
     fn budgets_and_exhaustion_refuse_without_side_effects() {
         let mut p = pool(4);
         p.set_owner_budget(7, Some(2));
-        assert!(matches!(p.open(1, 7, 3, &[]), Err(KvError::OwnerBudget { .. })));
-        p.open(1, 7, 2, &[]).unwrap();
-        assert!(matches!(p.open(2, 7, 1, &[]), Err(KvError::OwnerBudget { .. })));
-        p.open(3, 8, 2, &[]).unwrap();
-        assert!(matches!(p.open(4, 9, 1, &[]), Err(KvError::PoolExhausted { .. })));
+        assert!(matches!(p.open(SeqId(1), 7, 3, &[]), Err(KvError::OwnerBudget { .. })));
+        p.open(SeqId(1), 7, 2, &[]).unwrap();
+        assert!(matches!(p.open(SeqId(2), 7, 1, &[]), Err(KvError::OwnerBudget { .. })));
+        p.open(SeqId(3), 8, 2, &[]).unwrap();
+        assert!(matches!(
+            p.open(SeqId(4), 9, 1, &[]),
+            Err(KvError::PoolExhausted { .. })
+        ));
         assert_eq!(p.counters().allocations, 0);
-        assert!(matches!(p.ensure(1, 9), Err(KvError::ReservationExceeded { .. })));
+        assert!(matches!(
+            p.ensure(SeqId(1), 9),
+            Err(KvError::ReservationExceeded { .. })
+        ));
     }
 
     #[test]
     fn writes_to_foreign_pages_are_refused() {
         let mut p = pool(2);
-        p.open(1, 5, 1, &[]).unwrap();
-        p.open(2, 6, 1, &[]).unwrap();
-        p.ensure(1, 1).unwrap();
-        p.ensure(2, 1).unwrap();
-        let theirs = p.table(2).unwrap().1.to_vec();
+        p.open(SeqId(1), 5, 1, &[]).unwrap();
+        p.open(SeqId(2), 6, 1, &[]).unwrap();
+        p.ensure(SeqId(1), 1).unwrap();
+        p.ensure(SeqId(2), 1).unwrap();
+        let theirs = p.table(SeqId(2)).unwrap().1.to_vec();
         let e = p.write(0, 5, &theirs, 0, &[1.0; 4], &[1.0; 4]).unwrap_err();
         assert!(matches!(e, KvError::Isolation(IsolationViolation::ForeignOwner { .. })));
     }
@@ -1200,13 +1214,13 @@ mod tests {
     fn public_prefixes_are_read_only_and_only_for_owners_allowed_them() {
         let mut p = pool(12);
         // The server computes and pins a public prefix of two pages.
-        assert_eq!(computed(&mut p, 1, PUBLIC_OWNER, 2, &TOKS[..8]), 0);
-        assert_eq!(p.pin_prefix(1, 8, usize::MAX).unwrap(), 8);
-        p.close(1).unwrap();
+        assert_eq!(computed(&mut p, SeqId(1), PUBLIC_OWNER, 2, &TOKS[..8]), 0);
+        assert_eq!(p.pin_prefix(SeqId(1), 8, usize::MAX).unwrap(), 8);
+        p.close(SeqId(1)).unwrap();
         p.set_public_access(5, true);
         // Owner 5 is allowed: it adopts both pages, as public entries of PUBLIC_OWNER's pages.
-        assert_eq!(p.open(2, 5, 3, &TOKS[..11]).unwrap(), 8);
-        let table = p.table(2).unwrap().1.to_vec();
+        assert_eq!(p.open(SeqId(2), 5, 3, &TOKS[..11]).unwrap(), 8);
+        let table = p.table(SeqId(2)).unwrap().1.to_vec();
         assert!(table.iter().all(|e| e.public));
         for e in &table {
             assert_eq!(p.tags()[e.page as usize].owner, PUBLIC_OWNER);
@@ -1223,18 +1237,18 @@ mod tests {
             "{e}"
         );
         // Its pages are not the owner's to cache or pin.
-        p.ensure(2, 11).unwrap();
-        p.commit_slots(2, 11).unwrap();
-        p.cache_computed(2, &TOKS[..11]).unwrap();
-        assert!(matches!(p.pin_prefix(2, 8, 64), Err(KvError::PublicPrefix)));
-        assert_eq!(p.unpin_prefix(2).unwrap(), 0);
+        p.ensure(SeqId(2), 11).unwrap();
+        p.commit_slots(SeqId(2), 11).unwrap();
+        p.cache_computed(SeqId(2), &TOKS[..11]).unwrap();
+        assert!(matches!(p.pin_prefix(SeqId(2), 8, 64), Err(KvError::PublicPrefix)));
+        assert_eq!(p.unpin_prefix(SeqId(2)).unwrap(), 0);
         // Owner 6 is not allowed: the same tokens are a miss.
-        assert_eq!(p.open(3, 6, 3, &TOKS[..11]).unwrap(), 0);
+        assert_eq!(p.open(SeqId(3), 6, 3, &TOKS[..11]).unwrap(), 0);
         // Once access is withdrawn, owner 5 misses too.
         p.set_public_access(5, false);
-        assert_eq!(p.open(4, 5, 3, &TOKS[..11]).unwrap(), 0);
+        assert_eq!(p.open(SeqId(4), 5, 3, &TOKS[..11]).unwrap(), 0);
         for seq in [2, 3, 4] {
-            p.close(seq).unwrap();
+            p.close(SeqId(seq)).unwrap();
         }
         let c = p.counters();
         assert_eq!((c.pages_cached, c.pages_pinned, c.pages_used), (2, 2, 0), "{c:?}");
@@ -1245,8 +1259,8 @@ mod tests {
     #[test]
     fn the_prefix_cache_serves_its_owner_only() {
         let mut p = pool(12);
-        assert_eq!(computed(&mut p, 1, 5, 3, &TOKS[..10]), 0);
-        p.close(1).unwrap();
+        assert_eq!(computed(&mut p, SeqId(1), 5, 3, &TOKS[..10]), 0);
+        p.close(SeqId(1)).unwrap();
         let c = p.counters();
         assert_eq!(
             (c.pages_cached, c.pages_free, c.pages_used),
@@ -1255,24 +1269,24 @@ mod tests {
         );
         assert_eq!(p.available_pages(), 12, "idle cached pages count as available");
         // The same owner adopts both whole pages; the partial third was never cached.
-        assert_eq!(p.open(2, 5, 3, &TOKS[..11]).unwrap(), 8);
-        let first = p.table(2).unwrap().1.to_vec();
+        assert_eq!(p.open(SeqId(2), 5, 3, &TOKS[..11]).unwrap(), 8);
+        let first = p.table(SeqId(2)).unwrap().1.to_vec();
         assert_eq!(first.len(), 2);
         // Another owner with the same tokens computes everything.
-        assert_eq!(p.open(3, 6, 3, &TOKS[..11]).unwrap(), 0);
-        assert!(p.table(3).unwrap().1.is_empty());
+        assert_eq!(p.open(SeqId(3), 6, 3, &TOKS[..11]).unwrap(), 0);
+        assert!(p.table(SeqId(3)).unwrap().1.is_empty());
         // A different first page misses even if the second matches.
         let mut other = TOKS;
         other[0] = 99;
-        assert_eq!(p.open(4, 5, 3, &other[..11]).unwrap(), 0);
+        assert_eq!(p.open(SeqId(4), 5, 3, &other[..11]).unwrap(), 0);
         assert_eq!(p.counters().prefix_hit_tokens, 8);
         // Shared pages are used once, however many sequences hold them.
-        assert_eq!(p.open(5, 5, 2, &TOKS[..8]).unwrap(), 8);
-        assert_eq!(p.table(5).unwrap().1, &first[..]);
+        assert_eq!(p.open(SeqId(5), 5, 2, &TOKS[..8]).unwrap(), 8);
+        assert_eq!(p.table(SeqId(5)).unwrap().1, &first[..]);
         let c = p.counters();
         assert_eq!((c.pages_used, c.pages_cached), (2, 0));
         for s in 2..=5 {
-            p.close(s).unwrap();
+            p.close(SeqId(s)).unwrap();
         }
         p.forget_owner(5);
         let c = p.counters();
@@ -1282,17 +1296,17 @@ mod tests {
     #[test]
     fn eviction_frees_idle_prefixes_oldest_first_and_bumps_epochs() {
         let mut p = pool(4);
-        computed(&mut p, 1, 5, 1, &TOKS[..4]);
-        p.close(1).unwrap();
-        computed(&mut p, 2, 5, 1, &TOKS[4..8]);
-        p.close(2).unwrap();
+        computed(&mut p, SeqId(1), 5, 1, &TOKS[..4]);
+        p.close(SeqId(1)).unwrap();
+        computed(&mut p, SeqId(2), 5, 1, &TOKS[4..8]);
+        p.close(SeqId(2)).unwrap();
         let old = p
             .prefix
             .entry(p.prefix.find(5, prefix::ROOT, &TOKS[..4]).unwrap())
             .unwrap();
         // Another owner takes three pages: two free, then the longest idle is evicted.
-        p.open(3, 6, 3, &[]).unwrap();
-        p.ensure(3, 12).unwrap();
+        p.open(SeqId(3), 6, 3, &[]).unwrap();
+        p.ensure(SeqId(3), 12).unwrap();
         let c = p.counters();
         assert_eq!((c.prefix_evictions, c.pages_cached), (1, 1));
         assert_ne!(
@@ -1300,10 +1314,14 @@ mod tests {
             old.epoch,
             "an evicted page gets a new epoch"
         );
-        assert_eq!(p.open(4, 5, 1, &TOKS[..4]).unwrap(), 0, "the evicted prefix is gone");
-        p.close(4).unwrap();
         assert_eq!(
-            p.open(4, 5, 1, &TOKS[4..8]).unwrap(),
+            p.open(SeqId(4), 5, 1, &TOKS[..4]).unwrap(),
+            0,
+            "the evicted prefix is gone"
+        );
+        p.close(SeqId(4)).unwrap();
+        assert_eq!(
+            p.open(SeqId(4), 5, 1, &TOKS[4..8]).unwrap(),
             4,
             "the younger one is still cached"
         );
@@ -1312,8 +1330,8 @@ mod tests {
     #[test]
     fn pinned_prefixes_survive_pressure_within_the_owners_cap() {
         let mut p = pool(4);
-        computed(&mut p, 1, 5, 3, &TOKS[..12]);
-        let e = p.pin_prefix(1, 12, 2).unwrap_err();
+        computed(&mut p, SeqId(1), 5, 3, &TOKS[..12]);
+        let e = p.pin_prefix(SeqId(1), 12, 2).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -1325,25 +1343,28 @@ mod tests {
             ),
             "{e}"
         );
-        assert_eq!(p.pin_prefix(1, 9, 2).unwrap(), 8, "whole pages only");
+        assert_eq!(p.pin_prefix(SeqId(1), 9, 2).unwrap(), 8, "whole pages only");
         assert!(
-            p.pin_prefix(1, 3, 2)
+            p.pin_prefix(SeqId(1), 3, 2)
                 .unwrap_err()
                 .to_string()
                 .contains("no whole computed page")
         );
-        p.close(1).unwrap();
+        p.close(SeqId(1)).unwrap();
         let c = p.counters();
         assert_eq!((c.pages_pinned, c.pages_cached), (2, 3));
         assert_eq!(p.available_pages(), 2, "pinned pages are not available");
-        assert!(matches!(p.open(2, 6, 3, &[]), Err(KvError::PoolExhausted { .. })));
-        p.open(2, 6, 2, &[]).unwrap();
-        p.ensure(2, 8).unwrap();
+        assert!(matches!(
+            p.open(SeqId(2), 6, 3, &[]),
+            Err(KvError::PoolExhausted { .. })
+        ));
+        p.open(SeqId(2), 6, 2, &[]).unwrap();
+        p.ensure(SeqId(2), 8).unwrap();
         assert_eq!(p.counters().prefix_evictions, 1, "only the unpinned page went");
-        p.close(2).unwrap();
-        assert_eq!(p.open(3, 5, 3, &TOKS[..12]).unwrap(), 8);
-        assert_eq!(p.unpin_prefix(3).unwrap(), 2);
-        p.close(3).unwrap();
+        p.close(SeqId(2)).unwrap();
+        assert_eq!(p.open(SeqId(3), 5, 3, &TOKS[..12]).unwrap(), 8);
+        assert_eq!(p.unpin_prefix(SeqId(3)).unwrap(), 2);
+        p.close(SeqId(3)).unwrap();
         let c = p.counters();
         assert_eq!((c.pages_pinned, c.pages_cached), (0, 2));
         assert_eq!(p.available_pages(), 4);
@@ -1354,12 +1375,12 @@ mod tests {
     #[test]
     fn forgetting_an_owner_leaves_its_open_sequences_their_pages() {
         let mut p = pool(4);
-        computed(&mut p, 1, 5, 2, &TOKS[..8]);
-        p.pin_prefix(1, 8, 4).unwrap();
+        computed(&mut p, SeqId(1), 5, 2, &TOKS[..8]);
+        p.pin_prefix(SeqId(1), 8, 4).unwrap();
         p.forget_owner(5);
         let c = p.counters();
         assert_eq!((c.pages_used, c.pages_cached, c.pages_pinned), (2, 0, 0));
-        p.close(1).unwrap();
+        p.close(SeqId(1)).unwrap();
         assert_eq!(p.counters().pages_free, 4);
     }
 
@@ -1367,8 +1388,8 @@ mod tests {
     fn pins_stop_at_the_ceiling_and_floors_narrow_what_is_open() {
         let mut p = pool(8);
         p.set_pin_ceiling(2);
-        computed(&mut p, 1, 5, 3, &TOKS[..12]);
-        let e = p.pin_prefix(1, 12, 8).unwrap_err();
+        computed(&mut p, SeqId(1), 5, 3, &TOKS[..12]);
+        let e = p.pin_prefix(SeqId(1), 12, 8).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -1380,7 +1401,7 @@ mod tests {
             ),
             "{e}"
         );
-        p.pin_prefix(1, 8, 8).unwrap();
+        p.pin_prefix(SeqId(1), 8, 8).unwrap();
         p.set_owner_floor(6, 3);
         assert_eq!(p.pages_open_to(5), 8 - 3 - 2);
         assert_eq!(p.pages_open_to(6), 8 - 2, "its own floor is open to it");
@@ -1390,7 +1411,7 @@ mod tests {
     fn floors_keep_pages_for_their_owner() {
         let mut p = pool(8);
         p.set_owner_floor(5, 3);
-        let e = p.open(1, 6, 6, &[]).unwrap_err();
+        let e = p.open(SeqId(1), 6, 6, &[]).unwrap_err();
         assert_eq!(
             e,
             KvError::PoolExhausted {
@@ -1398,17 +1419,17 @@ mod tests {
                 available: 5
             }
         );
-        p.open(1, 6, 5, &[]).unwrap();
-        p.open(2, 5, 3, &[]).expect("the floor is there");
-        p.close(2).unwrap();
+        p.open(SeqId(1), 6, 5, &[]).unwrap();
+        p.open(SeqId(2), 5, 3, &[]).expect("the floor is there");
+        p.close(SeqId(2)).unwrap();
         // Using part of its floor leaves only the rest claimed.
-        p.open(3, 5, 2, &[]).unwrap();
-        p.close(1).unwrap();
-        assert!(p.open(4, 6, 6, &[]).is_err());
-        p.open(4, 6, 5, &[]).unwrap();
+        p.open(SeqId(3), 5, 2, &[]).unwrap();
+        p.close(SeqId(1)).unwrap();
+        assert!(p.open(SeqId(4), 6, 6, &[]).is_err());
+        p.open(SeqId(4), 6, 5, &[]).unwrap();
         p.set_owner_floor(5, 0);
-        p.close(4).unwrap();
-        p.open(5, 6, 6, &[]).expect("no floor left");
+        p.close(SeqId(4)).unwrap();
+        p.open(SeqId(5), 6, 6, &[]).expect("no floor left");
     }
 
     proptest! {
@@ -1421,26 +1442,26 @@ mod tests {
             let mut p = pool(8);
             let mut held: Vec<PageEntry> = Vec::new();
             let mut written: HashMap<SeqId, usize> = HashMap::new();
-            let owner = |seq: SeqId| seq % 3 + 1;
+            let owner = |seq: u64| seq % 3 + 1;
             for (op, seq, n) in ops {
                 match op {
-                    0 => if let Ok(hit) = p.open(seq, owner(seq), n.min(16).div_ceil(4), &TOKS[..n % 16]) {
-                        written.insert(seq, hit);
+                    0 => if let Ok(hit) = p.open(SeqId(seq), owner(seq), n.min(16).div_ceil(4), &TOKS[..n % 16]) {
+                        written.insert(SeqId(seq), hit);
                     },
-                    1 => if p.ensure(seq, n).is_ok() {
-                        p.commit_slots(seq, n).unwrap();
-                        let w = written.entry(seq).or_insert(0);
+                    1 => if p.ensure(SeqId(seq), n).is_ok() {
+                        p.commit_slots(SeqId(seq), n).unwrap();
+                        let w = written.entry(SeqId(seq)).or_insert(0);
                         *w = (*w).max(n);
                     },
-                    2 => if let Ok((_, t)) = p.table(seq) && let Some(&e) = t.first() {
+                    2 => if let Ok((_, t)) = p.table(SeqId(seq)) && let Some(&e) = t.first() {
                         p.retain(e).unwrap();
                         held.push(e);
                     },
-                    3 => { let _ = p.close(seq); written.remove(&seq); }
+                    3 => { let _ = p.close(SeqId(seq)); written.remove(&SeqId(seq)); }
                     4 => if let Some(e) = held.pop() { p.release(e).unwrap(); },
-                    5 => if let Some(&w) = written.get(&seq) { p.cache_computed(seq, &TOKS[..w]).unwrap(); },
-                    6 => { let _ = p.pin_prefix(seq, n, 3); }
-                    7 => { let _ = p.unpin_prefix(seq); }
+                    5 => if let Some(&w) = written.get(&SeqId(seq)) { p.cache_computed(SeqId(seq), &TOKS[..w]).unwrap(); },
+                    6 => { let _ = p.pin_prefix(SeqId(seq), n, 3); }
+                    7 => { let _ = p.unpin_prefix(SeqId(seq)); }
                     _ => p.forget_owner(owner(seq)),
                 }
                 let c = p.counters();
@@ -1452,13 +1473,13 @@ mod tests {
                     prop_assert!(p.refs[e.page as usize] > 0);
                 }
                 for (seq, s) in &p.seqs {
-                    prop_assert_eq!(s.owner, owner(*seq));
+                    prop_assert_eq!(s.owner, owner(seq.0));
                     for e in &s.pages {
                         prop_assert_eq!(p.tags[e.page as usize].owner, s.owner);
                     }
                 }
             }
-            for s in 0..6 { let _ = p.close(s); }
+            for s in 0..6 { let _ = p.close(SeqId(s)); }
             for e in held { p.release(e).unwrap(); }
             for o in 1..=3 { p.forget_owner(o); }
             let c = p.counters();

@@ -107,7 +107,7 @@ impl Ends {
             engine.release_prefilled(id);
             return;
         };
-        let out = Outbound::new(engine.pool(), id, s.owner, tokens, s.limits);
+        let out = Outbound::new(engine.pool(), id.seq(), s.owner, tokens, s.limits);
         let _ = s.frames.send(out.begin());
         s.out = Some((out, Instant::now()));
         self.pump(engine, id);
@@ -136,7 +136,7 @@ impl Ends {
     fn fail_sending(&mut self, engine: &mut Engine, id: RequestId, why: String) {
         if let Some(s) = self.sending.remove(&id) {
             self.finish("failed", &s);
-            let _ = s.frames.send(Frame::Abort { seq: id, reason: why });
+            let _ = s.frames.send(Frame::Abort { seq: id.0, reason: why });
         }
         engine.cancel(id);
     }
@@ -190,7 +190,7 @@ impl Ends {
         if let Some(s) = self.sending.remove(&id) {
             self.finish("abandoned", &s);
             let _ = s.frames.send(Frame::Abort {
-                seq: id,
+                seq: id.0,
                 reason: format!("the prefill node ended the request: {why}"),
             });
         }
@@ -206,7 +206,7 @@ impl Ends {
         };
         let step = match (&mut r.inbound, frame) {
             (_, Frame::Abort { reason, .. }) => Err(TransferError::Aborted(reason)),
-            (None, f @ Frame::Begin { .. }) => Inbound::begin(engine.pool_mut(), id, r.owner, f).map(|i| {
+            (None, f @ Frame::Begin { .. }) => Inbound::begin(engine.pool_mut(), id.seq(), r.owner, f).map(|i| {
                 r.inbound = Some(i);
                 None
             }),

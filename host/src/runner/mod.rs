@@ -376,9 +376,9 @@ impl LocalEngine {
     /// Decode node: a frame of request `id`'s incoming transfer, verified and written on the
     /// engine thread; the answer to send back, or why the request failed.
     pub async fn transfer_frame(&self, id: RequestId, frame: Frame) -> Result<Option<Received>, String> {
-        let (reply, rx) = oneshot::channel();
-        self.send_waiting(Cmd::Frame(id, frame, reply)).await;
-        rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+        self.call(|reply| Cmd::Frame(id, frame, reply))
+            .await
+            .unwrap_or_else(|| Err("the engine stopped".into()))
     }
 
     /// Decode node: request `id`'s transfer broke off; it ends with `why`.
@@ -389,6 +389,14 @@ impl LocalEngine {
     /// Prefill node: the decode node's answer (an `Ack` or an `Abort`) on request `id`'s transfer.
     pub async fn transfer_answer(&self, id: RequestId, frame: Frame) {
         self.send_waiting(Cmd::Answer(id, frame)).await;
+    }
+
+    /// Sends the command `make` builds around a reply channel (offered until the queue takes it)
+    /// and waits for the reply; `None` when the thread is gone.
+    async fn call<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Option<T> {
+        let (reply, rx) = oneshot::channel();
+        self.send_waiting(make(reply)).await;
+        rx.await.ok()
     }
 
     /// Offers a command until the queue takes it or the thread is gone.
@@ -426,20 +434,16 @@ impl EngineHandle for LocalEngine {
     /// The engine computes what is new between two steps.
     fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>> {
         Box::pin(async move {
-            let (done, rx) = oneshot::channel();
-            self.send_waiting(Cmd::PublicPrefixes(prefixes, done)).await;
-            match rx.await {
-                Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err("the engine thread is gone".into()),
+            match self.call(|done| Cmd::PublicPrefixes(prefixes, done)).await {
+                Some(r) => r.map_err(|e| e.to_string()),
+                None => Err("the engine thread is gone".into()),
             }
         })
     }
 
     fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()> {
         Box::pin(async move {
-            let (done, rx) = oneshot::channel();
-            self.send_waiting(Cmd::Forget(owner, done)).await;
-            let _ = rx.await;
+            self.call(|done| Cmd::Forget(owner, done)).await;
         })
     }
 
@@ -450,10 +454,7 @@ impl EngineHandle for LocalEngine {
     /// Stops the thread too.
     fn shutdown(&self, deadline: Instant) -> EngineFuture<'_, ()> {
         Box::pin(async move {
-            let (done_tx, done_rx) = oneshot::channel();
-            // The queue may be full: keep offering the command until it fits or the thread is gone.
-            self.send_waiting(Cmd::Shutdown(deadline, done_tx)).await;
-            let _ = done_rx.await;
+            self.call(|done| Cmd::Shutdown(deadline, done)).await;
         })
     }
 

@@ -173,7 +173,7 @@ impl Outbound {
     /// The frame that opens the transfer.
     pub fn begin(&self) -> Frame {
         Frame::Begin {
-            seq: self.seq,
+            seq: self.seq.0,
             owner: self.owner,
             tokens: self.tokens as u32,
         }
@@ -188,7 +188,7 @@ impl Outbound {
         if self.next_page == self.pages {
             self.ended = true;
             return Ok(Some(Frame::End {
-                seq: self.seq,
+                seq: self.seq.0,
                 batches: self.sent,
                 tokens: self.tokens as u32,
             }));
@@ -217,7 +217,7 @@ impl Outbound {
             });
         }
         let frame = Frame::Batch {
-            seq: self.seq,
+            seq: self.seq.0,
             owner: self.owner,
             number: self.sent,
             pages,
@@ -234,10 +234,12 @@ impl Outbound {
     /// the whole transfer), or an `Abort`.
     pub fn receive(&mut self, frame: Frame) -> Result<(), TransferError> {
         match frame {
-            Frame::Ack { seq, .. } | Frame::Abort { seq, .. } if seq != self.seq => Err(TransferError::WrongSequence {
-                expected: self.seq,
-                got: seq,
-            }),
+            Frame::Ack { seq, .. } | Frame::Abort { seq, .. } if seq != self.seq.0 => {
+                Err(TransferError::WrongSequence {
+                    expected: self.seq.0,
+                    got: seq,
+                })
+            }
             Frame::Ack { number, .. } => match self.in_flight.front() {
                 Some(&(oldest, _)) if oldest == number => {
                     self.in_flight.pop_front();

@@ -2,6 +2,7 @@
 //! suffer: each fault fails the transfer with its error, leaves nothing marked written on the
 //! receiver, and every page returns once both sides close.
 
+use crate::kv::SeqId;
 use warden_kernels::attention::AttnShape;
 
 use super::wire::{Frame, WireError};
@@ -27,10 +28,10 @@ fn pool(pages: usize) -> KvPool {
 /// A sender pool whose sequence holds `TOKENS` positions of distinct K and V.
 fn prefilled() -> KvPool {
     let mut p = pool(16);
-    p.open(SRC_SEQ, OWNER, TOKENS.div_ceil(4), &[]).unwrap();
-    p.ensure(SRC_SEQ, TOKENS).unwrap();
-    p.commit_slots(SRC_SEQ, TOKENS).unwrap();
-    let table = p.table(SRC_SEQ).unwrap().1.to_vec();
+    p.open(SeqId(SRC_SEQ), OWNER, TOKENS.div_ceil(4), &[]).unwrap();
+    p.ensure(SeqId(SRC_SEQ), TOKENS).unwrap();
+    p.commit_slots(SeqId(SRC_SEQ), TOKENS).unwrap();
+    let table = p.table(SeqId(SRC_SEQ)).unwrap().1.to_vec();
     for layer in 0..LAYERS {
         for pos in 0..TOKENS {
             let k: Vec<f32> = (0..4).map(|j| (layer * 1000 + pos * 10 + j) as f32 / 64.0).collect();
@@ -62,9 +63,9 @@ enum Failed {
 /// Runs a transfer from `src` to `dst` through encoded frames, with `fault` on the way; checks
 /// the window on every send.
 fn transfer(src: &KvPool, dst: &mut KvPool, limits: Limits, fault: Fault) -> Result<(), Failed> {
-    let mut out = Outbound::new(src, SRC_SEQ, OWNER, TOKENS, limits);
+    let mut out = Outbound::new(src, SeqId(SRC_SEQ), OWNER, TOKENS, limits);
     let begin = Frame::decode(&out.begin().encode(), 1 << 20).map_err(Failed::Wire)?.0;
-    let mut inb = Inbound::begin(dst, DST_SEQ, OWNER, begin).map_err(Failed::Transfer)?;
+    let mut inb = Inbound::begin(dst, SeqId(DST_SEQ), OWNER, begin).map_err(Failed::Transfer)?;
     let mut held: Option<Vec<u8>> = None;
     while !out.done() {
         let mut wire: Vec<Vec<u8>> = Vec::new();
@@ -137,12 +138,12 @@ fn limits() -> Limits {
 /// The receiver's pool with its sequence opened by its own admission.
 fn receiver() -> KvPool {
     let mut p = pool(16);
-    p.open(DST_SEQ, OWNER, TOKENS.div_ceil(4) + 2, &[]).unwrap();
+    p.open(SeqId(DST_SEQ), OWNER, TOKENS.div_ceil(4) + 2, &[]).unwrap();
     p
 }
 
 fn assert_all_free(p: &mut KvPool, seq: u64) {
-    p.close(seq).unwrap();
+    p.close(SeqId(seq)).unwrap();
     let c = p.counters();
     assert_eq!(
         (c.pages_free, c.pages_used, c.pages_reserved),
@@ -165,8 +166,8 @@ fn a_transfer_moves_every_page_exactly_and_marks_it_written_only_at_the_end() {
     ] {
         let mut dst = receiver();
         transfer(&src, &mut dst, lim, Fault::None).unwrap_or_else(|e| panic!("{lim:?}: {e:?}"));
-        let theirs = src.table(SRC_SEQ).unwrap().1.to_vec();
-        let ours = dst.table(DST_SEQ).unwrap().1.to_vec();
+        let theirs = src.table(SeqId(SRC_SEQ)).unwrap().1.to_vec();
+        let ours = dst.table(SeqId(DST_SEQ)).unwrap().1.to_vec();
         assert_eq!(ours.len(), TOKENS.div_ceil(4), "exactly the pages the prompt needs");
         for (a, b) in theirs.iter().zip(&ours) {
             let (x, y) = (src.inspect(OWNER, *a).unwrap(), dst.inspect(OWNER, *b).unwrap());
@@ -213,7 +214,7 @@ fn every_wire_fault_fails_the_transfer_and_leaves_nothing_written() {
         let mut dst = receiver();
         let e = transfer(&src, &mut dst, limits(), fault).expect_err("the fault must fail the transfer");
         assert!(want(&e), "{fault:?}: {e:?}");
-        let table = dst.table(DST_SEQ).unwrap().1.to_vec();
+        let table = dst.table(SeqId(DST_SEQ)).unwrap().1.to_vec();
         for e in table {
             assert_eq!(
                 dst.tags()[e.page as usize].written,
@@ -249,10 +250,10 @@ fn the_last_batch_lost_shows_at_end_as_incomplete() {
 fn a_transfer_for_another_tenant_or_sequence_is_refused() {
     let src = prefilled();
     let mut dst = receiver();
-    let out = Outbound::new(&src, SRC_SEQ, OWNER, TOKENS, limits());
-    let e = Inbound::begin(&mut dst, DST_SEQ, OWNER + 1, out.begin()).unwrap_err();
+    let out = Outbound::new(&src, SeqId(SRC_SEQ), OWNER, TOKENS, limits());
+    let e = Inbound::begin(&mut dst, SeqId(DST_SEQ), OWNER + 1, out.begin()).unwrap_err();
     assert!(matches!(e, TransferError::WrongOwner { .. }), "{e:?}");
-    let mut inb = Inbound::begin(&mut dst, DST_SEQ, OWNER, out.begin()).unwrap();
+    let mut inb = Inbound::begin(&mut dst, SeqId(DST_SEQ), OWNER, out.begin()).unwrap();
     let stray = Frame::End {
         seq: SRC_SEQ + 1,
         batches: 0,
