@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
-use warden_kernels::attention::{PageEntry, PageTag, TagCheck, check_pages};
+use warden_kernels::tag::{PageEntry, PageTag, TagCheck, check_pages};
 
 use crate::engine::request::{GenerateRequest, Outcome};
 use crate::engine::text::Detokenizer;

@@ -10,10 +10,11 @@
 
 use std::path::Path;
 
-use warden_kernels::attention::{AttnSeq, AttnShape, IsolationViolation, TagCheck};
+use warden_kernels::attention::{AttnSeq, AttnShape};
 use warden_kernels::matmul::{QActs, QMatrix};
 use warden_kernels::ops::Rope;
 use warden_kernels::quant::{GgmlType, dequantize};
+use warden_kernels::tag::{IsolationViolation, TagCheck};
 use warden_kernels::{Backend, CpuBackend};
 
 use crate::gguf::{Gguf, GgufError};

@@ -2,11 +2,12 @@
 //!
 //! The engine is written against this trait so that a second backend (CUDA through cudarc, behind
 //! the `cuda` feature) can slot in with its own kernels. Every backend's attention checks page tags
-//! exactly as [`crate::attention::check_pages`] does (invariant 2).
+//! exactly as [`crate::tag::check_pages`] does (invariant 2).
 
-use crate::attention::{AttnSeq, AttnShape, IsolationViolation, KvLayer, PageTag, TagCheck};
+use crate::attention::{AttnSeq, AttnShape, KvLayer};
 use crate::matmul::{QActs, QMatrix};
 use crate::ops::RopeTable;
+use crate::tag::{IsolationViolation, PageTag, TagCheck};
 
 /// Compute operations of a llama block.
 pub trait Backend: Send + Sync {

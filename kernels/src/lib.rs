@@ -16,3 +16,4 @@ pub mod backend;
 pub mod matmul;
 pub mod ops;
 pub mod quant;
+pub mod tag;

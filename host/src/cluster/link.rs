@@ -24,7 +24,7 @@ use crate::engine::{TenantSettings, TokenLogprobs};
 use crate::kv::PageInfo;
 use crate::transfer::Limits;
 use crate::transfer::wire::{Frame, WireError};
-use warden_kernels::attention::PageEntry;
+use warden_kernels::tag::PageEntry;
 
 /// The protocol's version; a peer that speaks another is refused.
 pub const VERSION: u32 = 2;

@@ -27,7 +27,7 @@ use crate::kv::PageInfo;
 use crate::metrics::Metrics;
 use crate::runner::{Busy, END_STOP, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label};
 use crate::transfer::Limits;
-use warden_kernels::attention::PageEntry;
+use warden_kernels::tag::PageEntry;
 
 /// The cluster as the router sees it.
 pub struct Router {

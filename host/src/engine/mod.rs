@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use warden_kernels::attention::{PUBLIC_OWNER, PageEntry, TagCheck};
+use warden_kernels::tag::{PUBLIC_OWNER, PageEntry, TagCheck};
 
 use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
 use crate::model::{Model, Scratch, StepError, StepSeq};

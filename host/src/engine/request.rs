@@ -6,7 +6,7 @@
 //! [`Outcome::Finished`] or [`Outcome::Aborted`]; "rejected", "aborted" and "finished" are distinct
 //! and every consumer matches the one it means.
 
-use warden_kernels::attention::IsolationViolation;
+use warden_kernels::tag::IsolationViolation;
 
 use super::sampling::SamplingParams;
 use crate::kv::{KvError, SeqId};

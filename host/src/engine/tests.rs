@@ -5,7 +5,7 @@ use crate::kv::SeqId;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use warden_kernels::attention::{IsolationViolation, TagCheck};
+use warden_kernels::tag::{IsolationViolation, TagCheck};
 
 use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, RequestId, Usage};
 use super::{Engine, EngineConfig, Event};

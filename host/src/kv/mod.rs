@@ -26,7 +26,8 @@ mod prefix;
 use std::collections::{HashMap, HashSet};
 
 use half::f16;
-use warden_kernels::attention::{AttnShape, IsolationViolation, KvLayer, PUBLIC_OWNER, PageEntry, PageTag};
+use warden_kernels::attention::{AttnShape, KvLayer};
+use warden_kernels::tag::{IsolationViolation, PUBLIC_OWNER, PageEntry, PageTag};
 use xxhash_rust::xxh3::Xxh3;
 
 /// A sequence's id in the pool: its own type, never a request's id (the engine maps one to the

@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use warden_kernels::attention::PageEntry;
+use warden_kernels::tag::PageEntry;
 
 /// A node's id; 0 is the root (no page).
 pub(super) type NodeId = u64;

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use crate::kv::PageInfo;
-use warden_kernels::attention::PageEntry;
+use warden_kernels::tag::PageEntry;
 
 /// A KV page handle, minted by the host for the request's own sequence: the page and the epoch
 /// it had then. Every call re-checks both against the page's tag.

@@ -24,7 +24,7 @@ use super::access::{KvAccess, KvPage, Sequence};
 use super::bindings::warden::plugin::{kv, log, types};
 use super::limits::{HostLimit, PluginLimits};
 use crate::tokenizer::Tokenizer;
-use warden_kernels::attention::PageEntry;
+use warden_kernels::tag::PageEntry;
 
 /// Most log lines one instance may write; further lines are dropped.
 const MAX_LOG_LINES: usize = 64;

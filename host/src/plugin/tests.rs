@@ -388,11 +388,11 @@ impl KvAccess for ChurnedKv {
     fn started(&self) -> bool {
         true
     }
-    fn pages(&self) -> BoxFuture<Option<Vec<warden_kernels::attention::PageEntry>>> {
-        use warden_kernels::attention::PageEntry;
+    fn pages(&self) -> BoxFuture<Option<Vec<warden_kernels::tag::PageEntry>>> {
+        use warden_kernels::tag::PageEntry;
         Box::pin(async { Some(vec![PageEntry::own(5, 7_741), PageEntry::own(9, 120_003)]) })
     }
-    fn info(&self, entry: warden_kernels::attention::PageEntry) -> BoxFuture<Result<crate::kv::PageInfo, String>> {
+    fn info(&self, entry: warden_kernels::tag::PageEntry) -> BoxFuture<Result<crate::kv::PageInfo, String>> {
         Box::pin(async move {
             Ok(crate::kv::PageInfo {
                 written: 16,

@@ -36,7 +36,7 @@ use crate::plugin::{BoxFuture, KvAccess};
 use crate::transfer::Limits;
 use crate::transfer::wire::Frame;
 use ends::{Ends, Received};
-use warden_kernels::attention::PageEntry;
+use warden_kernels::tag::PageEntry;
 
 /// What a request's channel receives.
 #[derive(Debug)]

@@ -443,7 +443,7 @@ mod tests {
             0,
             Update::Done {
                 outcome: Outcome::Aborted(AbortReason::Isolation(
-                    warden_kernels::attention::IsolationViolation::ForeignOwner {
+                    warden_kernels::tag::IsolationViolation::ForeignOwner {
                         page: 1,
                         expected: 3,
                         found: 2,

@@ -17,7 +17,7 @@
 
 pub mod wire;
 
-use warden_kernels::attention::IsolationViolation;
+use warden_kernels::tag::IsolationViolation;
 
 use crate::kv::{KvError, KvPool, SeqId};
 use wire::{Frame, PageFrame};
