@@ -1,6 +1,6 @@
 //! The engine thread: owns the [`Engine`], takes jobs from a bounded queue, steps, and sends each
 //! request's tokens to its own channel. On a prefill or decode node it also holds the ends of KV
-//! transfers ([`crate::runner::ends`]); on a router the "engine" is the cluster's
+//! transfers ([`ends`]); on a router the "engine" is the cluster's
 //! ([`crate::cluster::router`]), behind the same [`EngineHandle`].
 //!
 //! A job's channel is its lifeline: when the client goes away its receiver is dropped, and the
@@ -8,31 +8,28 @@
 //! pool once unreferenced. Nothing here blocks on a client: sends never wait, and a request never
 //! receives more messages than its `max_tokens` plus one.
 
+pub mod ends;
+
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use tokio::sync::{mpsc, oneshot};
 
-pub mod ends;
-
-use std::future::Future;
-use std::pin::Pin;
-
-use anyhow::Context;
-
 use crate::config::ServeConfig;
-use crate::engine::EngineConfig;
-use crate::engine::request::AdmissionLimits;
-use crate::engine::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage};
-use crate::engine::{Engine, Event, TenantSettings, TokenLogprobs};
+use crate::engine::request::{
+    AbortReason, AdmissionLimits, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage,
+};
+use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
-use crate::plugin::PluginFailure;
-use crate::plugin::{BoxFuture, KvAccess};
+use crate::plugin::{BoxFuture, KvAccess, PluginFailure};
 use crate::transfer::Limits;
 use crate::transfer::wire::Frame;
 use ends::{Ends, Received};
