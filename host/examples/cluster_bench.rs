@@ -101,10 +101,7 @@ fn main() -> anyhow::Result<()> {
     let cluster = format!("[cluster]\nprefill = [\"{p_addr}\"]\ndecode = [\"{d_addr}\"]\n");
     let (_router, rc, rkey) = server(&bin, &dir, "router", &model, &cluster)?;
     let (_all, ac, akey) = server(&bin, &dir, "all", &model, "")?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let rt = common::runtime()?;
     let mut next_id = 1000u32;
     let mut prompt = |n: usize| {
         (0..n)

@@ -145,13 +145,8 @@ fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(&dir)?;
     let (server, c, victim_key) = common::server(&bin, &dir, "all", &model, "")?;
     let pid = server.0.id();
-    let admin = std::fs::read_to_string(dir.join("all-data/admin-token"))?
-        .trim()
-        .to_string();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let admin = common::admin_token(&dir, "all")?;
+    let rt = common::runtime()?;
     let span = Duration::from_secs(args.seconds);
     rt.block_on(async {
         let r = c.request(Method::POST, "/admin/v1/tenants", Some(&admin), Some(br#"{"name":"mallory"}"#.to_vec())).await?;

@@ -119,13 +119,8 @@ fn main() -> anyhow::Result<()> {
     std::fs::create_dir_all(policies.join("tenants"))?;
     let (server, c, _) = common::server(&bin, &dir, "all", &model, &format!("policies = {policies:?}"))?;
     let pid = server.0.id();
-    let admin = std::fs::read_to_string(dir.join("all-data/admin-token"))?
-        .trim()
-        .to_string();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let admin = common::admin_token(&dir, "all")?;
+    let rt = common::runtime()?;
     rt.block_on(async {
         let mut keys = Vec::new();
         for (i, (plugin, config)) in PLUGINS.iter().enumerate() {

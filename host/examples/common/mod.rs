@@ -87,6 +87,23 @@ pub fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> 
     Ok((p, client, key.to_string()))
 }
 
+/// The admin token a server with its data in `dir/{role}-data` wrote at its first start.
+pub fn admin_token(dir: &Path, role: &str) -> anyhow::Result<String> {
+    let path = warden::serve::admin_token_path(&dir.join(format!("{role}-data")));
+    Ok(std::fs::read_to_string(&path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .trim()
+        .to_string())
+}
+
+/// The async runtime the bench clients run on: two workers, like the server's.
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
 /// The model file, absolute, and the id the server serves it as (its file stem).
 pub fn model(path: &Path) -> anyhow::Result<(PathBuf, String)> {
     let model = std::fs::canonicalize(path).with_context(|| format!("model {}", path.display()))?;
