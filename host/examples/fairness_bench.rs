@@ -70,6 +70,7 @@ fn run(e: &mut Engine, flood: bool, seed: u64) -> (Vec<f64>, f64) {
                 .collect();
             let mut r = GenerateRequest::greedy(1, prompt, 128);
             r.ignore_eos = true;
+            let r = r.validate(&e.limits()).expect("A's request is valid");
             a_ids.push(e.submit(r).expect("A's request fits"));
             a_live += 1;
         }
@@ -79,6 +80,7 @@ fn run(e: &mut Engine, flood: bool, seed: u64) -> (Vec<f64>, f64) {
             let prompt: Vec<u32> = (0..40u32).map(|j| 200 + (b_n * 40 + j) % 20_000).collect();
             let mut r = GenerateRequest::greedy(2, prompt, 4);
             r.ignore_eos = true;
+            let r = r.validate(&e.limits()).expect("B's request is valid");
             let id = e.submit(r).expect("B's request fits");
             b_ids.push(id);
             b_waiting.push((id, sent));

@@ -279,6 +279,7 @@ fn prefill(e: &mut Engine, prompt: &[u32]) -> Duration {
     let mut req = GenerateRequest::greedy(1, prompt.to_vec(), 1);
     req.ignore_eos = true;
     let t0 = Instant::now();
+    let req = req.validate(&e.limits()).expect("the bench prompt fits the engine");
     e.submit(req).expect("the bench prompt fits the engine");
     finish(e);
     t0.elapsed()
@@ -291,6 +292,7 @@ fn decode(e: &mut Engine, k: usize, tokens: usize) -> Duration {
         let prompt: Vec<u32> = (0..16).map(|j| 1000 + (i * 16 + j) as u32).collect();
         let mut req = GenerateRequest::greedy(1 + i as u64, prompt, tokens);
         req.ignore_eos = true;
+        let req = req.validate(&e.limits()).expect("the bench request fits the engine");
         e.submit(req).expect("the bench request fits the engine");
     }
     // The first step prefills every prompt and samples each first token.

@@ -399,8 +399,8 @@ fn generate(l: &LoadedModel, req: GenerateRequest) -> anyhow::Result<()> {
     let prompt_tokens = req.prompt.len();
     let mut engine = Engine::new(l.model.clone(), l.tokenizer.clone(), EngineConfig::for_model(&l.model))?;
     let t0 = Instant::now();
-    engine
-        .submit(req)
+    req.validate(&engine.limits())
+        .and_then(|req| engine.submit(req))
         .map_err(|r| anyhow::anyhow!("{} ({})", r.reason, r.reason.code()))?;
     let mut first_token_at = None;
     let mut out = std::io::stdout().lock();

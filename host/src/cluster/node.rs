@@ -222,10 +222,18 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
         return refuse(&mut w, why).await;
     }
     let owner = d.req.owner;
+    // What crosses the link is checked again, against this node's model and pool.
+    let req = match d.req.clone().validate(&node.engine.admission()) {
+        Ok(req) => req,
+        Err(rej) => {
+            let _ = link::send(&mut w, &Msg::Rejected { reason: rej.reason }).await;
+            return;
+        }
+    };
     let (tx, mut updates) = mpsc::unbounded_channel();
     let stop = Arc::new(EndFlag::default());
     let job = Job {
-        req: d.req.clone(),
+        req,
         tenant: owner.to_string(),
         index: 0,
         tx,
@@ -460,8 +468,16 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWri
     let (frames_tx, mut frames) = mpsc::unbounded_channel();
     let mut limits = d.limits;
     limits.pages_per_batch = limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
+    let req = match d.req.validate(&node.engine.admission()) {
+        Ok(req) => req,
+        Err(rej) => {
+            let why = format!("the prefill node refused the request: {}", rej.reason);
+            let _ = link::send_frame(&mut w, &refused(why)).await;
+            return;
+        }
+    };
     let job = PrefillJob {
-        req: d.req,
+        req,
         settings: d.settings,
         policy_generation: d.generation,
         limits,

@@ -168,7 +168,7 @@ impl Router {
             ));
         };
         let dispatch = Dispatch {
-            req,
+            req: req.into_request(),
             settings,
             generation: policy_generation,
             prefill,

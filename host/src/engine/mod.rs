@@ -28,8 +28,7 @@ use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
 use crate::model::{Model, Scratch, StepError, StepSeq};
 use cost::{CostModel, Work};
 use request::{
-    AbortReason, AdmissionLimits, FinishReason, GenerateRequest, Outcome, RejectReason, Rejected, RequestId, Usage,
-    ValidRequest,
+    AbortReason, AdmissionLimits, FinishReason, Outcome, RejectReason, Rejected, RequestId, Usage, ValidRequest,
 };
 use sampling::Sampler;
 use text::{Detokenizer, TextStream};
@@ -568,18 +567,18 @@ impl Engine {
     }
 
     /// Admits a request or rejects it. A rejected request allocates nothing and never runs.
-    pub fn submit(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
-        let valid = self.admit(req)?;
-        self.enqueue(valid)
+    pub fn submit(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
+        self.admit(&req)?;
+        self.enqueue(req)
     }
 
     /// Submits the prefill half of a disaggregated request: it is admitted and scheduled like
     /// any other, computes its prompt but the last token, and ends with [`Event::Prefilled`],
     /// keeping its pages (readable through [`Engine::pool`] and its id) until
     /// [`Engine::release_prefilled`].
-    pub fn submit_prefill(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
-        let valid = self.admit(req)?;
-        let id = self.enqueue(valid)?;
+    pub fn submit_prefill(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
+        self.admit(&req)?;
+        let id = self.enqueue(req)?;
         if let Some(s) = self.waiting.back_mut() {
             s.prefill_only = true;
         }
@@ -604,9 +603,9 @@ impl Engine {
     /// [`Engine::pool_mut`] and its id, with [`crate::transfer::Inbound`]). It is scheduled once
     /// [`finish_transfer`](Self::finish_transfer) says the KV arrived whole, or ends with
     /// [`fail_transfer`](Self::fail_transfer)'s error.
-    pub fn open_transfer(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
-        let valid = self.admit(req)?;
-        let id = self.enqueue(valid)?;
+    pub fn open_transfer(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
+        self.admit(&req)?;
+        let id = self.enqueue(req)?;
         if let Some(s) = self.waiting.back_mut() {
             s.awaits_kv = true;
         }
@@ -642,9 +641,9 @@ impl Engine {
         }
     }
 
-    /// Admission: the request's own checks, then its tenant's KV budget.
-    fn admit(&self, req: GenerateRequest) -> Result<ValidRequest, Rejected> {
-        let valid = req.validate(&self.limits())?;
+    /// Admission of a validated request: what needs the engine's state, its tenant's KV budget
+    /// (the queue's bound is [`enqueue`](Self::enqueue)'s).
+    fn admit(&self, valid: &ValidRequest) -> Result<(), Rejected> {
         let r = valid.request();
         let needed = self.pool.pages_for(r.prompt.len() + r.max_tokens);
         // Its own cap, and what other tenants' floors and everyone's pins leave it.
@@ -658,7 +657,7 @@ impl Engine {
                 reason: RejectReason::OverKvBudget { needed, budget },
             });
         }
-        Ok(valid)
+        Ok(())
     }
 
     /// Queues a request that passed admission.

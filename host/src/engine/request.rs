@@ -1,8 +1,11 @@
 //! Requests and their states: what a caller submits, what admission makes of it, and how it ends.
 //!
-//! A [`GenerateRequest`] is raw input. [`validate`](GenerateRequest::validate) turns it into a
-//! [`ValidRequest`], the only type the scheduler accepts, or a [`Rejected`] that carries its reason
-//! and can never be scheduled (invariant 1). A scheduled request ends exactly once, as
+//! A request is checked once, where it enters: [`Params::new`] holds the one set of range rules
+//! (a typed [`InvalidParam`] names the field, the range and the value), and
+//! [`Params::with_prompt`] checks the prompt against the model and makes a [`ValidRequest`], the
+//! only type the engine accepts. [`GenerateRequest`] is the raw form (the CLI's, a benchmark's,
+//! another node's message); [`GenerateRequest::validate`] runs the same two steps. A refusal is a
+//! [`Rejected`] that carries its reason and can never be scheduled (invariant 1). A scheduled request ends exactly once, as
 //! [`Outcome::Finished`] or [`Outcome::Aborted`]; "rejected", "aborted" and "finished" are distinct
 //! and every consumer matches the one it means.
 
@@ -113,12 +116,12 @@ pub enum RejectReason {
         /// The limit.
         limit: usize,
     },
-    /// A parameter out of range.
+    /// A parameter out of range (from [`InvalidParam`]; this shape is what crosses the cluster
+    /// link).
     #[error("invalid {field}: {message}")]
     InvalidParameter {
         /// The field.
-        #[serde(deserialize_with = "known_field")]
-        field: FieldName,
+        field: Field,
         /// What is wrong, with the value.
         message: String,
     },
@@ -138,29 +141,6 @@ pub enum RejectReason {
         /// Budget.
         budget: usize,
     },
-}
-
-/// A request field's name. (An alias, so serde reads it with [`known_field`] instead of
-/// borrowing it from the input.)
-pub type FieldName = &'static str;
-
-/// The request fields [`RejectReason::InvalidParameter`] names, so one read back from another
-/// node (see [`crate::cluster`]) names the same field; an unknown name reads as `request`.
-const FIELDS: [&str; 9] = [
-    "owner",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "sampling",
-    "top_logprobs",
-    "stop",
-];
-
-fn known_field<'de, D: serde::Deserializer<'de>>(d: D) -> Result<&'static str, D::Error> {
-    let name = <String as serde::Deserialize>::deserialize(d)?;
-    Ok(FIELDS.into_iter().find(|f| *f == name).unwrap_or("request"))
 }
 
 impl RejectReason {
@@ -186,7 +166,263 @@ pub struct Rejected {
     pub reason: RejectReason,
 }
 
-/// A request that passed admission. Only [`GenerateRequest::validate`] builds one.
+impl From<RejectReason> for Rejected {
+    fn from(reason: RejectReason) -> Self {
+        Self { reason }
+    }
+}
+
+/// A request field, as validation errors name it (on the wire, its name in snake case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Field {
+    /// The tenant.
+    Owner,
+    /// `max_tokens`.
+    MaxTokens,
+    /// `max_completion_tokens` (the newer name of `max_tokens`).
+    MaxCompletionTokens,
+    /// `n`.
+    N,
+    /// `temperature`.
+    Temperature,
+    /// `top_p`.
+    TopP,
+    /// `top_k`.
+    TopK,
+    /// `min_p`.
+    MinP,
+    /// `repetition_penalty`.
+    RepetitionPenalty,
+    /// `presence_penalty`.
+    PresencePenalty,
+    /// `frequency_penalty`.
+    FrequencyPenalty,
+    /// `top_logprobs`.
+    TopLogprobs,
+    /// `stop`.
+    Stop,
+    /// A field this build does not know (read from another node): the request as a whole.
+    #[serde(other)]
+    Request,
+}
+
+impl Field {
+    /// The field's name in a request body.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Field::Owner => "owner",
+            Field::MaxTokens => "max_tokens",
+            Field::MaxCompletionTokens => "max_completion_tokens",
+            Field::N => "n",
+            Field::Temperature => "temperature",
+            Field::TopP => "top_p",
+            Field::TopK => "top_k",
+            Field::MinP => "min_p",
+            Field::RepetitionPenalty => "repetition_penalty",
+            Field::PresencePenalty => "presence_penalty",
+            Field::FrequencyPenalty => "frequency_penalty",
+            Field::TopLogprobs => "top_logprobs",
+            Field::Stop => "stop",
+            Field::Request => "request",
+        }
+    }
+}
+
+impl std::fmt::Display for Field {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A parameter outside its range: which field, what it must be, and what it was.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{field} must be {expected}, got {got}")]
+pub struct InvalidParam {
+    /// The field.
+    pub field: Field,
+    /// Its range or form, in words ("between 0 and 2").
+    pub expected: String,
+    /// The value given.
+    pub got: String,
+}
+
+impl InvalidParam {
+    /// `field` must be `expected`; it was `got`.
+    pub fn new(field: Field, expected: impl Into<String>, got: impl std::fmt::Display) -> Self {
+        Self {
+            field,
+            expected: expected.into(),
+            got: got.to_string(),
+        }
+    }
+}
+
+impl From<InvalidParam> for RejectReason {
+    fn from(e: InvalidParam) -> Self {
+        RejectReason::InvalidParameter {
+            field: e.field,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// What a request asks the engine to generate, less its prompt and owner, with every field in
+/// range: the one set of range rules, checked once where the request enters (the HTTP edge,
+/// a plugin's rewrite, another node's message). Only [`Params::new`] builds one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    sampling: SamplingParams,
+    max_tokens: usize,
+    stop: Vec<String>,
+    ignore_eos: bool,
+    logprobs: Option<usize>,
+}
+
+impl Params {
+    /// Checks each field's range (see [`GenerateRequest`] for their meaning).
+    pub fn new(
+        sampling: SamplingParams,
+        max_tokens: usize,
+        stop: Vec<String>,
+        ignore_eos: bool,
+        logprobs: Option<usize>,
+    ) -> Result<Self, InvalidParam> {
+        if max_tokens == 0 {
+            return Err(InvalidParam::new(Field::MaxTokens, "at least 1", 0));
+        }
+        sampling.validate()?;
+        if let Some(k) = logprobs
+            && k > MAX_TOP_LOGPROBS
+        {
+            return Err(InvalidParam::new(
+                Field::TopLogprobs,
+                format!("0 to {MAX_TOP_LOGPROBS}"),
+                k,
+            ));
+        }
+        if stop.len() > MAX_STOP_STRINGS {
+            return Err(InvalidParam::new(
+                Field::Stop,
+                format!("at most {MAX_STOP_STRINGS} strings"),
+                format!("{} strings", stop.len()),
+            ));
+        }
+        if let Some(s) = stop.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+            return Err(InvalidParam::new(
+                Field::Stop,
+                format!("non-empty strings of at most {MAX_STOP_BYTES} bytes"),
+                format!("a string of {} bytes", s.len()),
+            ));
+        }
+        Ok(Self {
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos,
+            logprobs,
+        })
+    }
+
+    /// The sampling parameters.
+    pub fn sampling(&self) -> &SamplingParams {
+        &self.sampling
+    }
+
+    /// Most tokens to generate.
+    pub fn max_tokens(&self) -> usize {
+        self.max_tokens
+    }
+
+    /// The stop strings.
+    pub fn stop(&self) -> &[String] {
+        &self.stop
+    }
+
+    /// The log-probability alternatives asked for.
+    pub fn logprobs(&self) -> Option<usize> {
+        self.logprobs
+    }
+
+    /// Whether end-of-generation tokens are ignored.
+    pub fn ignore_eos(&self) -> bool {
+        self.ignore_eos
+    }
+
+    /// The same parameters with `seed` (a seed never makes parameters invalid).
+    pub fn with_seed(mut self, seed: Option<u64>) -> Self {
+        self.sampling.seed = seed;
+        self
+    }
+
+    /// Checks `prompt` against the model's `limits` and makes the request `owner` submits:
+    /// the only way to a [`ValidRequest`].
+    pub fn with_prompt(
+        self,
+        owner: u64,
+        prompt: Vec<u32>,
+        limits: &AdmissionLimits,
+    ) -> Result<ValidRequest, RejectReason> {
+        if owner == 0 {
+            return Err(InvalidParam::new(Field::Owner, "non-zero", 0).into());
+        }
+        if prompt.is_empty() {
+            return Err(RejectReason::EmptyPrompt);
+        }
+        if let Some((index, &id)) = prompt.iter().enumerate().find(|(_, t)| **t as usize >= limits.vocab) {
+            return Err(RejectReason::InvalidToken {
+                index,
+                id,
+                vocab: limits.vocab,
+            });
+        }
+        let requested = prompt.len().saturating_add(self.max_tokens);
+        let limit = limits.max_context.min(limits.pool_tokens);
+        if requested > limit {
+            return Err(RejectReason::ContextLengthExceeded {
+                prompt_tokens: prompt.len(),
+                max_tokens: self.max_tokens,
+                requested,
+                limit,
+            });
+        }
+        let Params {
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos,
+            logprobs,
+        } = self;
+        Ok(ValidRequest {
+            req: GenerateRequest {
+                owner,
+                prompt,
+                sampling,
+                max_tokens,
+                stop,
+                ignore_eos,
+                logprobs,
+            },
+        })
+    }
+}
+
+/// A request that passed validation: the only request type the engine takes. Built only by
+/// [`Params::with_prompt`] (or [`GenerateRequest::validate`], which goes through it), so an
+/// unchecked request cannot be written:
+///
+/// ```compile_fail
+/// # use warden::engine::request::{GenerateRequest, ValidRequest};
+/// let valid = ValidRequest { req: GenerateRequest::greedy(1, vec![1], 1) };
+/// ```
+///
+/// and the engine cannot be handed one:
+///
+/// ```compile_fail
+/// # fn f(e: &mut warden::engine::Engine) {
+/// e.submit(warden::engine::request::GenerateRequest::greedy(1, vec![1], 1));
+/// # }
+/// ```
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
     pub(super) req: GenerateRequest,
@@ -197,70 +433,36 @@ impl ValidRequest {
     pub fn request(&self) -> &GenerateRequest {
         &self.req
     }
+
+    /// The request, raw again (to send to another node, which validates it again).
+    pub fn into_request(self) -> GenerateRequest {
+        self.req
+    }
+
+    /// Choice `index` of a request with `n` choices: the same request, its seed (if it has one)
+    /// moved on by `index` so that choices differ.
+    pub fn choice(&self, index: usize) -> Self {
+        let mut req = self.req.clone();
+        req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(index as u64));
+        Self { req }
+    }
 }
 
 impl GenerateRequest {
-    /// Admission: checks the request against `limits` without touching any shared state.
+    /// Validation of a whole request, as [`Params::new`] then [`Params::with_prompt`] check it:
+    /// for callers that hold a raw request (the CLI, benchmarks, another node's message).
     pub fn validate(self, limits: &AdmissionLimits) -> Result<ValidRequest, Rejected> {
-        let reject = |reason| Err(Rejected { reason });
-        if self.owner == 0 {
-            return reject(RejectReason::InvalidParameter {
-                field: "owner",
-                message: "must be non-zero".into(),
-            });
-        }
-        if self.prompt.is_empty() {
-            return reject(RejectReason::EmptyPrompt);
-        }
-        if let Some((index, &id)) = self
-            .prompt
-            .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= limits.vocab)
-        {
-            return reject(RejectReason::InvalidToken {
-                index,
-                id,
-                vocab: limits.vocab,
-            });
-        }
-        if self.max_tokens == 0 {
-            return reject(RejectReason::InvalidParameter {
-                field: "max_tokens",
-                message: "must be at least 1".into(),
-            });
-        }
-        let requested = self.prompt.len().saturating_add(self.max_tokens);
-        let limit = limits.max_context.min(limits.pool_tokens);
-        if requested > limit {
-            return reject(RejectReason::ContextLengthExceeded {
-                prompt_tokens: self.prompt.len(),
-                max_tokens: self.max_tokens,
-                requested,
-                limit,
-            });
-        }
-        if let Err(message) = self.sampling.validate() {
-            let field = message.split_whitespace().next().unwrap_or("sampling");
-            let field = ["temperature", "top_p", "min_p", "repetition_penalty"]
-                .into_iter()
-                .find(|f| *f == field)
-                .unwrap_or("sampling");
-            return reject(RejectReason::InvalidParameter { field, message });
-        }
-        if self.logprobs.is_some_and(|k| k > MAX_TOP_LOGPROBS) {
-            return reject(RejectReason::InvalidParameter {
-                field: "top_logprobs",
-                message: format!("at most {MAX_TOP_LOGPROBS} alternatives"),
-            });
-        }
-        if self.stop.len() > MAX_STOP_STRINGS || self.stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
-            return reject(RejectReason::InvalidParameter {
-                field: "stop",
-                message: format!("at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_BYTES} bytes"),
-            });
-        }
-        Ok(ValidRequest { req: self })
+        let GenerateRequest {
+            owner,
+            prompt,
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos,
+            logprobs,
+        } = self;
+        let params = Params::new(sampling, max_tokens, stop, ignore_eos, logprobs).map_err(RejectReason::from)?;
+        Ok(params.with_prompt(owner, prompt, limits)?)
     }
 }
 

@@ -8,6 +8,8 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::request::{Field, InvalidParam};
+
 /// Sampling parameters, validated at admission (see [`SamplingParams::validate`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
@@ -43,20 +45,20 @@ impl Default for SamplingParams {
 
 impl SamplingParams {
     /// Checks every field's range; the error names the field and the value.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidParam> {
         let t = self.temperature;
         if !(t.is_finite() && (0.0..=2.0).contains(&t)) {
-            return Err(format!("temperature must be between 0 and 2, got {t}"));
+            return Err(InvalidParam::new(Field::Temperature, "between 0 and 2", t));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return Err(InvalidParam::new(Field::TopP, "in (0, 1]", self.top_p));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
-            return Err(format!("min_p must be in [0, 1], got {}", self.min_p));
+            return Err(InvalidParam::new(Field::MinP, "in [0, 1]", self.min_p));
         }
         let rp = self.repetition_penalty;
         if !(rp.is_finite() && rp > 0.0 && rp <= 10.0) {
-            return Err(format!("repetition_penalty must be in (0, 10], got {rp}"));
+            return Err(InvalidParam::new(Field::RepetitionPenalty, "in (0, 10]", rp));
         }
         Ok(())
     }
@@ -277,13 +279,17 @@ mod tests {
         }
         .validate()
         .unwrap_err();
-        assert!(e.contains("temperature"));
+        assert_eq!(e.field, Field::Temperature);
+        assert!(
+            e.to_string().contains("temperature must be between 0 and 2, got -1"),
+            "{e}"
+        );
         let e = SamplingParams {
             top_p: 0.0,
             ..Default::default()
         }
         .validate()
         .unwrap_err();
-        assert!(e.contains("top_p"));
+        assert_eq!(e.field, Field::TopP);
     }
 }

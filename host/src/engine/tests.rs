@@ -7,11 +7,37 @@ use std::sync::Arc;
 
 use warden_kernels::tag::{IsolationViolation, TagCheck};
 
-use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, RequestId, Usage};
+use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, Rejected, RequestId, Usage};
 use super::{Engine, EngineConfig, Event};
 use crate::kv::{KvError, KvPool};
 use crate::model::{Scratch, StepSeq};
 use crate::testutil::{IdDetok, model, oracle};
+
+/// These tests hold raw requests: each is validated against the engine's own limits on the way
+/// in, as the HTTP edge validates a body once, and a refusal there is a rejection like the
+/// engine's own.
+trait Raw {
+    fn submit_raw(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected>;
+    fn submit_prefill_raw(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected>;
+    fn open_transfer_raw(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected>;
+}
+
+impl Raw for Engine {
+    fn submit_raw(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let req = req.validate(&self.limits())?;
+        self.submit(req)
+    }
+
+    fn submit_prefill_raw(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let req = req.validate(&self.limits())?;
+        self.submit_prefill(req)
+    }
+
+    fn open_transfer_raw(&mut self, req: GenerateRequest) -> Result<RequestId, Rejected> {
+        let req = req.validate(&self.limits())?;
+        self.open_transfer(req)
+    }
+}
 
 fn config(max_context: usize, max_batch_tokens: usize) -> EngineConfig {
     EngineConfig {
@@ -99,7 +125,7 @@ fn assert_quiescent(e: &mut Engine, owners: &[u64]) {
 fn solo(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let mut e = engine(512);
     let id = e
-        .submit(GenerateRequest::greedy(1, prompt.to_vec(), max_tokens))
+        .submit_raw(GenerateRequest::greedy(1, prompt.to_vec(), max_tokens))
         .expect("admitted");
     let mut runs = Runs::default();
     runs.drain(&mut e);
@@ -196,7 +222,7 @@ fn a_batch_of_sixteen_with_chunked_prefill_yields_what_each_yields_alone() {
             }
         }
         ids.push(
-            e.submit(GenerateRequest::greedy(1 + i as u64 % 3, p.clone(), max_tokens))
+            e.submit_raw(GenerateRequest::greedy(1 + i as u64 % 3, p.clone(), max_tokens))
                 .expect("admitted"),
         );
     }
@@ -235,10 +261,10 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
     let b_alone = solo(&prompts[1], 8);
     let mut e = engine(512);
     let a = e
-        .submit(GenerateRequest::greedy(7, prompts[0].clone(), 8))
+        .submit_raw(GenerateRequest::greedy(7, prompts[0].clone(), 8))
         .expect("admitted");
     let b = e
-        .submit(GenerateRequest::greedy(8, prompts[1].clone(), 8))
+        .submit_raw(GenerateRequest::greedy(8, prompts[1].clone(), 8))
         .expect("admitted");
     let mut runs = Runs::default();
     step_until_decoding(&mut e, &mut runs, &[a, b]);
@@ -288,7 +314,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
     let mut e = Engine::new(model(), Arc::new(IdDetok), cfg).expect("engine starts");
     // X runs to completion; a copy of its page table outlives it.
     let x = e
-        .submit(GenerateRequest::greedy(5, prompts[2].clone(), 2))
+        .submit_raw(GenerateRequest::greedy(5, prompts[2].clone(), 2))
         .expect("admitted");
     let mut runs = Runs::default();
     let ev = e.step();
@@ -297,7 +323,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
     runs.drain(&mut e);
     // Y, the same tenant, gets X's freed pages back with new epochs.
     let y = e
-        .submit(GenerateRequest::greedy(5, prompts[3].clone(), 8))
+        .submit_raw(GenerateRequest::greedy(5, prompts[3].clone(), 8))
         .expect("admitted");
     step_until_decoding(&mut e, &mut runs, &[y]);
     let y_pages: Vec<u32> = e
@@ -368,7 +394,9 @@ fn an_over_length_prompt_is_rejected_before_any_page_is_allocated() {
     let mut e = engine(512);
     let before = e.kv_counters();
     let prompt = vec![1000u32; 2000];
-    let r = e.submit(GenerateRequest::greedy(1, prompt, 100)).expect_err("rejected");
+    let r = e
+        .submit_raw(GenerateRequest::greedy(1, prompt, 100))
+        .expect_err("rejected");
     assert_eq!(
         r.reason,
         RejectReason::ContextLengthExceeded {
@@ -408,7 +436,7 @@ fn malformed_requests_are_rejected_with_their_reason() {
         ),
     ];
     for (req, code) in cases {
-        let r = e.submit(req.clone()).expect_err("rejected");
+        let r = e.submit_raw(req.clone()).expect_err("rejected");
         assert_eq!(r.reason.code(), code, "{req:?}: {}", r.reason);
     }
     assert_eq!(e.kv_counters().allocations, 0);
@@ -419,15 +447,15 @@ fn a_request_over_its_owners_kv_budget_is_rejected_and_within_it_waits() {
     let mut e = engine(512);
     e.pool_mut().set_owner_budget(9, Some(2));
     let r = e
-        .submit(GenerateRequest::greedy(9, vec![500; 40], 8))
+        .submit_raw(GenerateRequest::greedy(9, vec![500; 40], 8))
         .expect_err("3 pages > budget of 2");
     assert_eq!(r.reason, RejectReason::OverKvBudget { needed: 3, budget: 2 });
     // Two requests of two pages each: the second waits for the first, then runs.
     let a = e
-        .submit(GenerateRequest::greedy(9, vec![500; 20], 4))
+        .submit_raw(GenerateRequest::greedy(9, vec![500; 20], 4))
         .expect("admitted");
     let b = e
-        .submit(GenerateRequest::greedy(9, vec![501; 20], 4))
+        .submit_raw(GenerateRequest::greedy(9, vec![501; 20], 4))
         .expect("admitted");
     let mut runs = Runs::default();
     runs.drain(&mut e);
@@ -444,7 +472,7 @@ fn a_request_over_its_owners_kv_budget_is_rejected_and_within_it_waits() {
 fn cancellation_goes_through_retirement_and_returns_pages() {
     let mut e = engine(512);
     let a = e
-        .submit(GenerateRequest::greedy(1, vec![700; 50], 100))
+        .submit_raw(GenerateRequest::greedy(1, vec![700; 50], 100))
         .expect("admitted");
     let mut runs = Runs::default();
     step_until_decoding(&mut e, &mut runs, &[a]);
@@ -456,7 +484,7 @@ fn cancellation_goes_through_retirement_and_returns_pages() {
     assert_eq!(runs.usage[&a].prompt_tokens, 50, "its prompt was computed");
     // Cancelled before it got a slot: it used nothing and books nothing.
     let b = e
-        .submit(GenerateRequest::greedy(1, vec![700; 50], 100))
+        .submit_raw(GenerateRequest::greedy(1, vec![700; 50], 100))
         .expect("admitted");
     assert!(e.cancel(b));
     runs.absorb(e.step());
@@ -496,7 +524,7 @@ fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
     assert!(capacity < 800, "a pool of {capacity} tokens");
     let over = || GenerateRequest::greedy(1, long_prompts(1, 800, 9).remove(0), 8);
     // Admission knows the pool's capacity, not only the configured max context.
-    let rej = e.submit(over()).expect_err("admission refuses it");
+    let rej = e.submit_raw(over()).expect_err("admission refuses it");
     assert!(
         matches!(rej.reason, RejectReason::ContextLengthExceeded { limit, .. } if limit == capacity),
         "{rej:?}"
@@ -513,7 +541,7 @@ fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
     let neighbour_prompt = sixteen_prompts()[3].clone();
     let neighbour_alone = solo(&neighbour_prompt, 8);
     let neighbour = e
-        .submit(GenerateRequest::greedy(2, neighbour_prompt, 8))
+        .submit_raw(GenerateRequest::greedy(2, neighbour_prompt, 8))
         .expect("admitted");
     let mut runs = Runs::default();
     runs.drain(&mut e);
@@ -575,7 +603,7 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     let whole = {
         let mut e = engine(prompt.len() - 1);
         let id = e
-            .submit(GenerateRequest::greedy(7, prompt.clone(), 10))
+            .submit_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
             .expect("admitted");
         let mut runs = Runs::default();
         runs.drain(&mut e);
@@ -584,7 +612,7 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     let (mut p, mut d) = (engine(512), engine(512));
     // The prefill node computes the prompt but its last token, and holds the pages.
     let pid = p
-        .submit_prefill(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .submit_prefill_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
         .expect("admitted");
     let mut pruns = Runs::default();
     pruns.drain(&mut p);
@@ -593,7 +621,7 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     assert!(p.kv_counters().pages_used > 0, "held for the transfer");
     // The decode node opens the request with its own admission and receives the KV.
     let did = d
-        .open_transfer(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .open_transfer_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
         .expect("admitted");
     // Its pages open in its turn (at once here): no prefill runs for it.
     let mut druns = Runs::default();
@@ -618,13 +646,13 @@ fn a_corrupted_transfer_fails_its_request_with_no_output_and_frees_both_sides() 
     let prompt = sixteen_prompts()[2].clone();
     let (mut p, mut d) = (engine(512), engine(512));
     let pid = p
-        .submit_prefill(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .submit_prefill_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
         .expect("admitted");
     let mut pruns = Runs::default();
     pruns.drain(&mut p);
     let tokens = pruns.prefilled[&pid];
     let did = d
-        .open_transfer(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .open_transfer_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
         .expect("admitted");
     // Its pages open in its turn (at once here): no prefill runs for it.
     let mut druns = Runs::default();
@@ -668,7 +696,7 @@ fn a_repeated_prompt_reuses_only_its_owners_cached_prefix_with_the_same_output()
     let mut runs = Runs::default();
     let mut run = |e: &mut Engine, owner: u64| {
         let id = e
-            .submit(GenerateRequest::greedy(owner, prompt.clone(), 10))
+            .submit_raw(GenerateRequest::greedy(owner, prompt.clone(), 10))
             .expect("admitted");
         runs.drain(e);
         (runs.tokens[&id].clone(), runs.usage[&id])
@@ -706,7 +734,7 @@ fn public_prefixes_serve_only_tenants_allowed_them_with_the_same_output() {
     let mut runs = Runs::default();
     let mut run = |e: &mut Engine, owner: u64| {
         let id = e
-            .submit(GenerateRequest::greedy(owner, prompt.clone(), 10))
+            .submit_raw(GenerateRequest::greedy(owner, prompt.clone(), 10))
             .expect("admitted");
         runs.drain(e);
         (runs.tokens[&id].clone(), runs.usage[&id].cached_tokens)
@@ -739,7 +767,7 @@ fn pins_are_the_owners_and_hold_against_pressure() {
     let prompt = sixteen_prompts()[2].clone();
     let mut e = engine(512);
     let id = e
-        .submit(GenerateRequest::greedy(4, prompt.clone(), 4))
+        .submit_raw(GenerateRequest::greedy(4, prompt.clone(), 4))
         .expect("admitted");
     let mut runs = Runs::default();
     step_until_decoding(&mut e, &mut runs, &[id]);
@@ -758,7 +786,7 @@ fn pins_are_the_owners_and_hold_against_pressure() {
     pool.ensure(SeqId(999), (total - 2) * 16).expect("allocated");
     pool.close(SeqId(999)).expect("closed");
     let again = e
-        .submit(GenerateRequest::greedy(4, prompt.clone(), 4))
+        .submit_raw(GenerateRequest::greedy(4, prompt.clone(), 4))
         .expect("admitted");
     runs.drain(&mut e);
     assert_eq!(runs.usage[&again].cached_tokens, 32);
@@ -775,7 +803,7 @@ fn the_choices_of_one_prompt_compute_it_once() {
     let mut e = engine(32);
     let ids: Vec<RequestId> = (0..4)
         .map(|_| {
-            e.submit(GenerateRequest::greedy(3, prompt.clone(), 6))
+            e.submit_raw(GenerateRequest::greedy(3, prompt.clone(), 6))
                 .expect("admitted")
         })
         .collect();
@@ -810,7 +838,7 @@ fn a_flooding_tenant_does_not_delay_anothers_first_token() {
     let b_prompt: Vec<u32> = (0..20).map(|j| 300 + j).collect();
     let steps_to_first_token = |e: &mut Engine, runs: &mut Runs| {
         let b = e
-            .submit(GenerateRequest::greedy(2, b_prompt.clone(), 4))
+            .submit_raw(GenerateRequest::greedy(2, b_prompt.clone(), 4))
             .expect("admitted");
         let mut steps = 0;
         while !runs.tokens.contains_key(&b) {
@@ -829,7 +857,7 @@ fn a_flooding_tenant_does_not_delay_anothers_first_token() {
     let mut e = engine(64);
     let mut runs = Runs::default();
     for p in long_prompts(12, 200, 0) {
-        e.submit(GenerateRequest::greedy(1, p, 4)).expect("admitted");
+        e.submit_raw(GenerateRequest::greedy(1, p, 4)).expect("admitted");
     }
     for _ in 0..3 {
         let ev = e.step();
@@ -856,14 +884,14 @@ fn a_new_tenants_prefill_does_not_wait_behind_anothers_decodes() {
         .map(|p| {
             let mut r = GenerateRequest::greedy(1, p, 40);
             r.ignore_eos = true;
-            e.submit(r).expect("admitted")
+            e.submit_raw(r).expect("admitted")
         })
         .collect();
     step_until_decoding(&mut e, &mut runs, &a);
     let a_tokens = |runs: &Runs| a.iter().map(|id| runs.tokens[id].len()).sum::<usize>();
     let before = a_tokens(&runs);
     let b_prompt: Vec<u32> = (0..40).map(|j| 300 + j).collect();
-    let b = e.submit(GenerateRequest::greedy(2, b_prompt, 4)).expect("admitted");
+    let b = e.submit_raw(GenerateRequest::greedy(2, b_prompt, 4)).expect("admitted");
     let ev = e.step();
     runs.absorb(ev);
     assert!(runs.tokens.contains_key(&b), "B's first token took more than one step");
@@ -881,7 +909,7 @@ fn the_step_target_cuts_prefill_chunks_to_what_the_cost_model_predicts() {
     cfg.step_target = Some(std::time::Duration::from_millis(20));
     let mut e = Engine::new(model(), Arc::new(IdDetok), cfg).expect("engine starts");
     // Until the model has seen steps, max_batch_tokens alone limits a step.
-    e.submit(GenerateRequest::greedy(1, long_prompts(1, 200, 4).remove(0), 1))
+    e.submit_raw(GenerateRequest::greedy(1, long_prompts(1, 200, 4).remove(0), 1))
         .expect("admitted");
     e.admit_waiting();
     assert_eq!(e.plan(), vec![(0, 200)]);
@@ -917,7 +945,7 @@ fn contending_tenants_share_prefill_tokens_by_weight() {
     }
     for (owner, salt) in [(1, 1), (2, 2)] {
         for p in long_prompts(6, 200, salt) {
-            e.submit(GenerateRequest::greedy(owner, p, 2)).expect("admitted");
+            e.submit_raw(GenerateRequest::greedy(owner, p, 2)).expect("admitted");
         }
     }
     let mut runs = Runs::default();
@@ -941,7 +969,7 @@ fn a_request_that_a_new_floor_leaves_no_room_for_ends_with_its_error() {
     let mut e = engine(512);
     let total = e.kv_counters().pages_total;
     let b = e
-        .submit(GenerateRequest::greedy(1, vec![700; 40], 200))
+        .submit_raw(GenerateRequest::greedy(1, vec![700; 40], 200))
         .expect("fits when submitted");
     // A policy reload guarantees another tenant all but two pages before B is admitted.
     e.set_tenant(

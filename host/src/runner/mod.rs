@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::config::ServeConfig;
 use crate::engine::request::{
-    AbortReason, AdmissionLimits, FinishReason, GenerateRequest, Outcome, Rejected, RequestId, Usage,
+    AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
 use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, PageInfo};
@@ -97,8 +97,8 @@ pub trait UsageMeter: Send + Sync {
 
 /// One request for the engine.
 pub struct Job {
-    /// The request (its owner is the tenant's id).
-    pub req: GenerateRequest,
+    /// The request (its owner is the tenant's id), validated where it entered.
+    pub req: ValidRequest,
     /// The tenant's name, for metrics.
     pub tenant: String,
     /// Which choice of its request it is (`n` > 1 submits one job per choice).
@@ -166,7 +166,7 @@ pub enum KvQuery {
 /// The prefill half of a disaggregated request, on a prefill node.
 pub struct PrefillJob {
     /// The request.
-    pub req: GenerateRequest,
+    pub req: ValidRequest,
     /// Its tenant's policy as the engine enforces it.
     pub settings: TenantSettings,
     /// The policy generation `settings` came from.
@@ -600,7 +600,7 @@ fn start(
     opened: Option<Opening>,
 ) {
     let job = *job;
-    let owner = job.req.owner;
+    let owner = job.req.request().owner;
     applied.apply(engine, owner, job.settings, job.policy_generation);
     let r = match opened {
         None => engine.submit(job.req),
@@ -718,7 +718,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         limits,
                         frames,
                     } = *job;
-                    let owner = req.owner;
+                    let owner = req.request().owner;
                     applied.apply(&mut engine, owner, settings, policy_generation);
                     let r = engine.submit_prefill(req);
                     if let Ok(id) = r {

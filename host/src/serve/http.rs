@@ -16,14 +16,14 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::openai::{ApiError, ChatRequest, Common, CompletionRequest, Plan, Prompt, RequestLimits, Stop, parse_body};
+use super::openai::{ApiError, Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape, parse_body};
 use super::plugins::pipeline::{Hooks, Reporter};
 use super::quota::Grant;
 use super::state::State;
 use super::store::{StoreError, Tenant};
 use super::stream::{Api, Responder, SseBody};
-use crate::chat::ChatMessage;
-use crate::plugin::{Input, KvAccess, Message, Sampling};
+use crate::engine::request::ValidRequest;
+use crate::plugin::KvAccess;
 use crate::policy::Policy;
 use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 
@@ -325,14 +325,6 @@ fn request_id(prefix: &str) -> String {
     format!("{prefix}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
 }
 
-/// What a request asks for before tokenizing, in the plugin world's terms.
-enum Asked {
-    /// Messages, rendered with the chat template.
-    Input(Input),
-    /// Token ids given by the client (a completion prompt); never rendered.
-    Tokens(Vec<u32>),
-}
-
 /// A request its tenant's policy let in.
 struct Admitted {
     /// The tenant's policy, from the set in force when the request arrived.
@@ -377,11 +369,12 @@ fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<Admitted, ApiErr
     })
 }
 
-/// The policy's limits on a planned request (400), then its tokens against the tenant's rates
-/// and quotas (429): all before anything is queued.
-fn limit(t: &Tenant, a: &Admitted, plan: &Plan) -> Result<(), ApiError> {
+/// The policy's limits on a request of `prompt` tokens (400), then its tokens against the
+/// tenant's rates and quotas (429), then the prompt against the model (400): all before anything
+/// is queued. What passes is the request the engine takes, checked this once.
+fn limit(state: &State, t: &Tenant, a: &Admitted, plan: Plan, prompt: Vec<u32>) -> Result<ValidRequest, ApiError> {
     let policy = &a.policy;
-    let (prompt, max_tokens) = (plan.req.prompt.len() as u64, plan.req.max_tokens as u64);
+    let (prompt_len, max_tokens) = (prompt.len() as u64, plan.params.max_tokens() as u64);
     if let Some(m) = policy.max_tokens.get()
         && max_tokens > m
     {
@@ -397,93 +390,64 @@ fn limit(t: &Tenant, a: &Admitted, plan: &Plan) -> Result<(), ApiError> {
         });
     }
     if let Some(m) = policy.max_context.get()
-        && prompt + max_tokens > m
+        && prompt_len + max_tokens > m
     {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "context_over_policy",
             format!(
-                "the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) is {} tokens, more than tenant {:?}'s policy allows ({m})",
-                prompt + max_tokens,
+                "the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {} tokens, more than tenant {:?}'s policy allows ({m})",
+                prompt_len + max_tokens,
                 t.name
             ),
         ));
     }
-    a.grant.reserve(prompt + max_tokens * plan.n as u64, policy)
+    a.grant.reserve(prompt_len + max_tokens * plan.shape.n as u64, policy)?;
+    plan.params
+        .with_prompt(t.id, prompt, &state.admission)
+        .map_err(|reason| {
+            state.metrics.rejected(&t.name, reason.code());
+            reason.into()
+        })
 }
 
 async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
     let a = admit(state, &t, &r.common.model)?;
-    let messages = r
-        .chat_messages()?
-        .into_iter()
-        .map(|m| Message {
-            role: m.role,
-            content: m.content,
-        })
-        .collect();
-    let logprobs = r.logprobs()?;
+    let asked = Asked::Chat(r.chat_messages()?);
+    let plan = r.common.plan(&a.lim, r.logprobs()?)?;
     let id = request_id("chatcmpl");
-    let asked = Asked::Input(Input::Chat(messages));
-    let (prompt, common, hooks) = prepare(state, &t, &a, asked, r.common, &id).await?;
-    let mut plan = common.plan(t.id, prompt, &a.lim)?;
-    plan.req.logprobs = logprobs;
-    limit(&t, &a, &plan)?;
-    generate(state, &t, plan, Api::Chat, id, hooks, a).await
+    let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+    let shape = plan.shape;
+    let req = limit(state, &t, &a, plan, prompt)?;
+    generate(state, &t, req, shape, Api::Chat, id, hooks, a).await
 }
 
 async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
     let a = admit(state, &t, &r.common.model)?;
-    let one = |what: usize| {
-        ApiError::field(
-            "prompt",
-            format!("prompt lists must hold exactly one prompt (got {what}); send one request per prompt"),
-        )
-    };
-    let asked = match r.prompt {
-        Prompt::Text(s) => Asked::Input(Input::Prompt(s)),
-        Prompt::Tokens(ids) => Asked::Tokens(ids),
-        Prompt::TextList(v) if v.len() == 1 => Asked::Input(Input::Prompt(v.into_iter().next().unwrap_or_default())),
-        Prompt::TokensList(v) if v.len() == 1 => Asked::Tokens(v.into_iter().next().unwrap_or_default()),
-        Prompt::TextList(v) => return Err(one(v.len())),
-        Prompt::TokensList(v) => return Err(one(v.len())),
-    };
+    let asked = r.asked()?;
+    let plan = r.common.plan(&a.lim, None)?;
     let id = request_id("cmpl");
-    let (prompt, common, hooks) = prepare(state, &t, &a, asked, r.common, &id).await?;
-    let plan = common.plan(t.id, prompt, &a.lim)?;
-    limit(&t, &a, &plan)?;
-    generate(state, &t, plan, Api::Completion, id, hooks, a).await
+    let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+    let shape = plan.shape;
+    let req = limit(state, &t, &a, plan, prompt)?;
+    generate(state, &t, req, shape, Api::Completion, id, hooks, a).await
 }
 
-/// The sampling fields as a plugin sees them.
-fn sampling_of(c: &Common, lim: &RequestLimits) -> Sampling {
-    Sampling {
-        temperature: c.temperature.unwrap_or(1.0),
-        top_p: c.top_p.unwrap_or(1.0),
-        max_tokens: c
-            .max_completion_tokens
-            .or(c.max_tokens)
-            .map(|m| m.clamp(0, u32::MAX as i64) as u32)
-            .unwrap_or(lim.default_max_tokens.min(u32::MAX as usize) as u32),
-        seed: c.seed.map(|s| s as u64),
-        stop: c.stop.clone().map(Stop::into_vec).unwrap_or_default(),
-    }
-}
-
-/// Runs the request's plugin, if it has one, on its input and sampling, then renders and
-/// tokenizes the input (off the runtime). Returns the prompt, the sampling fields as the
-/// plugin left them, and the plugin's hooks for the output.
+/// Runs the request's plugin (`plugin`, or the tenant's default), if it has one, on what it asks
+/// and its parameters, then renders and tokenizes what it asks (off the runtime). Returns the
+/// prompt, the plan as the plugin left it, and the plugin's hooks for the output.
 async fn prepare(
     state: &Arc<State>,
     t: &Tenant,
     a: &Admitted,
     mut asked: Asked,
-    mut common: Common,
+    mut plan: Plan,
+    plugin: Option<&str>,
     id: &str,
-) -> Result<(Vec<u32>, Common, Option<Hooks>), ApiError> {
-    let resolved = match state.plugins.chosen(t, common.plugin.as_deref())? {
+) -> Result<(Vec<u32>, Plan, Option<Hooks>), ApiError> {
+    let resolved = match state.plugins.chosen(t, plugin)? {
         Some(name) if !a.policy.allows_plugin(&name) => {
             return Err(ApiError {
                 status: StatusCode::FORBIDDEN,
@@ -501,10 +465,8 @@ async fn prepare(
     };
     let mut hooks = None;
     if let Some(resolved) = resolved {
-        // The client's own values are checked before the plugin sees them.
-        let n = common.plan(t.id, vec![], &a.lim)?.n;
-        let share = state.plugins.take_instances(t, &a.policy, n)?;
-        let seed = common.seed.map(|s| s as u64).unwrap_or_else(rand::random);
+        let share = state.plugins.take_instances(t, &a.policy, plan.shape.n)?;
+        let seed = plan.params.sampling().seed.unwrap_or_else(rand::random);
         let reporter = Reporter {
             metrics: state.metrics.clone(),
             tenant: t.name.clone(),
@@ -523,50 +485,21 @@ async fn prepare(
             state.cfg.limits.body_bytes,
         )
         .await?;
-        let (input, tokens) = match asked {
-            Asked::Input(i) => (i, None),
-            Asked::Tokens(ids) => (Input::Prompt(state.tokenizer.decode(&ids)), Some(ids)),
-        };
-        let before = match (&input, &tokens) {
-            (Input::Prompt(p), Some(_)) => Some(p.clone()),
-            _ => None,
-        };
-        let endpoint = match input {
-            Input::Chat(_) => "chat.completions",
-            Input::Prompt(_) => "completions",
-        };
         let metadata = vec![
-            ("endpoint".to_string(), endpoint.to_string()),
-            ("tenant".into(), t.name.clone()),
+            ("tenant".to_string(), t.name.clone()),
             ("request-id".into(), id.to_string()),
             ("model".into(), state.model_id.clone()),
         ];
-        let (input, sampling) = h.preprocess(input, sampling_of(&common, &a.lim), metadata).await?;
-        common.temperature = Some(sampling.temperature);
-        common.top_p = Some(sampling.top_p);
-        common.max_tokens = None;
-        common.max_completion_tokens = Some(i64::from(sampling.max_tokens));
-        common.seed = sampling.seed.map(|s| s as i64);
-        common.stop = Some(Stop::Many(sampling.stop));
-        // The plugin's values go through the same checks, named as the plugin's.
-        common.plan(t.id, vec![], &a.lim).map_err(|mut e| {
-            e.message = format!("after the plugin's preprocess: {}", e.message);
-            e
-        })?;
-        asked = match (input, tokens, before) {
-            // A token prompt the plugin left alone keeps its exact ids.
-            (Input::Prompt(p), Some(ids), Some(b)) if p == b => Asked::Tokens(ids),
-            (input, _, _) => Asked::Input(input),
-        };
+        (asked, plan.params) = h.preprocess(asked, plan.params, metadata).await?;
         hooks = Some(h);
     }
     let prompt = match asked {
         Asked::Tokens(ids) => ids,
-        Asked::Input(Input::Prompt(text)) => {
+        Asked::Text(text) => {
             let tk = state.tokenizer.clone();
             off_runtime(move || Ok(tk.encode(&text, true))).await?
         }
-        Asked::Input(Input::Chat(messages)) => {
+        Asked::Chat(messages) => {
             let template = state.chat.as_ref().ok_or_else(|| {
                 ApiError::new(
                     StatusCode::BAD_REQUEST,
@@ -576,13 +509,6 @@ async fn prepare(
             })?;
             let (template, tk) = (template.clone(), state.tokenizer.clone());
             off_runtime(move || {
-                let messages: Vec<ChatMessage> = messages
-                    .into_iter()
-                    .map(|m| ChatMessage {
-                        role: m.role,
-                        content: m.content,
-                    })
-                    .collect();
                 let text = template
                     .render(&messages, true)
                     .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
@@ -591,15 +517,17 @@ async fn prepare(
             .await?
         }
     };
-    Ok((prompt, common, hooks))
+    Ok((prompt, plan, hooks))
 }
 
-/// Admits, submits and answers a planned request: a JSON body, or an SSE stream that starts once
-/// every choice is admitted (so a rejection is an error status, never a 200).
+/// Submits and answers a validated request in its `shape`: a JSON body, or an SSE stream that
+/// starts once every choice is admitted (so a rejection is an error status, never a 200).
+#[allow(clippy::too_many_arguments)]
 async fn generate(
     state: &Arc<State>,
     t: &Tenant,
-    plan: Plan,
+    req: ValidRequest,
+    shape: Shape,
     api: Api,
     id: String,
     hooks: Option<Hooks>,
@@ -613,14 +541,8 @@ async fn generate(
             "the server is shutting down",
         ));
     }
-    // Admission up front, so an over-length request is refused before anything is queued. The
-    // engine checks again (it alone knows the tenant's KV budget and the queue).
-    if let Err(rej) = plan.req.clone().validate(&state.admission) {
-        state.metrics.rejected(&t.name, rej.reason.code());
-        return Err(rej.reason.into());
-    }
-    let stops: Vec<Arc<EndFlag>> = (0..plan.n).map(|_| Arc::new(EndFlag::default())).collect();
-    let slots: Vec<Arc<SeqSlot>> = (0..plan.n).map(|_| Arc::new(SeqSlot::default())).collect();
+    let stops: Vec<Arc<EndFlag>> = (0..shape.n).map(|_| Arc::new(EndFlag::default())).collect();
+    let slots: Vec<Arc<SeqSlot>> = (0..shape.n).map(|_| Arc::new(SeqSlot::default())).collect();
     // Every choice's plugin instance exists before anything is queued.
     let output = match hooks {
         Some(h) => {
@@ -638,10 +560,8 @@ async fn generate(
     };
     let (tx, rx) = mpsc::unbounded_channel::<(usize, Update)>();
     for (i, (stop, slot)) in stops.iter().zip(&slots).enumerate() {
-        let mut req = plan.req.clone();
-        req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(i as u64));
         let job = Job {
-            req,
+            req: req.choice(i),
             tenant: t.name.clone(),
             index: i,
             tx: tx.clone(),
@@ -675,17 +595,17 @@ async fn generate(
     let mut responder = Responder::new(
         api,
         &state.model_id,
-        plan.n,
-        plan.stream,
-        plan.include_usage,
+        shape.n,
+        shape.stream,
+        shape.include_usage,
         state.tokenizer.clone(),
         id,
         now(),
     );
     let mut pending = VecDeque::new();
-    if plan.stream {
+    if shape.stream {
         // Wait for each choice's first update: a rejection then becomes an error status.
-        let mut started = vec![false; plan.n];
+        let mut started = vec![false; shape.n];
         while started.iter().any(|s| !s) && !responder.finished() {
             match rx.recv().await {
                 Some((i, u)) => {

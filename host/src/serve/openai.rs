@@ -6,7 +6,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::chat::ChatMessage;
-use crate::engine::request::{GenerateRequest, MAX_TOP_LOGPROBS, RejectReason};
+use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params, RejectReason};
 use crate::engine::sampling::SamplingParams;
 
 /// An error as the client sees it: `{"error": {"message", "type", "code", "param"}}`.
@@ -72,7 +72,7 @@ impl From<RejectReason> for ApiError {
             _ => StatusCode::BAD_REQUEST,
         };
         let param = match &r {
-            RejectReason::InvalidParameter { field, .. } => Some(field.to_string()),
+            RejectReason::InvalidParameter { field, .. } => Some(field.as_str().into()),
             RejectReason::ContextLengthExceeded { .. } => Some("messages".into()),
             RejectReason::EmptyPrompt | RejectReason::InvalidToken { .. } => Some("prompt".into()),
             _ => None,
@@ -84,6 +84,12 @@ impl From<RejectReason> for ApiError {
             param,
             retry_after: None,
         }
+    }
+}
+
+impl From<InvalidParam> for ApiError {
+    fn from(e: InvalidParam) -> Self {
+        ApiError::field(e.field.as_str(), e.to_string())
     }
 }
 
@@ -393,17 +399,25 @@ impl CompletionRequest {
     }
 }
 
-/// What both endpoints turn into before tokenizing.
-#[derive(Debug, Clone)]
-pub struct Plan {
+/// How a request is answered: its choices, and whether as a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
     /// Choices.
     pub n: usize,
     /// Stream?
     pub stream: bool,
     /// Usage chunk at the end of a stream?
     pub include_usage: bool,
-    /// The engine request for choice 0 (the others differ in seed).
-    pub req: GenerateRequest,
+}
+
+/// What both endpoints turn into before tokenizing: the body's generation fields, checked once.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// How it is answered.
+    pub shape: Shape,
+    /// What to generate, for choice 0 (the others differ in seed: see
+    /// [`ValidRequest::choice`](crate::engine::request::ValidRequest::choice)).
+    pub params: Params,
 }
 
 /// Limits the conversion checks.
@@ -415,78 +429,92 @@ pub struct RequestLimits {
     pub max_n: usize,
 }
 
+/// What a request asks for, before tokenizing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Asked {
+    /// Messages, rendered with the chat template.
+    Chat(Vec<ChatMessage>),
+    /// A completion prompt's text.
+    Text(String),
+    /// A completion prompt's token ids, given by the client: never rendered.
+    Tokens(Vec<u32>),
+}
+
 impl Common {
-    /// Checks the shared fields and builds the engine request for `owner` and `prompt`.
-    pub fn plan(&self, owner: u64, prompt: Vec<u32>, lim: &RequestLimits) -> Result<Plan, ApiError> {
-        let max_tokens = match self.max_completion_tokens.or(self.max_tokens) {
-            None => lim.default_max_tokens,
-            Some(m) if m >= 1 => usize::try_from(m).unwrap_or(usize::MAX),
-            Some(m) => {
-                let f = if self.max_completion_tokens.is_some() {
-                    "max_completion_tokens"
-                } else {
-                    "max_tokens"
-                };
-                return Err(ApiError::field(f, format!("{f} must be at least 1, got {m}")));
-            }
+    /// Checks the shared fields and turns them into the engine's parameters, with `logprobs`
+    /// (from [`ChatRequest::logprobs`]; completions have none). The wire's integers are converted
+    /// here; every range rule is [`Params::new`]'s.
+    pub fn plan(&self, lim: &RequestLimits, logprobs: Option<usize>) -> Result<Plan, ApiError> {
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (None, None) => lim.default_max_tokens,
+            (Some(m), _) => count(Field::MaxCompletionTokens, m, "at least 1")?,
+            (None, Some(m)) => count(Field::MaxTokens, m, "at least 1")?,
         };
         let n = match self.n {
             None => 1,
             Some(n) if n >= 1 && n as usize <= lim.max_n => n as usize,
-            Some(n) => return Err(ApiError::field("n", format!("n must be 1 to {}, got {n}", lim.max_n))),
+            Some(n) => return Err(InvalidParam::new(Field::N, format!("1 to {}", lim.max_n), n).into()),
         };
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::field(
-                "temperature",
-                format!("temperature must be 0 to 2, got {temperature}"),
-            ));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::field(
-                "top_p",
-                format!("top_p must be in (0, 1], got {top_p}"),
-            ));
-        }
         for (f, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
+            (Field::PresencePenalty, self.presence_penalty),
+            (Field::FrequencyPenalty, self.frequency_penalty),
         ] {
             if let Some(v) = v
                 && v != 0.0
             {
-                return Err(ApiError::field(f, format!("{f} is not supported (only 0), got {v}")));
+                return Err(InvalidParam::new(f, "0 (no other value is supported)", v).into());
             }
         }
         let top_k = match self.top_k {
             None => 0,
-            Some(k) if k >= 0 => k as usize,
-            Some(k) => return Err(ApiError::field("top_k", format!("top_k must be 0 or more, got {k}"))),
+            Some(k) => count(Field::TopK, k, "0 or more")?,
         };
-        let seed = self.seed.map(|s| s as u64);
         let sampling = SamplingParams {
-            temperature,
+            temperature: self.temperature.unwrap_or(1.0),
             top_k,
-            top_p,
+            top_p: self.top_p.unwrap_or(1.0),
             min_p: self.min_p.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
-            seed,
+            seed: self.seed.map(|s| s as u64),
             ..SamplingParams::default()
         };
         let stop = self.stop.clone().map(Stop::into_vec).unwrap_or_default();
+        let params = Params::new(sampling, max_tokens, stop, false, logprobs)?;
         Ok(Plan {
-            n,
-            stream: self.stream.unwrap_or(false),
-            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
-            req: GenerateRequest {
-                owner,
-                prompt,
-                sampling,
-                max_tokens,
-                stop,
-                ignore_eos: false,
-                logprobs: None,
+            shape: Shape {
+                n,
+                stream: self.stream.unwrap_or(false),
+                include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            },
+            params,
+        })
+    }
+}
+
+/// A count from the wire: negative numbers have no meaning here (`expected` says what does).
+fn count(field: Field, v: i64, expected: &str) -> Result<usize, ApiError> {
+    usize::try_from(v).map_err(|_| InvalidParam::new(field, expected, v).into())
+}
+
+impl CompletionRequest {
+    /// The prompt as the edge holds it: one text or one list of token ids.
+    pub fn asked(&self) -> Result<Asked, ApiError> {
+        let one = |what: usize| {
+            ApiError::field(
+                "prompt",
+                format!("prompt lists must hold exactly one prompt (got {what}); send one request per prompt"),
+            )
+        };
+        Ok(match &self.prompt {
+            Prompt::Text(s) => Asked::Text(s.clone()),
+            Prompt::Tokens(ids) => Asked::Tokens(ids.clone()),
+            Prompt::TextList(v) => match &v[..] {
+                [s] => Asked::Text(s.clone()),
+                _ => return Err(one(v.len())),
+            },
+            Prompt::TokensList(v) => match &v[..] {
+                [ids] => Asked::Tokens(ids.clone()),
+                _ => return Err(one(v.len())),
             },
         })
     }
@@ -540,17 +568,14 @@ impl ChatRequest {
             .collect()
     }
 
-    /// `top_logprobs` as the engine takes it (`None`: no log-probabilities).
+    /// `top_logprobs` as the engine takes it (`None`: no log-probabilities); its range is
+    /// [`Params::new`]'s.
     pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
         match (self.logprobs.unwrap_or(false), self.top_logprobs) {
             (false, None) => Ok(None),
             (false, Some(_)) => Err(ApiError::field("top_logprobs", "top_logprobs needs logprobs: true")),
             (true, None) => Ok(Some(0)),
-            (true, Some(k)) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Ok(Some(k as usize)),
-            (true, Some(k)) => Err(ApiError::field(
-                "top_logprobs",
-                format!("top_logprobs must be 0 to {MAX_TOP_LOGPROBS}, got {k}"),
-            )),
+            (true, Some(k)) => count(Field::TopLogprobs, k, &format!("0 to {MAX_TOP_LOGPROBS}")).map(Some),
         }
     }
 }
@@ -599,10 +624,14 @@ mod tests {
     fn plan_checks_ranges_by_name() {
         let c = |j: &str| CompletionRequest::parse(j.as_bytes(), 8).unwrap().common;
         let p = c(r#"{"model":"m","prompt":"x","max_completion_tokens":5,"max_tokens":9,"stop":"\n","seed":3}"#)
-            .plan(1, vec![1], &lim())
+            .plan(&lim(), None)
             .unwrap();
         assert_eq!(
-            (p.req.max_tokens, p.req.stop.clone(), p.req.sampling.seed),
+            (
+                p.params.max_tokens(),
+                p.params.stop().to_vec(),
+                p.params.sampling().seed
+            ),
             (5, vec!["\n".to_string()], Some(3))
         );
         for (body, field) in [
@@ -611,10 +640,76 @@ mod tests {
             (r#"{"model":"m","prompt":"x","temperature":3}"#, "temperature"),
             (r#"{"model":"m","prompt":"x","top_p":0}"#, "top_p"),
             (r#"{"model":"m","prompt":"x","presence_penalty":1}"#, "presence_penalty"),
+            (r#"{"model":"m","prompt":"x","top_k":-1}"#, "top_k"),
+            (
+                r#"{"model":"m","prompt":"x","max_completion_tokens":-3}"#,
+                "max_completion_tokens",
+            ),
+            (r#"{"model":"m","prompt":"x","stop":["a",""]}"#, "stop"),
         ] {
-            let e = c(body).plan(1, vec![1], &lim()).unwrap_err();
-            assert_eq!(e.param.as_deref(), Some(field), "{body}");
+            let e = c(body).plan(&lim(), None).unwrap_err();
+            assert_eq!(
+                (e.code, e.param.as_deref()),
+                ("invalid_parameter", Some(field)),
+                "{body}"
+            );
         }
+        // One set of range rules, the engine's: the message names the field, the range and the value.
+        let e = c(r#"{"model":"m","prompt":"x","temperature":3}"#)
+            .plan(&lim(), None)
+            .unwrap_err();
+        assert_eq!(e.message, "temperature must be between 0 and 2, got 3");
+    }
+
+    #[test]
+    fn what_the_edge_accepts_reaches_the_engine_as_validated() {
+        use crate::engine::request::AdmissionLimits;
+        let limits = AdmissionLimits {
+            max_context: 64,
+            vocab: 100,
+            pool_tokens: 1024,
+        };
+        let r = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0.5,"top_p":0.9,"top_k":7,"seed":11,"stop":["x"],"max_tokens":5,"logprobs":true,"top_logprobs":3,"n":2}"#,
+            8,
+        )
+        .unwrap();
+        let plan = r.common.plan(&lim(), r.logprobs().unwrap()).unwrap();
+        assert_eq!(
+            plan.shape,
+            Shape {
+                n: 2,
+                stream: false,
+                include_usage: false
+            }
+        );
+        // The one validated type, built from the checked parameters and the tokenized prompt.
+        let valid = plan.params.with_prompt(3, vec![1, 2, 3], &limits).unwrap();
+        let req = valid.request();
+        assert_eq!((req.owner, &req.prompt[..], req.max_tokens), (3, &[1, 2, 3][..], 5));
+        assert_eq!(
+            (
+                req.sampling.temperature,
+                req.sampling.top_p,
+                req.sampling.top_k,
+                req.sampling.seed
+            ),
+            (0.5, 0.9, 7, Some(11))
+        );
+        assert_eq!((&req.stop[..], req.logprobs), (&["x".to_string()][..], Some(3)));
+        // Choices differ in seed only.
+        assert_eq!(valid.choice(1).request().sampling.seed, Some(12));
+        // What needs the prompt is checked with it: the model's context and vocabulary.
+        let p = || r.common.plan(&lim(), None).unwrap().params;
+        assert_eq!(
+            p().with_prompt(3, vec![1; 60], &limits).unwrap_err().code(),
+            "context_length_exceeded"
+        );
+        assert_eq!(
+            p().with_prompt(3, vec![100], &limits).unwrap_err().code(),
+            "invalid_token"
+        );
+        assert_eq!(p().with_prompt(3, vec![], &limits).unwrap_err().code(), "empty_prompt");
     }
 
     #[test]

@@ -16,13 +16,14 @@ use tokio::sync::mpsc;
 
 use super::logs::{Source, TenantLogs};
 use super::{Resolved, Share, failure_error};
-use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Usage};
+use crate::chat::ChatMessage;
+use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Params, Usage};
 use crate::metrics::Metrics;
 use crate::plugin::{
-    Input, Instance, KvAccess, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
+    Input, Instance, KvAccess, Message, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
 };
 use crate::runner::{EndFlag, Update};
-use crate::serve::openai::ApiError;
+use crate::serve::openai::{ApiError, Asked};
 use crate::serve::quota::Grant;
 use crate::tokenizer::Tokenizer;
 
@@ -118,25 +119,92 @@ impl Hooks {
         })
     }
 
-    /// Runs `preprocess` on the request's input and sampling.
+    /// Runs `preprocess` on what the request asks and its parameters, as the plugin's WIT types,
+    /// and checks what it returns as a client's request is checked: its sizes, then
+    /// [`Params::new`]'s ranges. A token prompt reaches the plugin as its text, and keeps its
+    /// exact ids if the plugin leaves that text alone. `metadata` follows the endpoint's entry.
     pub async fn preprocess(
         &mut self,
-        input: Input,
-        sampling: Sampling,
+        asked: Asked,
+        params: Params,
         metadata: Vec<(String, String)>,
-    ) -> Result<(Input, Sampling), ApiError> {
+    ) -> Result<(Asked, Params), ApiError> {
+        let (input, tokens) = match asked {
+            Asked::Chat(messages) => (
+                Input::Chat(
+                    messages
+                        .into_iter()
+                        .map(|m| Message {
+                            role: m.role,
+                            content: m.content,
+                        })
+                        .collect(),
+                ),
+                None,
+            ),
+            Asked::Text(text) => (Input::Prompt(text), None),
+            Asked::Tokens(ids) => (Input::Prompt(self.tokenizer.decode(&ids)), Some(ids)),
+        };
+        let endpoint = match input {
+            Input::Chat(_) => "chat.completions",
+            Input::Prompt(_) => "completions",
+        };
+        let s = params.sampling();
+        let sampling = Sampling {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            max_tokens: params.max_tokens().min(u32::MAX as usize) as u32,
+            seed: s.seed,
+            stop: params.stop().to_vec(),
+        };
         let req = Request {
             input,
             sampling,
             config: self.resolved.config.clone(),
-            metadata,
+            metadata: std::iter::once(("endpoint".to_string(), endpoint.to_string()))
+                .chain(metadata)
+                .collect(),
+        };
+        let before = match (&req.input, &tokens) {
+            (Input::Prompt(p), Some(_)) => Some(p.clone()),
+            _ => None,
         };
         let out = self.first.preprocess(&req).await;
         self.reporter.flush_logs(&self.resolved, &mut self.first);
         let out = out
             .and_then(|out| check_rewritten(&out, self.max_request_bytes).map(|()| out))
             .map_err(|f| self.reporter.error(&f))?;
-        Ok((out.input, out.sampling))
+        let mut sampling = params.sampling().clone();
+        sampling.temperature = out.sampling.temperature;
+        sampling.top_p = out.sampling.top_p;
+        sampling.seed = out.sampling.seed;
+        let params = Params::new(
+            sampling,
+            out.sampling.max_tokens as usize,
+            out.sampling.stop,
+            params.ignore_eos(),
+            params.logprobs(),
+        )
+        .map_err(|e| {
+            let mut e = ApiError::from(e);
+            e.message = format!("after the plugin's preprocess: {}", e.message);
+            e
+        })?;
+        let asked = match (out.input, tokens, before) {
+            // A token prompt the plugin left alone keeps its exact ids.
+            (Input::Prompt(p), Some(ids), Some(b)) if p == b => Asked::Tokens(ids),
+            (Input::Prompt(p), _, _) => Asked::Text(p),
+            (Input::Chat(messages), _, _) => Asked::Chat(
+                messages
+                    .into_iter()
+                    .map(|m| ChatMessage {
+                        role: m.role,
+                        content: m.content,
+                    })
+                    .collect(),
+            ),
+        };
+        Ok((asked, params))
     }
 
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
