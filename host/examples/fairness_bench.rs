@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use warden::engine::request::{GenerateRequest, RequestId};
 use warden::engine::{Engine, EngineConfig, Event, TenantSettings};
 use warden::loaded::LoadedModel;
+use warden::tenant::TenantId;
 
 const SAMPLES: usize = 80;
 const A_BACKLOG: usize = 24;
@@ -68,7 +69,7 @@ fn run(e: &mut Engine, flood: bool, seed: u64) -> (Vec<f64>, f64) {
             let prompt: Vec<u32> = (0..A_PROMPT as u32)
                 .map(|j| 100 + (a_salt * 7919 + j * 104_729) % 20_000)
                 .collect();
-            let mut r = GenerateRequest::greedy(1, prompt, 128);
+            let mut r = GenerateRequest::greedy(tenant(1), prompt, 128);
             r.ignore_eos = true;
             let r = r.validate(&e.limits()).expect("A's request is valid");
             a_ids.push(e.submit(r).expect("A's request fits"));
@@ -78,7 +79,7 @@ fn run(e: &mut Engine, flood: bool, seed: u64) -> (Vec<f64>, f64) {
             b_n += 1;
             // A distinct 40-token prompt each time: nothing comes from the prefix cache.
             let prompt: Vec<u32> = (0..40u32).map(|j| 200 + (b_n * 40 + j) % 20_000).collect();
-            let mut r = GenerateRequest::greedy(2, prompt, 4);
+            let mut r = GenerateRequest::greedy(tenant(2), prompt, 4);
             r.ignore_eos = true;
             let r = r.validate(&e.limits()).expect("B's request is valid");
             let id = e.submit(r).expect("B's request fits");
@@ -144,7 +145,7 @@ fn main() -> anyhow::Result<()> {
         let mut e = Engine::new(l.model.clone(), Arc::new(NoText), cfg)?;
         for owner in [1, 2] {
             e.set_tenant(
-                owner,
+                tenant(owner),
                 TenantSettings {
                     prefix_cache: false,
                     ..Default::default()
@@ -183,4 +184,9 @@ impl warden::engine::text::Detokenizer for NoText {
     fn is_eog(&self, _token: u32) -> bool {
         false
     }
+}
+
+/// The bench's tenant `n` (1 is A, 2 is B).
+fn tenant(n: u64) -> TenantId {
+    TenantId::new(n).expect("the bench's tenants are 1 and 2")
 }

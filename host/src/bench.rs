@@ -20,6 +20,7 @@ use crate::engine::request::{GenerateRequest, Outcome};
 use crate::engine::text::Detokenizer;
 use crate::engine::{Engine, EngineConfig, EngineError, Event};
 use crate::model::Model;
+use crate::tenant::TenantId;
 
 /// The tags-off switch, in builds that have it.
 #[cfg(feature = "bench-tags-off")]
@@ -144,7 +145,7 @@ pub fn run(
     let mut cached = engine(TagCheck::Enforce, true)?;
     let (mut cold, mut warm) = (Duration::MAX, Duration::MAX);
     for _ in 0..cfg.repeats.max(1) {
-        cached.forget_owner(1);
+        cached.forget_owner(bench_tenant(1));
         cold = cold.min(prefill(&mut cached, &cfg.prefill_prompt));
         warm = warm.min(prefill(&mut cached, &cfg.prefill_prompt));
     }
@@ -199,7 +200,7 @@ fn tag_check_cost(layers: usize, page_size: usize, sequences: usize, context: us
     let n_pages = sequences * per_seq;
     let tags: Vec<PageTag> = (0..n_pages)
         .map(|p| PageTag {
-            owner: 1 + (p % sequences) as u64,
+            owner: bench_tenant(1 + (p % sequences) as u64).into(),
             epoch: 3,
             written: if p / sequences + 1 == per_seq {
                 (context - (per_seq - 1) * page_size) as u32
@@ -218,7 +219,7 @@ fn tag_check_cost(layers: usize, page_size: usize, sequences: usize, context: us
     let step = || {
         for _ in 0..layers {
             for (s, table) in tables.iter().enumerate() {
-                let owner = 1 + s as u64;
+                let owner = bench_tenant(1 + s as u64).into();
                 let last = table[per_seq - 1];
                 let w = tags[last.page as usize].check_holder(owner, last);
                 let r = check_pages(owner, table, context, page_size, &tags, TagCheck::Enforce);
@@ -274,9 +275,17 @@ fn best_of(
     (best_a, best_b)
 }
 
+/// The bench's tenant `n` (they count from 1).
+fn bench_tenant(n: u64) -> TenantId {
+    match TenantId::new(n) {
+        Some(t) => t,
+        None => unreachable!("bench tenants count from 1, far below u64::MAX"),
+    }
+}
+
 /// Time from submitting `prompt` to its first token: the whole prompt in one step.
 fn prefill(e: &mut Engine, prompt: &[u32]) -> Duration {
-    let mut req = GenerateRequest::greedy(1, prompt.to_vec(), 1);
+    let mut req = GenerateRequest::greedy(bench_tenant(1), prompt.to_vec(), 1);
     req.ignore_eos = true;
     let t0 = Instant::now();
     let req = req.validate(&e.limits()).expect("the bench prompt fits the engine");
@@ -290,7 +299,7 @@ fn decode(e: &mut Engine, k: usize, tokens: usize) -> Duration {
     for i in 0..k {
         // Short, distinct prompts: the figure is about decode, not prefill.
         let prompt: Vec<u32> = (0..16).map(|j| 1000 + (i * 16 + j) as u32).collect();
-        let mut req = GenerateRequest::greedy(1 + i as u64, prompt, tokens);
+        let mut req = GenerateRequest::greedy(bench_tenant(1 + i as u64), prompt, tokens);
         req.ignore_eos = true;
         let req = req.validate(&e.limits()).expect("the bench request fits the engine");
         e.submit(req).expect("the bench request fits the engine");

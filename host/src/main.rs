@@ -17,6 +17,7 @@ use warden::engine::sampling::SamplingParams;
 use warden::engine::{Engine, EngineConfig, Event};
 use warden::loaded::LoadedModel;
 use warden::serve::manage::{self, Op, PluginOp};
+use warden::tenant::TenantId;
 use warden::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -298,8 +299,13 @@ fn run(command: Command) -> anyhow::Result<()> {
                 seed,
                 ..SamplingParams::default()
             };
+            // The command line's one-off generation is the only tenant of its own engine.
+            const CLI_TENANT: TenantId = match TenantId::new(1) {
+                Some(t) => t,
+                None => panic!("1 is a tenant id"),
+            };
             let req = GenerateRequest {
-                owner: 1,
+                owner: CLI_TENANT,
                 prompt: l.tokenizer.encode(&text, true),
                 sampling,
                 max_tokens,

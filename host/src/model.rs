@@ -14,7 +14,7 @@ use warden_kernels::attention::{AttnSeq, AttnShape};
 use warden_kernels::matmul::{QActs, QMatrix};
 use warden_kernels::ops::Rope;
 use warden_kernels::quant::{GgmlType, dequantize};
-use warden_kernels::tag::{IsolationViolation, TagCheck};
+use warden_kernels::tag::{IsolationViolation, Owner, TagCheck};
 use warden_kernels::{Backend, CpuBackend};
 
 use crate::gguf::{Gguf, GgufError};
@@ -357,7 +357,7 @@ impl Model {
                 Ok((owner, t)) => tables.push((owner, t.to_vec())),
                 Err(e) => {
                     results[i] = Err(e.into());
-                    tables.push((0, Vec::new()));
+                    tables.push((Owner::NONE, Vec::new()));
                 }
             }
         }

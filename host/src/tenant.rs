@@ -1,5 +1,8 @@
-//! Tenant names: what an operator may call a tenant (the store, the policy files and the metrics'
-//! labels all take them, so the rule lives below all three).
+//! Tenants' names and ids: what an operator may call a tenant (the store, the policy files and
+//! the metrics' labels all take names, so the rule lives below all three), and the id every
+//! layer from the engine up names a tenant by ([`TenantId`], the one the KV tags record).
+
+pub use warden_kernels::tag::TenantId;
 
 /// Whether `name` is a valid tenant name: 1 to 63 bytes of lowercase ASCII letters, digits, `-`
 /// and `_`, starting with a letter or digit.

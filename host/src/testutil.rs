@@ -88,3 +88,8 @@ pub fn oracle() -> (Vec<OraclePrompt>, Vec<u32>) {
         .expect("the oracle fixture parses");
     (o.prompts.into_values().collect(), o.end_of_generation_ids)
 }
+
+/// Tenant `n` (tests number their tenants from 1).
+pub fn tenant(n: u64) -> crate::tenant::TenantId {
+    crate::tenant::TenantId::new(n).expect("test tenants are numbered from 1")
+}

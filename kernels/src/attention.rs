@@ -11,7 +11,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::ops::{axpy, exp_in_place};
-use crate::tag::{IsolationViolation, PageEntry, PageTag, TagCheck, check_pages};
+use crate::tag::{IsolationViolation, Owner, PageEntry, PageTag, TagCheck, check_pages};
 
 /// Shape of the KV cache and of the attention heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,8 +50,8 @@ pub struct KvLayer<'a> {
 /// One sequence's part of an attention batch.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnSeq<'a> {
-    /// The reader's owner id.
-    pub owner: u64,
+    /// The reader: its tenant, or the public prefixes while the server computes one.
+    pub owner: Owner,
     /// Its page table.
     pub pages: &'a [PageEntry],
     /// Position of its first new token (tokens before it are already in the cache).
@@ -565,7 +565,13 @@ mod simd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::tag::TenantId;
     use proptest::prelude::*;
+
+    /// Tenant `n`'s owner.
+    fn o(n: u64) -> Owner {
+        TenantId::new(n).expect("a tenant id").into()
+    }
 
     struct Fixture {
         shape: AttnShape,
@@ -595,7 +601,7 @@ mod tests {
                 .enumerate()
                 .map(|(j, &p)| {
                     let t = &mut self.tags[p as usize];
-                    t.owner = owner;
+                    t.owner = o(owner);
                     t.written = positions.saturating_sub(j * ps).min(ps) as u32;
                     PageEntry::own(p, t.epoch)
                 })
@@ -672,7 +678,7 @@ mod tests {
             let table = f.give(&order[..positions.div_ceil(ps)], 7, positions);
             let q: Vec<f32> = (0..n_new * shape.n_heads * shape.head_dim).map(|i| val(i, 3)).collect();
             let mut out = vec![0f32; q.len()];
-            let seqs = [AttnSeq { owner: 7, pages: &table, pos0, n_new }];
+            let seqs = [AttnSeq { owner: o(7), pages: &table, pos0, n_new }];
             let r = paged_attention(KvLayer { k: &f.k, v: &f.v }, &f.tags, &shape, &seqs, &q, &mut out, TagCheck::Enforce);
             prop_assert!(r[0].is_ok());
             let want = dense(&f, &table, pos0, n_new, &q);
@@ -721,7 +727,7 @@ mod tests {
         let q = vec![0.5f32; n_new * 16];
         let mut out = vec![1f32; q.len()];
         let seqs = [AttnSeq {
-            owner,
+            owner: o(owner),
             pages: table,
             pos0,
             n_new,
@@ -749,8 +755,8 @@ mod tests {
             r,
             Err(IsolationViolation::ForeignOwner {
                 page: 1,
-                expected: 1,
-                found: 2
+                expected: o(1),
+                found: o(2)
             })
         );
         assert!(out.iter().all(|&x| x == 0.0));
@@ -780,7 +786,7 @@ mod tests {
         let q = vec![0.5f32; 16];
         let mut out = vec![1f32; 16];
         let seqs = [AttnSeq {
-            owner: 9,
+            owner: o(9),
             pages: &table,
             pos0: 127,
             n_new: 1,
@@ -814,13 +820,13 @@ mod tests {
         let mut out = vec![0f32; q.len()];
         let seqs = [
             AttnSeq {
-                owner: 1,
+                owner: o(1),
                 pages: &b,
                 pos0: 3,
                 n_new: 1,
             },
             AttnSeq {
-                owner: 1,
+                owner: o(1),
                 pages: &a,
                 pos0: 3,
                 n_new: 1,
@@ -843,9 +849,9 @@ mod tests {
     #[test]
     fn short_table_and_bad_index_are_errors_even_unchecked() {
         let f = Fixture::new(SHAPE, 2);
-        let r = check_pages(1, &[PageEntry::own(9, 0)], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
+        let r = check_pages(o(1), &[PageEntry::own(9, 0)], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
         assert_eq!(r, Err(IsolationViolation::NoSuchPage { page: 9, pages: 2 }));
-        let r = check_pages(1, &[], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
+        let r = check_pages(o(1), &[], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
         assert!(matches!(r, Err(IsolationViolation::ShortPageTable { .. })));
     }
 }

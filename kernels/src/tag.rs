@@ -3,16 +3,90 @@
 //! [`PageEntry`]: the page and the epoch it was given), and [`check_pages`], which every read of a
 //! page goes through. The pool that owns the pages maintains the tags; kernels only read them.
 
-/// The owner of public-prefix pages: KV the server computes from text a policy marks public
-/// (invariant 5), which tenants that policy allows read through [`PageEntry::public`] entries.
-/// Never a tenant's id.
-pub const PUBLIC_OWNER: u64 = u64::MAX;
+use std::fmt;
+
+/// A tenant's id: what the tags of its pages name. Never 0 (no owner: a free page) and never
+/// `u64::MAX` ([`Owner::PUBLIC`]); only [`TenantId::new`] makes one, so no tenant can be either.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantId(u64);
+
+impl TenantId {
+    /// Tenant `id`, if it may be one (not 0, not `u64::MAX`).
+    pub const fn new(id: u64) -> Option<Self> {
+        match id {
+            0 | u64::MAX => None,
+            id => Some(Self(id)),
+        }
+    }
+
+    /// The number (for storage, the wire and metrics).
+    pub const fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for TenantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl serde::Serialize for TenantId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
+
+#[cfg(feature = "serde")]
+impl<'de> serde::Deserialize<'de> for TenantId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let id = <u64 as serde::Deserialize>::deserialize(d)?;
+        TenantId::new(id).ok_or_else(|| serde::de::Error::custom(format!("{id} is not a tenant id")))
+    }
+}
+
+/// Whom a page or a sequence belongs to, as tags record it: a tenant, the public prefixes, or
+/// nobody (a free page's tag). The encoding (0 and `u64::MAX`) is this type's alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct Owner(u64);
+
+impl Owner {
+    /// A free page's owner.
+    pub const NONE: Owner = Owner(0);
+
+    /// The owner of public-prefix pages: KV the server computes from text a policy marks public
+    /// (invariant 5), which tenants that policy allows read through [`PageEntry::public`]
+    /// entries. Never a tenant.
+    pub const PUBLIC: Owner = Owner(u64::MAX);
+
+    /// The tenant, if a tenant owns it.
+    pub const fn tenant(self) -> Option<TenantId> {
+        TenantId::new(self.0)
+    }
+}
+
+impl From<TenantId> for Owner {
+    fn from(t: TenantId) -> Self {
+        Owner(t.0)
+    }
+}
+
+impl fmt::Display for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Owner::NONE => f.write_str("none"),
+            Owner::PUBLIC => f.write_str("public"),
+            Owner(id) => write!(f, "{id}"),
+        }
+    }
+}
 
 /// The tag every KV page carries. The pool that owns the pages maintains it; kernels only read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PageTag {
-    /// Owning tenant; 0 means the page is free.
-    pub owner: u64,
+    /// Owning tenant; [`Owner::NONE`] when the page is free.
+    pub owner: Owner,
     /// Allocation epoch: changes every time the page is freed, so stale references fail.
     pub epoch: u32,
     /// Token slots the owner has written, from slot 0.
@@ -23,8 +97,8 @@ impl PageTag {
     /// Whether a holder `owner` with page table entry `e` may use this page: it must be the
     /// page's owner (or, for a public entry, the page must be a public prefix's) and hold the
     /// page's current epoch. Returns the violation otherwise.
-    pub fn check_holder(&self, owner: u64, e: PageEntry) -> Result<(), IsolationViolation> {
-        let expected = if e.public { PUBLIC_OWNER } else { owner };
+    pub fn check_holder(&self, owner: Owner, e: PageEntry) -> Result<(), IsolationViolation> {
+        let expected = if e.public { Owner::PUBLIC } else { owner };
         if self.owner != expected {
             return Err(IsolationViolation::ForeignOwner {
                 page: e.page,
@@ -50,7 +124,7 @@ pub struct PageEntry {
     pub page: u32,
     /// Epoch at allocation.
     pub epoch: u32,
-    /// A public prefix's page, owned by [`PUBLIC_OWNER`]: readable, never writable. Only the
+    /// A public prefix's page, owned by [`Owner::PUBLIC`]: readable, never writable. Only the
     /// pool sets it, for tenants whose policy allows public prefixes.
     pub public: bool,
 }
@@ -75,9 +149,9 @@ pub enum IsolationViolation {
         /// Page index.
         page: u32,
         /// The reader.
-        expected: u64,
+        expected: Owner,
         /// The tag's owner.
-        found: u64,
+        found: Owner,
     },
     /// A write to a public prefix's page, which is read-only.
     #[error("KV page {page} holds a public prefix and cannot be written")]
@@ -137,7 +211,7 @@ pub enum TagCheck {
 
 /// Checks every page a read of positions `0..positions` touches.
 pub fn check_pages(
-    owner: u64,
+    owner: Owner,
     pages: &[PageEntry],
     positions: usize,
     page_size: usize,
@@ -174,4 +248,20 @@ pub fn check_pages(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tenant_is_never_the_free_or_the_public_owner() {
+        assert_eq!((TenantId::new(0), TenantId::new(u64::MAX)), (None, None));
+        let t = TenantId::new(7).expect("a tenant");
+        let o = Owner::from(t);
+        assert_eq!((o.tenant(), t.get()), (Some(t), 7));
+        assert_eq!((Owner::NONE.tenant(), Owner::PUBLIC.tenant()), (None, None));
+        assert_ne!(o, Owner::PUBLIC);
+        assert_eq!(Owner::default(), Owner::NONE, "a fresh tag is free");
+    }
 }

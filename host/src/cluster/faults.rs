@@ -94,8 +94,10 @@ impl Injector {
             }
             Fault::Retag => {
                 let mut f = f;
-                if let Frame::Batch { owner, .. } = &mut f {
-                    *owner ^= 1;
+                if let Frame::Batch { owner, .. } = &mut f
+                    && let Some(other) = crate::tenant::TenantId::new(owner.get() % (u64::MAX - 1) + 1)
+                {
+                    *owner = other;
                 }
                 link::send_frame(w, &f).await
             }

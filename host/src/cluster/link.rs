@@ -22,6 +22,7 @@ use super::NodeInfo;
 use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, RequestId, Usage};
 use crate::engine::{TenantSettings, TokenLogprobs};
 use crate::kv::PageInfo;
+use crate::tenant::TenantId;
 use crate::transfer::Limits;
 use crate::transfer::wire::{Frame, WireError};
 use warden_kernels::tag::PageEntry;
@@ -237,7 +238,7 @@ pub enum Msg {
     /// Router → node: a tenant's policy.
     Tenant {
         /// The tenant.
-        owner: u64,
+        owner: TenantId,
         /// What the engine enforces.
         settings: TenantSettings,
         /// Its policy generation.
@@ -251,7 +252,7 @@ pub enum Msg {
     /// Router → node: a tenant was deleted.
     Forget {
         /// The tenant.
-        owner: u64,
+        owner: TenantId,
     },
     /// A node's answer to a control message.
     Applied {

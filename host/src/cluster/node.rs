@@ -28,6 +28,7 @@ use crate::metrics::Metrics;
 use crate::runner::{
     EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, Update, start_engine,
 };
+use crate::tenant::TenantId;
 use crate::transfer::MAX_PAGES_PER_BATCH;
 use crate::transfer::wire::Frame;
 
@@ -395,7 +396,7 @@ async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, String> {
 fn ask_kv(
     node: &Node,
     id: RequestId,
-    owner: u64,
+    owner: TenantId,
     call: u64,
     query: KvCall,
     out: mpsc::UnboundedSender<(u64, KvReply)>,

@@ -26,6 +26,7 @@ use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Us
 use crate::kv::PageInfo;
 use crate::metrics::Metrics;
 use crate::runner::{Busy, END_STOP, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label};
+use crate::tenant::TenantId;
 use crate::transfer::Limits;
 use warden_kernels::tag::PageEntry;
 
@@ -308,7 +309,7 @@ impl EngineHandle for RouterEngine {
     }
 
     /// Applies a tenant's policy on every node.
-    fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()> {
+    fn set_tenant(&self, owner: TenantId, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()> {
         Box::pin(async move {
             let m = Msg::Tenant {
                 owner,
@@ -334,7 +335,7 @@ impl EngineHandle for RouterEngine {
     }
 
     /// Drops a deleted tenant's caches on every node.
-    fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()> {
+    fn forget_tenant(&self, owner: TenantId) -> EngineFuture<'_, ()> {
         Box::pin(async move {
             for e in Router::broadcast(&self.0.all_nodes(), Msg::Forget { owner }).await {
                 eprintln!("cluster: forgetting tenant {owner}: {e}");

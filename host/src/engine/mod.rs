@@ -12,6 +12,7 @@
 //! them before anything is allocated.
 
 mod cost;
+pub mod field;
 pub mod request;
 pub mod sampling;
 pub mod text;
@@ -22,7 +23,9 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use warden_kernels::tag::{PUBLIC_OWNER, PageEntry, TagCheck};
+use warden_kernels::tag::{Owner, PageEntry, TagCheck};
+
+use crate::tenant::TenantId;
 
 use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
 use crate::model::{Model, Scratch, StepError, StepSeq};
@@ -192,7 +195,7 @@ impl TokenLogprobs {
 struct Seq {
     id: RequestId,
     logprobs: Option<usize>,
-    owner: u64,
+    owner: TenantId,
     tokens: Vec<u32>,
     prompt_len: usize,
     computed: usize,
@@ -243,9 +246,9 @@ pub struct Engine {
     running: Vec<Seq>,
     next_id: RequestId,
     /// Per-tenant settings; tenants absent use the engine's, with weight 1.
-    tenants: HashMap<u64, TenantSettings>,
+    tenants: HashMap<TenantId, TenantSettings>,
     /// Virtual tokens served per tenant: tokens computed for it, divided by its weight.
-    served: HashMap<u64, f64>,
+    served: HashMap<TenantId, f64>,
     /// The public prefixes in force, in whole pages.
     public_prefixes: Vec<Vec<u32>>,
     /// Prefill-only sequences done computing, holding their pages until their transfer is
@@ -348,19 +351,19 @@ impl Engine {
     }
 
     /// The page table of request `id`, if it is open and `owner`'s.
-    pub fn kv_pages(&self, id: RequestId, owner: u64) -> Option<Vec<PageEntry>> {
+    pub fn kv_pages(&self, id: RequestId, owner: TenantId) -> Option<Vec<PageEntry>> {
         let (o, pages) = self.pool.table(id.seq()).ok()?;
-        (o == owner).then(|| pages.to_vec())
+        (o == Owner::from(owner)).then(|| pages.to_vec())
     }
 
     /// What holder `owner` may learn of page `e` (after its tag check).
-    pub fn kv_inspect(&self, owner: u64, e: PageEntry) -> Result<PageInfo, KvError> {
+    pub fn kv_inspect(&self, owner: TenantId, e: PageEntry) -> Result<PageInfo, KvError> {
         self.pool.inspect(owner, e)
     }
 
     /// Pins the first `tokens` tokens of request `id` (if it is open and `owner`'s) in the
     /// owner's prefix cache, in whole computed pages; returns the tokens pinned.
-    pub fn kv_pin(&mut self, id: RequestId, owner: u64, tokens: usize) -> Result<usize, KvError> {
+    pub fn kv_pin(&mut self, id: RequestId, owner: TenantId, tokens: usize) -> Result<usize, KvError> {
         self.owned(id, owner)?;
         let limit = self
             .tenants
@@ -371,14 +374,14 @@ impl Engine {
 
     /// Unpins the pinned prefixes within request `id`'s cached prefix (if it is open and
     /// `owner`'s); returns the pages unpinned.
-    pub fn kv_unpin(&mut self, id: RequestId, owner: u64) -> Result<usize, KvError> {
+    pub fn kv_unpin(&mut self, id: RequestId, owner: TenantId) -> Result<usize, KvError> {
         self.owned(id, owner)?;
         self.pool.unpin_prefix(id.seq())
     }
 
     /// Forgets tenant `owner` (it was deleted): everything it has in the prefix cache, its page
     /// cap and floor, its settings and its counter.
-    pub fn forget_owner(&mut self, owner: u64) {
+    pub fn forget_owner(&mut self, owner: TenantId) {
         self.pool.forget_owner(owner);
         self.pool.set_owner_budget(owner, None);
         self.pool.set_owner_floor(owner, 0);
@@ -390,7 +393,7 @@ impl Engine {
     /// Applies tenant `owner`'s settings: its weight, its page cap and floor in the pool, whether
     /// it reuses prefixes (turning that off drops its cache), whether it may read public
     /// prefixes, and its pin cap.
-    pub fn set_tenant(&mut self, owner: u64, settings: TenantSettings) {
+    pub fn set_tenant(&mut self, owner: TenantId, settings: TenantSettings) {
         if self.tenants.get(&owner) == Some(&settings) {
             return;
         }
@@ -406,7 +409,7 @@ impl Engine {
 
     /// Makes `prefixes` the server's public prefixes: token sequences a policy marks public
     /// (invariant 5 allows sharing KV across tenants only so). The engine computes each one's
-    /// whole pages itself, under [`PUBLIC_OWNER`], and pins them (within the server's pin
+    /// whole pages itself, under [`Owner::PUBLIC`], and pins them (within the server's pin
     /// ceiling); a request of a tenant whose settings allow public prefixes and whose prompt
     /// begins with one adopts those pages read-only instead of computing them. Prefixes dropped
     /// from the list leave the cache (sequences using their pages keep them). Blocks for the
@@ -416,7 +419,7 @@ impl Engine {
         if self.public_prefixes == prefixes {
             return Ok(());
         }
-        self.pool.forget_owner(PUBLIC_OWNER);
+        self.pool.forget_owner(Owner::PUBLIC);
         self.public_prefixes.clear();
         if prefixes.is_empty() {
             return Ok(());
@@ -437,7 +440,7 @@ impl Engine {
             self.next_id = self.next_id.next();
             let from = self
                 .pool
-                .open(id.seq(), PUBLIC_OWNER, self.pool.pages_for(whole), tokens)?;
+                .open(id.seq(), Owner::PUBLIC, self.pool.pages_for(whole), tokens)?;
             let filled = self.fill_public(id, tokens, from);
             self.pool.close(id.seq())?;
             filled?;
@@ -477,17 +480,17 @@ impl Engine {
     }
 
     /// Tenant `owner`'s virtual counter.
-    fn served(&self, owner: u64) -> f64 {
+    fn served(&self, owner: TenantId) -> f64 {
         self.served.get(&owner).copied().unwrap_or(0.0)
     }
 
     /// Tenant `owner`'s weight (1 unless its policy says otherwise).
-    fn weight(&self, owner: u64) -> f64 {
+    fn weight(&self, owner: TenantId) -> f64 {
         f64::from(self.tenants.get(&owner).map_or(1, |t| t.weight.max(1)))
     }
 
     /// Running sequences per tenant.
-    fn running_per_owner(&self) -> HashMap<u64, usize> {
+    fn running_per_owner(&self) -> HashMap<TenantId, usize> {
         let mut n = HashMap::new();
         for s in &self.running {
             *n.entry(s.owner).or_insert(0) += 1;
@@ -496,21 +499,21 @@ impl Engine {
     }
 
     /// Whether `owner` has a request waiting or running.
-    fn active(&self, owner: u64) -> bool {
+    fn active(&self, owner: TenantId) -> bool {
         self.waiting.iter().chain(&self.running).any(|s| s.owner == owner)
     }
 
     /// Whether `owner`'s requests use the prefix cache.
-    fn prefix_cache_for(&self, owner: u64) -> bool {
+    fn prefix_cache_for(&self, owner: TenantId) -> bool {
         self.cfg.prefix_cache && self.tenants.get(&owner).is_none_or(|k| k.prefix_cache)
     }
 
-    fn owned(&self, id: RequestId, owner: u64) -> Result<(), KvError> {
+    fn owned(&self, id: RequestId, owner: TenantId) -> Result<(), KvError> {
         if !self.prefix_cache_for(owner) {
             return Err(KvError::PrefixCacheOff);
         }
         match self.pool.table(id.seq()) {
-            Ok((o, _)) if o == owner => Ok(()),
+            Ok((o, _)) if o == Owner::from(owner) => Ok(()),
             _ => Err(KvError::NoSuchSequence(id.seq())),
         }
     }
@@ -790,7 +793,7 @@ impl Engine {
         let mut passed: HashSet<RequestId> = HashSet::new();
         // Prompt tokens admitted in this pass, per tenant (over its weight): counted in the
         // order at once, so one tenant does not take every free slot before a step runs.
-        let mut admitted: HashMap<u64, f64> = HashMap::new();
+        let mut admitted: HashMap<TenantId, f64> = HashMap::new();
         // Transferred requests whose prompt's KV arrived hold their pages already: they take
         // the first free slots, so the pages they hold never wait behind a request that needs
         // more pages than are free (which would wait for them forever).
@@ -860,7 +863,7 @@ impl Engine {
     /// The waiting request to admit next, skipping `passed`: the one whose tenant has the
     /// lowest virtual counter (tokens computed for it over its weight, as in "Fairness in Serving
     /// Large Language Models", OSDI 2024), then the fewest running sequences, then the oldest.
-    fn next_to_admit(&self, passed: &HashSet<RequestId>, admitted: &HashMap<u64, f64>) -> Option<usize> {
+    fn next_to_admit(&self, passed: &HashSet<RequestId>, admitted: &HashMap<TenantId, f64>) -> Option<usize> {
         let running = self.running_per_owner();
         self.waiting
             .iter()
@@ -937,7 +940,7 @@ impl Engine {
     /// catch up.
     fn plan(&self) -> Vec<(usize, usize)> {
         let per_owner = self.running_per_owner();
-        let tenant_key = |o: u64| (OrdF64(self.served(o)), per_owner[&o]);
+        let tenant_key = |o: TenantId| (OrdF64(self.served(o)), per_owner[&o]);
         // A running sequence has at least one token to compute: the last sampled one (a decode)
         // or the rest of its prompt (a prefill).
         let (decodes, mut prefills): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| {

@@ -11,8 +11,10 @@
 
 use warden_kernels::tag::IsolationViolation;
 
+pub use super::field::{Field, InvalidParam};
 use super::sampling::SamplingParams;
 use crate::kv::{KvError, SeqId};
+use crate::tenant::TenantId;
 
 /// A request's id within one engine (on the wire, a plain number).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
@@ -41,7 +43,7 @@ impl std::fmt::Display for RequestId {
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct GenerateRequest {
     /// The tenant (the owner in every KV tag); must be non-zero.
-    pub owner: u64,
+    pub owner: TenantId,
     /// Prompt token ids.
     pub prompt: Vec<u32>,
     /// Sampling parameters.
@@ -62,7 +64,7 @@ pub const MAX_TOP_LOGPROBS: usize = 20;
 
 impl GenerateRequest {
     /// A greedy request for `max_tokens` tokens.
-    pub fn greedy(owner: u64, prompt: Vec<u32>, max_tokens: usize) -> Self {
+    pub fn greedy(owner: TenantId, prompt: Vec<u32>, max_tokens: usize) -> Self {
         Self {
             owner,
             prompt,
@@ -172,92 +174,6 @@ impl From<RejectReason> for Rejected {
     }
 }
 
-/// A request field, as validation errors name it (on the wire, its name in snake case).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Field {
-    /// The tenant.
-    Owner,
-    /// `max_tokens`.
-    MaxTokens,
-    /// `max_completion_tokens` (the newer name of `max_tokens`).
-    MaxCompletionTokens,
-    /// `n`.
-    N,
-    /// `temperature`.
-    Temperature,
-    /// `top_p`.
-    TopP,
-    /// `top_k`.
-    TopK,
-    /// `min_p`.
-    MinP,
-    /// `repetition_penalty`.
-    RepetitionPenalty,
-    /// `presence_penalty`.
-    PresencePenalty,
-    /// `frequency_penalty`.
-    FrequencyPenalty,
-    /// `top_logprobs`.
-    TopLogprobs,
-    /// `stop`.
-    Stop,
-    /// A field this build does not know (read from another node): the request as a whole.
-    #[serde(other)]
-    Request,
-}
-
-impl Field {
-    /// The field's name in a request body.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Field::Owner => "owner",
-            Field::MaxTokens => "max_tokens",
-            Field::MaxCompletionTokens => "max_completion_tokens",
-            Field::N => "n",
-            Field::Temperature => "temperature",
-            Field::TopP => "top_p",
-            Field::TopK => "top_k",
-            Field::MinP => "min_p",
-            Field::RepetitionPenalty => "repetition_penalty",
-            Field::PresencePenalty => "presence_penalty",
-            Field::FrequencyPenalty => "frequency_penalty",
-            Field::TopLogprobs => "top_logprobs",
-            Field::Stop => "stop",
-            Field::Request => "request",
-        }
-    }
-}
-
-impl std::fmt::Display for Field {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// A parameter outside its range: which field, what it must be, and what it was.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{field} must be {expected}, got {got}")]
-pub struct InvalidParam {
-    /// The field.
-    pub field: Field,
-    /// Its range or form, in words ("between 0 and 2").
-    pub expected: String,
-    /// The value given.
-    pub got: String,
-}
-
-impl InvalidParam {
-    /// `field` must be `expected`; it was `got`.
-    pub fn new(field: Field, expected: impl Into<String>, got: impl std::fmt::Display) -> Self {
-        Self {
-            field,
-            expected: expected.into(),
-            got: got.to_string(),
-        }
-    }
-}
-
 impl From<InvalidParam> for RejectReason {
     fn from(e: InvalidParam) -> Self {
         RejectReason::InvalidParameter {
@@ -359,13 +275,10 @@ impl Params {
     /// the only way to a [`ValidRequest`].
     pub fn with_prompt(
         self,
-        owner: u64,
+        owner: TenantId,
         prompt: Vec<u32>,
         limits: &AdmissionLimits,
     ) -> Result<ValidRequest, RejectReason> {
-        if owner == 0 {
-            return Err(InvalidParam::new(Field::Owner, "non-zero", 0).into());
-        }
         if prompt.is_empty() {
             return Err(RejectReason::EmptyPrompt);
         }
@@ -565,4 +478,22 @@ pub struct Usage {
     pub completion_tokens: usize,
     /// Prompt tokens served from a prefix cache.
     pub cached_tokens: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_request_names_a_tenant_that_cannot_be_one() {
+        // In process a TenantId cannot be 0 or the public owner; off the wire neither parses.
+        let good = serde_json::to_value(GenerateRequest::greedy(crate::testutil::tenant(4), vec![1], 1)).unwrap();
+        assert_eq!(good["owner"], 4);
+        for bad in [0, u64::MAX] {
+            let mut v = good.clone();
+            v["owner"] = bad.into();
+            let e = serde_json::from_value::<GenerateRequest>(v).unwrap_err();
+            assert!(e.to_string().contains("is not a tenant id"), "{e}");
+        }
+    }
 }

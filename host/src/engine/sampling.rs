@@ -8,7 +8,7 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use super::request::{Field, InvalidParam};
+use super::field::{Field, InvalidParam};
 
 /// Sampling parameters, validated at admission (see [`SamplingParams::validate`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

@@ -11,7 +11,7 @@ use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Reject
 use super::{Engine, EngineConfig, Event};
 use crate::kv::{KvError, KvPool};
 use crate::model::{Scratch, StepSeq};
-use crate::testutil::{IdDetok, model, oracle};
+use crate::testutil::{IdDetok, model, oracle, tenant};
 
 /// These tests hold raw requests: each is validated against the engine's own limits on the way
 /// in, as the HTTP edge validates a body once, and a refusal there is a rejection like the
@@ -113,7 +113,7 @@ fn assert_quiescent(e: &mut Engine, owners: &[u64]) {
     );
     assert_eq!(c.pages_free + c.pages_cached, c.pages_total, "{c:?}");
     for &o in owners {
-        e.forget_owner(o);
+        e.forget_owner(tenant(o));
     }
     let c = e.kv_counters();
     assert_eq!(
@@ -125,7 +125,7 @@ fn assert_quiescent(e: &mut Engine, owners: &[u64]) {
 fn solo(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
     let mut e = engine(512);
     let id = e
-        .submit_raw(GenerateRequest::greedy(1, prompt.to_vec(), max_tokens))
+        .submit_raw(GenerateRequest::greedy(tenant(1), prompt.to_vec(), max_tokens))
         .expect("admitted");
     let mut runs = Runs::default();
     runs.drain(&mut e);
@@ -154,7 +154,7 @@ fn first_position_logits_match_llama_cpp() {
     for p in &prompts {
         let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
         let n = p.prompt_tokens.len();
-        pool.open(SeqId(1), 1, pool.pages_for(n), &[]).expect("open");
+        pool.open(SeqId(1), tenant(1), pool.pages_for(n), &[]).expect("open");
         pool.ensure(SeqId(1), n).expect("ensure");
         pool.commit_slots(SeqId(1), n).expect("commit");
         let step = [StepSeq {
@@ -222,7 +222,7 @@ fn a_batch_of_sixteen_with_chunked_prefill_yields_what_each_yields_alone() {
             }
         }
         ids.push(
-            e.submit_raw(GenerateRequest::greedy(1 + i as u64 % 3, p.clone(), max_tokens))
+            e.submit_raw(GenerateRequest::greedy(tenant(1 + i as u64 % 3), p.clone(), max_tokens))
                 .expect("admitted"),
         );
     }
@@ -261,10 +261,10 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
     let b_alone = solo(&prompts[1], 8);
     let mut e = engine(512);
     let a = e
-        .submit_raw(GenerateRequest::greedy(7, prompts[0].clone(), 8))
+        .submit_raw(GenerateRequest::greedy(tenant(7), prompts[0].clone(), 8))
         .expect("admitted");
     let b = e
-        .submit_raw(GenerateRequest::greedy(8, prompts[1].clone(), 8))
+        .submit_raw(GenerateRequest::greedy(tenant(8), prompts[1].clone(), 8))
         .expect("admitted");
     let mut runs = Runs::default();
     step_until_decoding(&mut e, &mut runs, &[a, b]);
@@ -280,11 +280,9 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
 
     runs.drain(&mut e);
     match &runs.outcomes[&a] {
-        Outcome::Aborted(AbortReason::Isolation(IsolationViolation::ForeignOwner {
-            page,
-            expected: 7,
-            found: 8,
-        })) => {
+        Outcome::Aborted(AbortReason::Isolation(IsolationViolation::ForeignOwner { page, expected, found }))
+            if (*expected, *found) == (tenant(7).into(), tenant(8).into()) =>
+        {
             assert_eq!(*page, b_page.page)
         }
         other => panic!("A should fail with a foreign-owner violation, got {other:?}"),
@@ -314,7 +312,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
     let mut e = Engine::new(model(), Arc::new(IdDetok), cfg).expect("engine starts");
     // X runs to completion; a copy of its page table outlives it.
     let x = e
-        .submit_raw(GenerateRequest::greedy(5, prompts[2].clone(), 2))
+        .submit_raw(GenerateRequest::greedy(tenant(5), prompts[2].clone(), 2))
         .expect("admitted");
     let mut runs = Runs::default();
     let ev = e.step();
@@ -323,7 +321,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
     runs.drain(&mut e);
     // Y, the same tenant, gets X's freed pages back with new epochs.
     let y = e
-        .submit_raw(GenerateRequest::greedy(5, prompts[3].clone(), 8))
+        .submit_raw(GenerateRequest::greedy(tenant(5), prompts[3].clone(), 8))
         .expect("admitted");
     step_until_decoding(&mut e, &mut runs, &[y]);
     let y_pages: Vec<u32> = e
@@ -361,7 +359,7 @@ fn a_freed_and_reused_page_is_a_stale_epoch() {
 fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
     let m = model();
     let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 8 << 20).expect("pool");
-    pool.open(SeqId(1), 3, 8, &[]).expect("open");
+    pool.open(SeqId(1), tenant(3), 8, &[]).expect("open");
     pool.ensure(SeqId(1), 8 * 16).expect("eight pages");
     let prompt: Vec<u32> = sixteen_prompts()[2][..16].to_vec();
     pool.commit_slots(SeqId(1), 16).expect("commit the first page");
@@ -395,7 +393,7 @@ fn an_over_length_prompt_is_rejected_before_any_page_is_allocated() {
     let before = e.kv_counters();
     let prompt = vec![1000u32; 2000];
     let r = e
-        .submit_raw(GenerateRequest::greedy(1, prompt, 100))
+        .submit_raw(GenerateRequest::greedy(tenant(1), prompt, 100))
         .expect_err("rejected");
     assert_eq!(
         r.reason,
@@ -420,17 +418,16 @@ fn an_over_length_prompt_is_rejected_before_any_page_is_allocated() {
 fn malformed_requests_are_rejected_with_their_reason() {
     let mut e = engine(512);
     let cases: Vec<(GenerateRequest, &str)> = vec![
-        (GenerateRequest::greedy(1, vec![], 4), "empty_prompt"),
-        (GenerateRequest::greedy(1, vec![49_152], 4), "invalid_token"),
-        (GenerateRequest::greedy(1, vec![5], 0), "invalid_parameter"),
-        (GenerateRequest::greedy(0, vec![5], 4), "invalid_parameter"),
+        (GenerateRequest::greedy(tenant(1), vec![], 4), "empty_prompt"),
+        (GenerateRequest::greedy(tenant(1), vec![49_152], 4), "invalid_token"),
+        (GenerateRequest::greedy(tenant(1), vec![5], 0), "invalid_parameter"),
         (
             GenerateRequest {
                 sampling: super::sampling::SamplingParams {
                     temperature: f32::NAN,
                     ..Default::default()
                 },
-                ..GenerateRequest::greedy(1, vec![5], 4)
+                ..GenerateRequest::greedy(tenant(1), vec![5], 4)
             },
             "invalid_parameter",
         ),
@@ -445,17 +442,17 @@ fn malformed_requests_are_rejected_with_their_reason() {
 #[test]
 fn a_request_over_its_owners_kv_budget_is_rejected_and_within_it_waits() {
     let mut e = engine(512);
-    e.pool_mut().set_owner_budget(9, Some(2));
+    e.pool_mut().set_owner_budget(tenant(9), Some(2));
     let r = e
-        .submit_raw(GenerateRequest::greedy(9, vec![500; 40], 8))
+        .submit_raw(GenerateRequest::greedy(tenant(9), vec![500; 40], 8))
         .expect_err("3 pages > budget of 2");
     assert_eq!(r.reason, RejectReason::OverKvBudget { needed: 3, budget: 2 });
     // Two requests of two pages each: the second waits for the first, then runs.
     let a = e
-        .submit_raw(GenerateRequest::greedy(9, vec![500; 20], 4))
+        .submit_raw(GenerateRequest::greedy(tenant(9), vec![500; 20], 4))
         .expect("admitted");
     let b = e
-        .submit_raw(GenerateRequest::greedy(9, vec![501; 20], 4))
+        .submit_raw(GenerateRequest::greedy(tenant(9), vec![501; 20], 4))
         .expect("admitted");
     let mut runs = Runs::default();
     runs.drain(&mut e);
@@ -472,7 +469,7 @@ fn a_request_over_its_owners_kv_budget_is_rejected_and_within_it_waits() {
 fn cancellation_goes_through_retirement_and_returns_pages() {
     let mut e = engine(512);
     let a = e
-        .submit_raw(GenerateRequest::greedy(1, vec![700; 50], 100))
+        .submit_raw(GenerateRequest::greedy(tenant(1), vec![700; 50], 100))
         .expect("admitted");
     let mut runs = Runs::default();
     step_until_decoding(&mut e, &mut runs, &[a]);
@@ -484,7 +481,7 @@ fn cancellation_goes_through_retirement_and_returns_pages() {
     assert_eq!(runs.usage[&a].prompt_tokens, 50, "its prompt was computed");
     // Cancelled before it got a slot: it used nothing and books nothing.
     let b = e
-        .submit_raw(GenerateRequest::greedy(1, vec![700; 50], 100))
+        .submit_raw(GenerateRequest::greedy(tenant(1), vec![700; 50], 100))
         .expect("admitted");
     assert!(e.cancel(b));
     runs.absorb(e.step());
@@ -522,7 +519,7 @@ fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
     let mut e = Engine::new_without_capacity_check(model(), Arc::new(IdDetok), cfg).expect("starts unchecked");
     let capacity = e.pool_mut().capacity_tokens();
     assert!(capacity < 800, "a pool of {capacity} tokens");
-    let over = || GenerateRequest::greedy(1, long_prompts(1, 800, 9).remove(0), 8);
+    let over = || GenerateRequest::greedy(tenant(1), long_prompts(1, 800, 9).remove(0), 8);
     // Admission knows the pool's capacity, not only the configured max context.
     let rej = e.submit_raw(over()).expect_err("admission refuses it");
     assert!(
@@ -541,7 +538,7 @@ fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
     let neighbour_prompt = sixteen_prompts()[3].clone();
     let neighbour_alone = solo(&neighbour_prompt, 8);
     let neighbour = e
-        .submit_raw(GenerateRequest::greedy(2, neighbour_prompt, 8))
+        .submit_raw(GenerateRequest::greedy(tenant(2), neighbour_prompt, 8))
         .expect("admitted");
     let mut runs = Runs::default();
     runs.drain(&mut e);
@@ -577,6 +574,7 @@ fn transfer_kv(
         pages_per_batch: 2,
         ..Limits::default()
     };
+    let owner = tenant(owner);
     let mut out = Outbound::new(p.pool(), pid.seq(), owner, tokens, limits);
     let mut inb = Inbound::begin(d.pool_mut(), did.seq(), owner, out.begin())?;
     while !out.done() {
@@ -603,7 +601,7 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     let whole = {
         let mut e = engine(prompt.len() - 1);
         let id = e
-            .submit_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
+            .submit_raw(GenerateRequest::greedy(tenant(7), prompt.clone(), 10))
             .expect("admitted");
         let mut runs = Runs::default();
         runs.drain(&mut e);
@@ -612,7 +610,7 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     let (mut p, mut d) = (engine(512), engine(512));
     // The prefill node computes the prompt but its last token, and holds the pages.
     let pid = p
-        .submit_prefill_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .submit_prefill_raw(GenerateRequest::greedy(tenant(7), prompt.clone(), 10))
         .expect("admitted");
     let mut pruns = Runs::default();
     pruns.drain(&mut p);
@@ -621,7 +619,7 @@ fn a_disaggregated_request_decodes_what_a_whole_one_does() {
     assert!(p.kv_counters().pages_used > 0, "held for the transfer");
     // The decode node opens the request with its own admission and receives the KV.
     let did = d
-        .open_transfer_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .open_transfer_raw(GenerateRequest::greedy(tenant(7), prompt.clone(), 10))
         .expect("admitted");
     // Its pages open in its turn (at once here): no prefill runs for it.
     let mut druns = Runs::default();
@@ -646,13 +644,13 @@ fn a_corrupted_transfer_fails_its_request_with_no_output_and_frees_both_sides() 
     let prompt = sixteen_prompts()[2].clone();
     let (mut p, mut d) = (engine(512), engine(512));
     let pid = p
-        .submit_prefill_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .submit_prefill_raw(GenerateRequest::greedy(tenant(7), prompt.clone(), 10))
         .expect("admitted");
     let mut pruns = Runs::default();
     pruns.drain(&mut p);
     let tokens = pruns.prefilled[&pid];
     let did = d
-        .open_transfer_raw(GenerateRequest::greedy(7, prompt.clone(), 10))
+        .open_transfer_raw(GenerateRequest::greedy(tenant(7), prompt.clone(), 10))
         .expect("admitted");
     // Its pages open in its turn (at once here): no prefill runs for it.
     let mut druns = Runs::default();
@@ -696,7 +694,7 @@ fn a_repeated_prompt_reuses_only_its_owners_cached_prefix_with_the_same_output()
     let mut runs = Runs::default();
     let mut run = |e: &mut Engine, owner: u64| {
         let id = e
-            .submit_raw(GenerateRequest::greedy(owner, prompt.clone(), 10))
+            .submit_raw(GenerateRequest::greedy(tenant(owner), prompt.clone(), 10))
             .expect("admitted");
         runs.drain(e);
         (runs.tokens[&id].clone(), runs.usage[&id])
@@ -729,12 +727,12 @@ fn public_prefixes_serve_only_tenants_allowed_them_with_the_same_output() {
         public_prefixes: true,
         ..Default::default()
     };
-    e.set_tenant(1, allowed);
-    e.set_tenant(2, allowed);
+    e.set_tenant(tenant(1), allowed);
+    e.set_tenant(tenant(2), allowed);
     let mut runs = Runs::default();
     let mut run = |e: &mut Engine, owner: u64| {
         let id = e
-            .submit_raw(GenerateRequest::greedy(owner, prompt.clone(), 10))
+            .submit_raw(GenerateRequest::greedy(tenant(owner), prompt.clone(), 10))
             .expect("admitted");
         runs.drain(e);
         (runs.tokens[&id].clone(), runs.usage[&id].cached_tokens)
@@ -746,7 +744,7 @@ fn public_prefixes_serve_only_tenants_allowed_them_with_the_same_output() {
     assert_eq!(run(&mut e, 3), (alone.clone(), 0));
     // Nothing of a request that began with a public prefix went to its tenant's private cache.
     e.set_tenant(
-        1,
+        tenant(1),
         super::TenantSettings {
             public_prefixes: false,
             ..Default::default()
@@ -767,26 +765,26 @@ fn pins_are_the_owners_and_hold_against_pressure() {
     let prompt = sixteen_prompts()[2].clone();
     let mut e = engine(512);
     let id = e
-        .submit_raw(GenerateRequest::greedy(4, prompt.clone(), 4))
+        .submit_raw(GenerateRequest::greedy(tenant(4), prompt.clone(), 4))
         .expect("admitted");
     let mut runs = Runs::default();
     step_until_decoding(&mut e, &mut runs, &[id]);
     assert!(
-        matches!(e.kv_pin(id, 9, 32), Err(KvError::NoSuchSequence(_))),
+        matches!(e.kv_pin(id, tenant(9), 32), Err(KvError::NoSuchSequence(_))),
         "another owner cannot pin this request's prefix"
     );
-    assert_eq!(e.kv_pin(id, 4, 33).expect("pinned"), 32);
+    assert_eq!(e.kv_pin(id, tenant(4), 33).expect("pinned"), 32);
     runs.drain(&mut e);
     assert_eq!(e.kv_counters().pages_pinned, 2);
     // Evict everything evictable: the pinned pages stay.
     let total = e.kv_counters().pages_total;
     let pool = e.pool_mut();
-    pool.open(SeqId(999), 5, total - 2, &[])
+    pool.open(SeqId(999), tenant(5), total - 2, &[])
         .expect("all but the pinned pages");
     pool.ensure(SeqId(999), (total - 2) * 16).expect("allocated");
     pool.close(SeqId(999)).expect("closed");
     let again = e
-        .submit_raw(GenerateRequest::greedy(4, prompt.clone(), 4))
+        .submit_raw(GenerateRequest::greedy(tenant(4), prompt.clone(), 4))
         .expect("admitted");
     runs.drain(&mut e);
     assert_eq!(runs.usage[&again].cached_tokens, 32);
@@ -803,7 +801,7 @@ fn the_choices_of_one_prompt_compute_it_once() {
     let mut e = engine(32);
     let ids: Vec<RequestId> = (0..4)
         .map(|_| {
-            e.submit_raw(GenerateRequest::greedy(3, prompt.clone(), 6))
+            e.submit_raw(GenerateRequest::greedy(tenant(3), prompt.clone(), 6))
                 .expect("admitted")
         })
         .collect();
@@ -838,7 +836,7 @@ fn a_flooding_tenant_does_not_delay_anothers_first_token() {
     let b_prompt: Vec<u32> = (0..20).map(|j| 300 + j).collect();
     let steps_to_first_token = |e: &mut Engine, runs: &mut Runs| {
         let b = e
-            .submit_raw(GenerateRequest::greedy(2, b_prompt.clone(), 4))
+            .submit_raw(GenerateRequest::greedy(tenant(2), b_prompt.clone(), 4))
             .expect("admitted");
         let mut steps = 0;
         while !runs.tokens.contains_key(&b) {
@@ -857,7 +855,8 @@ fn a_flooding_tenant_does_not_delay_anothers_first_token() {
     let mut e = engine(64);
     let mut runs = Runs::default();
     for p in long_prompts(12, 200, 0) {
-        e.submit_raw(GenerateRequest::greedy(1, p, 4)).expect("admitted");
+        e.submit_raw(GenerateRequest::greedy(tenant(1), p, 4))
+            .expect("admitted");
     }
     for _ in 0..3 {
         let ev = e.step();
@@ -882,7 +881,7 @@ fn a_new_tenants_prefill_does_not_wait_behind_anothers_decodes() {
     let a: Vec<RequestId> = long_prompts(24, 8, 3)
         .into_iter()
         .map(|p| {
-            let mut r = GenerateRequest::greedy(1, p, 40);
+            let mut r = GenerateRequest::greedy(tenant(1), p, 40);
             r.ignore_eos = true;
             e.submit_raw(r).expect("admitted")
         })
@@ -891,7 +890,9 @@ fn a_new_tenants_prefill_does_not_wait_behind_anothers_decodes() {
     let a_tokens = |runs: &Runs| a.iter().map(|id| runs.tokens[id].len()).sum::<usize>();
     let before = a_tokens(&runs);
     let b_prompt: Vec<u32> = (0..40).map(|j| 300 + j).collect();
-    let b = e.submit_raw(GenerateRequest::greedy(2, b_prompt, 4)).expect("admitted");
+    let b = e
+        .submit_raw(GenerateRequest::greedy(tenant(2), b_prompt, 4))
+        .expect("admitted");
     let ev = e.step();
     runs.absorb(ev);
     assert!(runs.tokens.contains_key(&b), "B's first token took more than one step");
@@ -909,7 +910,7 @@ fn the_step_target_cuts_prefill_chunks_to_what_the_cost_model_predicts() {
     cfg.step_target = Some(std::time::Duration::from_millis(20));
     let mut e = Engine::new(model(), Arc::new(IdDetok), cfg).expect("engine starts");
     // Until the model has seen steps, max_batch_tokens alone limits a step.
-    e.submit_raw(GenerateRequest::greedy(1, long_prompts(1, 200, 4).remove(0), 1))
+    e.submit_raw(GenerateRequest::greedy(tenant(1), long_prompts(1, 200, 4).remove(0), 1))
         .expect("admitted");
     e.admit_waiting();
     assert_eq!(e.plan(), vec![(0, 200)]);
@@ -936,7 +937,7 @@ fn contending_tenants_share_prefill_tokens_by_weight() {
     let mut e = engine(64);
     for (owner, weight) in [(1, 1), (2, 2)] {
         e.set_tenant(
-            owner,
+            tenant(owner),
             super::TenantSettings {
                 weight,
                 ..Default::default()
@@ -945,7 +946,8 @@ fn contending_tenants_share_prefill_tokens_by_weight() {
     }
     for (owner, salt) in [(1, 1), (2, 2)] {
         for p in long_prompts(6, 200, salt) {
-            e.submit_raw(GenerateRequest::greedy(owner, p, 2)).expect("admitted");
+            e.submit_raw(GenerateRequest::greedy(tenant(owner), p, 2))
+                .expect("admitted");
         }
     }
     let mut runs = Runs::default();
@@ -954,7 +956,7 @@ fn contending_tenants_share_prefill_tokens_by_weight() {
         runs.absorb(ev);
     }
     // Both stayed backlogged (12 x 200 tokens > 24 x 64): tokens served follow the weights.
-    let (one, two) = (e.served[&1], e.served[&2] * 2.0);
+    let (one, two) = (e.served[&tenant(1)], e.served[&tenant(2)] * 2.0);
     let ratio = two / one;
     assert!(
         (1.6..=2.4).contains(&ratio),
@@ -969,11 +971,11 @@ fn a_request_that_a_new_floor_leaves_no_room_for_ends_with_its_error() {
     let mut e = engine(512);
     let total = e.kv_counters().pages_total;
     let b = e
-        .submit_raw(GenerateRequest::greedy(1, vec![700; 40], 200))
+        .submit_raw(GenerateRequest::greedy(tenant(1), vec![700; 40], 200))
         .expect("fits when submitted");
     // A policy reload guarantees another tenant all but two pages before B is admitted.
     e.set_tenant(
-        2,
+        tenant(2),
         super::TenantSettings {
             min_pages: total - 2,
             ..Default::default()
@@ -992,6 +994,6 @@ fn a_request_that_a_new_floor_leaves_no_room_for_ends_with_its_error() {
         runs.outcomes.get(&b)
     );
     assert!(!e.has_work());
-    e.forget_owner(2);
+    e.forget_owner(tenant(2));
     assert_quiescent(&mut e, &[1]);
 }

@@ -27,7 +27,7 @@ use std::collections::{HashMap, HashSet};
 
 use half::f16;
 use warden_kernels::attention::{AttnShape, KvLayer};
-use warden_kernels::tag::{IsolationViolation, PUBLIC_OWNER, PageEntry, PageTag};
+use warden_kernels::tag::{IsolationViolation, Owner, PageEntry, PageTag};
 use xxhash_rust::xxh3::Xxh3;
 
 /// A sequence's id in the pool: its own type, never a request's id (the engine maps one to the
@@ -73,7 +73,7 @@ pub enum KvError {
     #[error("owner {owner} KV budget exceeded: {wanted} more pages wanted, {in_use} of {budget} in use")]
     OwnerBudget {
         /// Owner.
-        owner: u64,
+        owner: Owner,
         /// Pages wanted.
         wanted: usize,
         /// Pages already reserved or used.
@@ -282,7 +282,7 @@ pub struct KvCounters {
 
 #[derive(Debug)]
 struct SeqKv {
-    owner: u64,
+    owner: Owner,
     pages: Vec<PageEntry>,
     reserved: usize,
     /// The cache nodes of this sequence's leading pages, as far as its computed tokens are
@@ -311,14 +311,14 @@ pub struct KvPool {
     seqs: HashMap<SeqId, SeqKv>,
     prefix: prefix::PrefixIndex,
     /// Pages reserved or used per owner.
-    owner_pages: HashMap<u64, usize>,
-    budgets: HashMap<u64, usize>,
+    owner_pages: HashMap<Owner, usize>,
+    budgets: HashMap<Owner, usize>,
     /// Pages guaranteed per owner.
-    floors: HashMap<u64, usize>,
+    floors: HashMap<Owner, usize>,
     /// Most pages pinned by all owners together.
     pin_ceiling: usize,
     /// Owners whose policy lets them read public prefixes (invariant 5).
-    public_readers: HashSet<u64>,
+    public_readers: HashSet<Owner>,
     reserved_total: usize,
     counters: KvCounters,
 }
@@ -410,7 +410,8 @@ impl KvPool {
     }
 
     /// Caps the pages (reserved plus used) that `owner` may hold; `None` lifts the cap.
-    pub fn set_owner_budget(&mut self, owner: u64, pages: Option<usize>) {
+    pub fn set_owner_budget(&mut self, owner: impl Into<Owner>, pages: Option<usize>) {
+        let owner = owner.into();
         match pages {
             Some(p) => self.budgets.insert(owner, p),
             None => self.budgets.remove(&owner),
@@ -425,7 +426,8 @@ impl KvPool {
 
     /// Guarantees `owner` a floor of `pages` pages: other owners' sequences may not take the
     /// pages it would need to reach it. 0 removes the floor.
-    pub fn set_owner_floor(&mut self, owner: u64, pages: usize) {
+    pub fn set_owner_floor(&mut self, owner: impl Into<Owner>, pages: usize) {
+        let owner = owner.into();
         if pages == 0 {
             self.floors.remove(&owner);
         } else {
@@ -435,14 +437,14 @@ impl KvPool {
 
     /// The most pages one sequence of `owner` could ever get now: the pool less other owners'
     /// unused floors and every pinned page.
-    pub fn pages_open_to(&self, owner: u64) -> usize {
+    pub fn pages_open_to(&self, owner: impl Into<Owner>) -> usize {
         self.n_pages
-            .saturating_sub(self.floors_of_others(owner))
+            .saturating_sub(self.floors_of_others(owner.into()))
             .saturating_sub(self.prefix.pinned_total())
     }
 
     /// Pages other owners' floors still claim: what `owner` may not take.
-    fn floors_of_others(&self, owner: u64) -> usize {
+    fn floors_of_others(&self, owner: Owner) -> usize {
         self.floors
             .iter()
             .filter(|(o, _)| **o != owner)
@@ -451,8 +453,8 @@ impl KvPool {
     }
 
     /// The page budget of `owner`, if one is set.
-    pub fn owner_budget(&self, owner: u64) -> Option<usize> {
-        self.budgets.get(&owner).copied()
+    pub fn owner_budget(&self, owner: impl Into<Owner>) -> Option<usize> {
+        self.budgets.get(&owner.into()).copied()
     }
 
     /// Free or evictable pages not promised to any open sequence.
@@ -465,8 +467,15 @@ impl KvPool {
     /// anything. Its leading pages come from the owner's prefix cache as far as whole pages of
     /// `reusable` (the prompt tokens it may take from the cache; pass none to compute all) match;
     /// the rest are reserved. Returns how many tokens the cache served.
-    pub fn open(&mut self, seq: SeqId, owner: u64, pages: usize, reusable: &[u32]) -> Result<usize, KvError> {
-        assert_ne!(owner, 0, "owner 0 marks free pages");
+    pub fn open(
+        &mut self,
+        seq: SeqId,
+        owner: impl Into<Owner>,
+        pages: usize,
+        reusable: &[u32],
+    ) -> Result<usize, KvError> {
+        let owner = owner.into();
+        assert_ne!(owner, Owner::NONE, "no owner marks free pages");
         if self.seqs.contains_key(&seq) {
             return Err(KvError::AlreadyOpen(seq));
         }
@@ -475,7 +484,7 @@ impl KvPool {
         let mut chain = self.cached_chain(owner, reusable, pages);
         let mut public = false;
         if self.public_readers.contains(&owner) {
-            let shared = self.cached_chain(PUBLIC_OWNER, reusable, pages);
+            let shared = self.cached_chain(Owner::PUBLIC, reusable, pages);
             if shared.len() > chain.len() {
                 (chain, public) = (shared, true);
             }
@@ -530,7 +539,7 @@ impl KvPool {
     /// The cache nodes of `tree`'s prefix cache matching whole pages of `reusable`, at most
     /// `pages`. The cache holds only full pages of that owner; each tag is checked all the same,
     /// and anything else ends the match (invariant 2).
-    fn cached_chain(&mut self, tree: u64, reusable: &[u32], pages: usize) -> Vec<prefix::NodeId> {
+    fn cached_chain(&mut self, tree: Owner, reusable: &[u32], pages: usize) -> Vec<prefix::NodeId> {
         let ps = self.shape.page_size;
         let mut chain = Vec::new();
         for tokens in reusable.chunks_exact(ps).take(pages) {
@@ -550,7 +559,8 @@ impl KvPool {
     }
 
     /// Lets `owner` read public prefixes, or stops it (for sequences opened from now on).
-    pub fn set_public_access(&mut self, owner: u64, allowed: bool) {
+    pub fn set_public_access(&mut self, owner: impl Into<Owner>, allowed: bool) {
+        let owner = owner.into();
         if allowed {
             self.public_readers.insert(owner);
         } else {
@@ -707,7 +717,8 @@ impl KvPool {
 
     /// Drops everything `owner` has in the prefix cache, pinned or not (e.g. when the tenant is
     /// deleted). Pages its open sequences use stay with them.
-    pub fn forget_owner(&mut self, owner: u64) {
+    pub fn forget_owner(&mut self, owner: impl Into<Owner>) {
+        let owner = owner.into();
         for id in self.prefix.roots_of(owner) {
             self.uncache(id);
         }
@@ -748,7 +759,7 @@ impl KvPool {
     }
 
     /// The sequence's owner and page table.
-    pub fn table(&self, seq: SeqId) -> Result<(u64, &[PageEntry]), KvError> {
+    pub fn table(&self, seq: SeqId) -> Result<(Owner, &[PageEntry]), KvError> {
         let s = self.seqs.get(&seq).ok_or(KvError::NoSuchSequence(seq))?;
         Ok((s.owner, &s.pages))
     }
@@ -782,7 +793,7 @@ impl KvPool {
     pub fn write(
         &mut self,
         layer: usize,
-        owner: u64,
+        owner: Owner,
         pages: &[PageEntry],
         pos: usize,
         k: &[f32],
@@ -818,7 +829,8 @@ impl KvPool {
     /// first, so a stale or foreign entry learns nothing. A refusal here is not counted as an
     /// isolation violation: it is how a plugin finds that a page it was shown has since left
     /// its sequence.
-    pub fn inspect(&self, owner: u64, e: PageEntry) -> Result<PageInfo, KvError> {
+    pub fn inspect(&self, owner: impl Into<Owner>, e: PageEntry) -> Result<PageInfo, KvError> {
+        let owner = owner.into();
         let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
             page: e.page,
             pages: self.n_pages,
@@ -847,7 +859,8 @@ impl KvPool {
 
     /// The content of the page behind holder `owner`'s entry `e`, for a transfer: tag-checked
     /// first (invariant 2), so a stale or foreign entry exports nothing.
-    pub fn export_page(&self, owner: u64, e: PageEntry) -> Result<PageData, KvError> {
+    pub fn export_page(&self, owner: impl Into<Owner>, e: PageEntry) -> Result<PageData, KvError> {
+        let owner = owner.into();
         let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
             page: e.page,
             pages: self.n_pages,
@@ -1006,7 +1019,7 @@ impl KvPool {
             let t = &mut self.tags[i];
             // Invariant 3: the epoch changes before the page can be handed out again.
             *t = PageTag {
-                owner: 0,
+                owner: Owner::NONE,
                 epoch: t.epoch.wrapping_add(1),
                 written: 0,
             };
@@ -1071,6 +1084,7 @@ impl KvPool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::tenant;
     use proptest::prelude::*;
 
     #[test]
@@ -1127,14 +1141,14 @@ mod tests {
     #[test]
     fn free_bumps_epoch_and_clears_tag() {
         let mut p = pool(2);
-        p.open(SeqId(1), 5, 1, &[]).unwrap();
+        p.open(SeqId(1), tenant(5), 1, &[]).unwrap();
         p.ensure(SeqId(1), 3).unwrap();
         let e = p.table(SeqId(1)).unwrap().1[0];
         p.commit_slots(SeqId(1), 3).unwrap();
         assert_eq!(
             p.tags()[e.page as usize],
             PageTag {
-                owner: 5,
+                owner: tenant(5).into(),
                 epoch: e.epoch,
                 written: 3
             }
@@ -1143,13 +1157,13 @@ mod tests {
         assert_eq!(
             p.tags()[e.page as usize],
             PageTag {
-                owner: 0,
+                owner: Owner::NONE,
                 epoch: e.epoch + 1,
                 written: 0
             }
         );
         // The stale entry no longer works for writes or retains.
-        assert!(p.write(0, 5, &[e], 0, &[0.0; 4], &[0.0; 4]).is_err());
+        assert!(p.write(0, tenant(5).into(), &[e], 0, &[0.0; 4], &[0.0; 4]).is_err());
         assert!(p.retain(e).is_err());
         assert_eq!(p.counters().tag_mismatches, 2);
     }
@@ -1157,7 +1171,7 @@ mod tests {
     #[test]
     fn release_is_deferred_while_held() {
         let mut p = pool(2);
-        p.open(SeqId(1), 5, 2, &[]).unwrap();
+        p.open(SeqId(1), tenant(5), 2, &[]).unwrap();
         p.ensure(SeqId(1), 5).unwrap();
         let held = p.table(SeqId(1)).unwrap().1[1];
         p.retain(held).unwrap(); // e.g. a transfer in flight
@@ -1172,13 +1186,19 @@ mod tests {
     #[test]
     fn budgets_and_exhaustion_refuse_without_side_effects() {
         let mut p = pool(4);
-        p.set_owner_budget(7, Some(2));
-        assert!(matches!(p.open(SeqId(1), 7, 3, &[]), Err(KvError::OwnerBudget { .. })));
-        p.open(SeqId(1), 7, 2, &[]).unwrap();
-        assert!(matches!(p.open(SeqId(2), 7, 1, &[]), Err(KvError::OwnerBudget { .. })));
-        p.open(SeqId(3), 8, 2, &[]).unwrap();
+        p.set_owner_budget(tenant(7), Some(2));
         assert!(matches!(
-            p.open(SeqId(4), 9, 1, &[]),
+            p.open(SeqId(1), tenant(7), 3, &[]),
+            Err(KvError::OwnerBudget { .. })
+        ));
+        p.open(SeqId(1), tenant(7), 2, &[]).unwrap();
+        assert!(matches!(
+            p.open(SeqId(2), tenant(7), 1, &[]),
+            Err(KvError::OwnerBudget { .. })
+        ));
+        p.open(SeqId(3), tenant(8), 2, &[]).unwrap();
+        assert!(matches!(
+            p.open(SeqId(4), tenant(9), 1, &[]),
             Err(KvError::PoolExhausted { .. })
         ));
         assert_eq!(p.counters().allocations, 0);
@@ -1191,17 +1211,19 @@ mod tests {
     #[test]
     fn writes_to_foreign_pages_are_refused() {
         let mut p = pool(2);
-        p.open(SeqId(1), 5, 1, &[]).unwrap();
-        p.open(SeqId(2), 6, 1, &[]).unwrap();
+        p.open(SeqId(1), tenant(5), 1, &[]).unwrap();
+        p.open(SeqId(2), tenant(6), 1, &[]).unwrap();
         p.ensure(SeqId(1), 1).unwrap();
         p.ensure(SeqId(2), 1).unwrap();
         let theirs = p.table(SeqId(2)).unwrap().1.to_vec();
-        let e = p.write(0, 5, &theirs, 0, &[1.0; 4], &[1.0; 4]).unwrap_err();
+        let e = p
+            .write(0, tenant(5).into(), &theirs, 0, &[1.0; 4], &[1.0; 4])
+            .unwrap_err();
         assert!(matches!(e, KvError::Isolation(IsolationViolation::ForeignOwner { .. })));
     }
 
     /// Opens `seq` for `owner`, writes `tokens.len()` positions and offers them to the cache.
-    fn computed(p: &mut KvPool, seq: SeqId, owner: u64, pages: usize, tokens: &[u32]) -> usize {
+    fn computed(p: &mut KvPool, seq: SeqId, owner: impl Into<Owner>, pages: usize, tokens: &[u32]) -> usize {
         let hit = p.open(seq, owner, pages, tokens).unwrap();
         p.ensure(seq, tokens.len()).unwrap();
         p.commit_slots(seq, tokens.len()).unwrap();
@@ -1215,24 +1237,26 @@ mod tests {
     fn public_prefixes_are_read_only_and_only_for_owners_allowed_them() {
         let mut p = pool(12);
         // The server computes and pins a public prefix of two pages.
-        assert_eq!(computed(&mut p, SeqId(1), PUBLIC_OWNER, 2, &TOKS[..8]), 0);
+        assert_eq!(computed(&mut p, SeqId(1), Owner::PUBLIC, 2, &TOKS[..8]), 0);
         assert_eq!(p.pin_prefix(SeqId(1), 8, usize::MAX).unwrap(), 8);
         p.close(SeqId(1)).unwrap();
-        p.set_public_access(5, true);
-        // Owner 5 is allowed: it adopts both pages, as public entries of PUBLIC_OWNER's pages.
-        assert_eq!(p.open(SeqId(2), 5, 3, &TOKS[..11]).unwrap(), 8);
+        p.set_public_access(tenant(5), true);
+        // Owner 5 is allowed: it adopts both pages, as public entries of Owner::PUBLIC's pages.
+        assert_eq!(p.open(SeqId(2), tenant(5), 3, &TOKS[..11]).unwrap(), 8);
         let table = p.table(SeqId(2)).unwrap().1.to_vec();
         assert!(table.iter().all(|e| e.public));
         for e in &table {
-            assert_eq!(p.tags()[e.page as usize].owner, PUBLIC_OWNER);
-            assert!(p.inspect(5, *e).is_ok(), "readable through the public entry");
+            assert_eq!(p.tags()[e.page as usize].owner, Owner::PUBLIC);
+            assert!(p.inspect(tenant(5), *e).is_ok(), "readable through the public entry");
             assert!(
-                p.inspect(5, PageEntry { public: false, ..*e }).is_err(),
+                p.inspect(tenant(5), PageEntry { public: false, ..*e }).is_err(),
                 "not as the owner's own page"
             );
         }
         // Never writable, even by a sequence holding it.
-        let e = p.write(0, 5, &table, 0, &[1.0; 4], &[1.0; 4]).unwrap_err();
+        let e = p
+            .write(0, tenant(5).into(), &table, 0, &[1.0; 4], &[1.0; 4])
+            .unwrap_err();
         assert!(
             matches!(e, KvError::Isolation(IsolationViolation::PublicPage { .. })),
             "{e}"
@@ -1244,23 +1268,23 @@ mod tests {
         assert!(matches!(p.pin_prefix(SeqId(2), 8, 64), Err(KvError::PublicPrefix)));
         assert_eq!(p.unpin_prefix(SeqId(2)).unwrap(), 0);
         // Owner 6 is not allowed: the same tokens are a miss.
-        assert_eq!(p.open(SeqId(3), 6, 3, &TOKS[..11]).unwrap(), 0);
+        assert_eq!(p.open(SeqId(3), tenant(6), 3, &TOKS[..11]).unwrap(), 0);
         // Once access is withdrawn, owner 5 misses too.
-        p.set_public_access(5, false);
-        assert_eq!(p.open(SeqId(4), 5, 3, &TOKS[..11]).unwrap(), 0);
+        p.set_public_access(tenant(5), false);
+        assert_eq!(p.open(SeqId(4), tenant(5), 3, &TOKS[..11]).unwrap(), 0);
         for seq in [2, 3, 4] {
             p.close(SeqId(seq)).unwrap();
         }
         let c = p.counters();
         assert_eq!((c.pages_cached, c.pages_pinned, c.pages_used), (2, 2, 0), "{c:?}");
-        p.forget_owner(PUBLIC_OWNER);
+        p.forget_owner(Owner::PUBLIC);
         assert_eq!(p.counters().pages_free, 12);
     }
 
     #[test]
     fn the_prefix_cache_serves_its_owner_only() {
         let mut p = pool(12);
-        assert_eq!(computed(&mut p, SeqId(1), 5, 3, &TOKS[..10]), 0);
+        assert_eq!(computed(&mut p, SeqId(1), tenant(5), 3, &TOKS[..10]), 0);
         p.close(SeqId(1)).unwrap();
         let c = p.counters();
         assert_eq!(
@@ -1270,26 +1294,26 @@ mod tests {
         );
         assert_eq!(p.available_pages(), 12, "idle cached pages count as available");
         // The same owner adopts both whole pages; the partial third was never cached.
-        assert_eq!(p.open(SeqId(2), 5, 3, &TOKS[..11]).unwrap(), 8);
+        assert_eq!(p.open(SeqId(2), tenant(5), 3, &TOKS[..11]).unwrap(), 8);
         let first = p.table(SeqId(2)).unwrap().1.to_vec();
         assert_eq!(first.len(), 2);
         // Another owner with the same tokens computes everything.
-        assert_eq!(p.open(SeqId(3), 6, 3, &TOKS[..11]).unwrap(), 0);
+        assert_eq!(p.open(SeqId(3), tenant(6), 3, &TOKS[..11]).unwrap(), 0);
         assert!(p.table(SeqId(3)).unwrap().1.is_empty());
         // A different first page misses even if the second matches.
         let mut other = TOKS;
         other[0] = 99;
-        assert_eq!(p.open(SeqId(4), 5, 3, &other[..11]).unwrap(), 0);
+        assert_eq!(p.open(SeqId(4), tenant(5), 3, &other[..11]).unwrap(), 0);
         assert_eq!(p.counters().prefix_hit_tokens, 8);
         // Shared pages are used once, however many sequences hold them.
-        assert_eq!(p.open(SeqId(5), 5, 2, &TOKS[..8]).unwrap(), 8);
+        assert_eq!(p.open(SeqId(5), tenant(5), 2, &TOKS[..8]).unwrap(), 8);
         assert_eq!(p.table(SeqId(5)).unwrap().1, &first[..]);
         let c = p.counters();
         assert_eq!((c.pages_used, c.pages_cached), (2, 0));
         for s in 2..=5 {
             p.close(SeqId(s)).unwrap();
         }
-        p.forget_owner(5);
+        p.forget_owner(tenant(5));
         let c = p.counters();
         assert_eq!((c.pages_free, c.pages_cached, c.pages_reserved), (12, 0, 0));
     }
@@ -1297,16 +1321,16 @@ mod tests {
     #[test]
     fn eviction_frees_idle_prefixes_oldest_first_and_bumps_epochs() {
         let mut p = pool(4);
-        computed(&mut p, SeqId(1), 5, 1, &TOKS[..4]);
+        computed(&mut p, SeqId(1), tenant(5), 1, &TOKS[..4]);
         p.close(SeqId(1)).unwrap();
-        computed(&mut p, SeqId(2), 5, 1, &TOKS[4..8]);
+        computed(&mut p, SeqId(2), tenant(5), 1, &TOKS[4..8]);
         p.close(SeqId(2)).unwrap();
         let old = p
             .prefix
-            .entry(p.prefix.find(5, prefix::ROOT, &TOKS[..4]).unwrap())
+            .entry(p.prefix.find(tenant(5).into(), prefix::ROOT, &TOKS[..4]).unwrap())
             .unwrap();
         // Another owner takes three pages: two free, then the longest idle is evicted.
-        p.open(SeqId(3), 6, 3, &[]).unwrap();
+        p.open(SeqId(3), tenant(6), 3, &[]).unwrap();
         p.ensure(SeqId(3), 12).unwrap();
         let c = p.counters();
         assert_eq!((c.prefix_evictions, c.pages_cached), (1, 1));
@@ -1316,13 +1340,13 @@ mod tests {
             "an evicted page gets a new epoch"
         );
         assert_eq!(
-            p.open(SeqId(4), 5, 1, &TOKS[..4]).unwrap(),
+            p.open(SeqId(4), tenant(5), 1, &TOKS[..4]).unwrap(),
             0,
             "the evicted prefix is gone"
         );
         p.close(SeqId(4)).unwrap();
         assert_eq!(
-            p.open(SeqId(4), 5, 1, &TOKS[4..8]).unwrap(),
+            p.open(SeqId(4), tenant(5), 1, &TOKS[4..8]).unwrap(),
             4,
             "the younger one is still cached"
         );
@@ -1331,7 +1355,7 @@ mod tests {
     #[test]
     fn pinned_prefixes_survive_pressure_within_the_owners_cap() {
         let mut p = pool(4);
-        computed(&mut p, SeqId(1), 5, 3, &TOKS[..12]);
+        computed(&mut p, SeqId(1), tenant(5), 3, &TOKS[..12]);
         let e = p.pin_prefix(SeqId(1), 12, 2).unwrap_err();
         assert!(
             matches!(
@@ -1356,29 +1380,29 @@ mod tests {
         assert_eq!((c.pages_pinned, c.pages_cached), (2, 3));
         assert_eq!(p.available_pages(), 2, "pinned pages are not available");
         assert!(matches!(
-            p.open(SeqId(2), 6, 3, &[]),
+            p.open(SeqId(2), tenant(6), 3, &[]),
             Err(KvError::PoolExhausted { .. })
         ));
-        p.open(SeqId(2), 6, 2, &[]).unwrap();
+        p.open(SeqId(2), tenant(6), 2, &[]).unwrap();
         p.ensure(SeqId(2), 8).unwrap();
         assert_eq!(p.counters().prefix_evictions, 1, "only the unpinned page went");
         p.close(SeqId(2)).unwrap();
-        assert_eq!(p.open(SeqId(3), 5, 3, &TOKS[..12]).unwrap(), 8);
+        assert_eq!(p.open(SeqId(3), tenant(5), 3, &TOKS[..12]).unwrap(), 8);
         assert_eq!(p.unpin_prefix(SeqId(3)).unwrap(), 2);
         p.close(SeqId(3)).unwrap();
         let c = p.counters();
         assert_eq!((c.pages_pinned, c.pages_cached), (0, 2));
         assert_eq!(p.available_pages(), 4);
-        p.forget_owner(5);
+        p.forget_owner(tenant(5));
         assert_eq!(p.counters().pages_free, 4);
     }
 
     #[test]
     fn forgetting_an_owner_leaves_its_open_sequences_their_pages() {
         let mut p = pool(4);
-        computed(&mut p, SeqId(1), 5, 2, &TOKS[..8]);
+        computed(&mut p, SeqId(1), tenant(5), 2, &TOKS[..8]);
         p.pin_prefix(SeqId(1), 8, 4).unwrap();
-        p.forget_owner(5);
+        p.forget_owner(tenant(5));
         let c = p.counters();
         assert_eq!((c.pages_used, c.pages_cached, c.pages_pinned), (2, 0, 0));
         p.close(SeqId(1)).unwrap();
@@ -1389,7 +1413,7 @@ mod tests {
     fn pins_stop_at_the_ceiling_and_floors_narrow_what_is_open() {
         let mut p = pool(8);
         p.set_pin_ceiling(2);
-        computed(&mut p, SeqId(1), 5, 3, &TOKS[..12]);
+        computed(&mut p, SeqId(1), tenant(5), 3, &TOKS[..12]);
         let e = p.pin_prefix(SeqId(1), 12, 8).unwrap_err();
         assert!(
             matches!(
@@ -1403,16 +1427,16 @@ mod tests {
             "{e}"
         );
         p.pin_prefix(SeqId(1), 8, 8).unwrap();
-        p.set_owner_floor(6, 3);
-        assert_eq!(p.pages_open_to(5), 8 - 3 - 2);
-        assert_eq!(p.pages_open_to(6), 8 - 2, "its own floor is open to it");
+        p.set_owner_floor(tenant(6), 3);
+        assert_eq!(p.pages_open_to(tenant(5)), 8 - 3 - 2);
+        assert_eq!(p.pages_open_to(tenant(6)), 8 - 2, "its own floor is open to it");
     }
 
     #[test]
     fn floors_keep_pages_for_their_owner() {
         let mut p = pool(8);
-        p.set_owner_floor(5, 3);
-        let e = p.open(SeqId(1), 6, 6, &[]).unwrap_err();
+        p.set_owner_floor(tenant(5), 3);
+        let e = p.open(SeqId(1), tenant(6), 6, &[]).unwrap_err();
         assert_eq!(
             e,
             KvError::PoolExhausted {
@@ -1420,17 +1444,17 @@ mod tests {
                 available: 5
             }
         );
-        p.open(SeqId(1), 6, 5, &[]).unwrap();
-        p.open(SeqId(2), 5, 3, &[]).expect("the floor is there");
+        p.open(SeqId(1), tenant(6), 5, &[]).unwrap();
+        p.open(SeqId(2), tenant(5), 3, &[]).expect("the floor is there");
         p.close(SeqId(2)).unwrap();
         // Using part of its floor leaves only the rest claimed.
-        p.open(SeqId(3), 5, 2, &[]).unwrap();
+        p.open(SeqId(3), tenant(5), 2, &[]).unwrap();
         p.close(SeqId(1)).unwrap();
-        assert!(p.open(SeqId(4), 6, 6, &[]).is_err());
-        p.open(SeqId(4), 6, 5, &[]).unwrap();
-        p.set_owner_floor(5, 0);
+        assert!(p.open(SeqId(4), tenant(6), 6, &[]).is_err());
+        p.open(SeqId(4), tenant(6), 5, &[]).unwrap();
+        p.set_owner_floor(tenant(5), 0);
         p.close(SeqId(4)).unwrap();
-        p.open(SeqId(5), 6, 6, &[]).expect("no floor left");
+        p.open(SeqId(5), tenant(6), 6, &[]).expect("no floor left");
     }
 
     proptest! {
@@ -1443,7 +1467,7 @@ mod tests {
             let mut p = pool(8);
             let mut held: Vec<PageEntry> = Vec::new();
             let mut written: HashMap<SeqId, usize> = HashMap::new();
-            let owner = |seq: u64| seq % 3 + 1;
+            let owner = |seq: u64| tenant(seq % 3 + 1);
             for (op, seq, n) in ops {
                 match op {
                     0 => if let Ok(hit) = p.open(SeqId(seq), owner(seq), n.min(16).div_ceil(4), &TOKS[..n % 16]) {
@@ -1474,7 +1498,7 @@ mod tests {
                     prop_assert!(p.refs[e.page as usize] > 0);
                 }
                 for (seq, s) in &p.seqs {
-                    prop_assert_eq!(s.owner, owner(seq.0));
+                    prop_assert_eq!(s.owner, Owner::from(owner(seq.0)));
                     for e in &s.pages {
                         prop_assert_eq!(p.tags[e.page as usize].owner, s.owner);
                     }
@@ -1482,7 +1506,7 @@ mod tests {
             }
             for s in 0..6 { let _ = p.close(SeqId(s)); }
             for e in held { p.release(e).unwrap(); }
-            for o in 1..=3 { p.forget_owner(o); }
+            for o in 1..=3 { p.forget_owner(tenant(o)); }
             let c = p.counters();
             prop_assert_eq!((c.pages_free, c.pages_reserved, c.pages_pinned), (8, 0, 0));
         }

@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use warden_kernels::tag::PageEntry;
+use warden_kernels::tag::{Owner, PageEntry};
 
 /// A node's id; 0 is the root (no page).
 pub(super) type NodeId = u64;
@@ -29,7 +29,7 @@ pub(super) const ROOT: NodeId = 0;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct Key {
-    owner: u64,
+    owner: Owner,
     parent: NodeId,
     tokens: Box<[u32]>,
 }
@@ -56,12 +56,12 @@ pub(super) struct PrefixIndex {
     tick: u64,
     last_id: NodeId,
     /// Per owner, nodes with a pin point at or below them.
-    pinned: HashMap<u64, usize>,
+    pinned: HashMap<Owner, usize>,
 }
 
 impl PrefixIndex {
     /// The node for `owner`'s page of `tokens` right after `parent`, if cached.
-    pub fn find(&self, owner: u64, parent: NodeId, tokens: &[u32]) -> Option<NodeId> {
+    pub fn find(&self, owner: Owner, parent: NodeId, tokens: &[u32]) -> Option<NodeId> {
         let key = Key {
             owner,
             parent,
@@ -72,7 +72,7 @@ impl PrefixIndex {
 
     /// Adds `owner`'s page `entry`, holding `tokens` right after `parent` (which must exist, or
     /// be [`ROOT`]). The node starts busy (not evictable).
-    pub fn insert(&mut self, owner: u64, parent: NodeId, tokens: &[u32], entry: PageEntry) -> NodeId {
+    pub fn insert(&mut self, owner: Owner, parent: NodeId, tokens: &[u32], entry: PageEntry) -> NodeId {
         debug_assert!(parent == ROOT || self.nodes.contains_key(&parent));
         self.last_id += 1;
         let id = self.last_id;
@@ -177,7 +177,7 @@ impl PrefixIndex {
     }
 
     /// The roots of `owner`'s tree.
-    pub fn roots_of(&self, owner: u64) -> Vec<NodeId> {
+    pub fn roots_of(&self, owner: Owner) -> Vec<NodeId> {
         self.nodes
             .iter()
             .filter(|(_, n)| n.key.owner == owner && n.key.parent == ROOT)
@@ -195,7 +195,7 @@ impl PrefixIndex {
 
     /// Pins `path` (a path from the root, owned by `owner`); returns the nodes that were not
     /// pinned before, whose pages the pool must take out of the eviction order.
-    pub fn pin(&mut self, owner: u64, path: &[NodeId]) -> Vec<NodeId> {
+    pub fn pin(&mut self, owner: Owner, path: &[NodeId]) -> Vec<NodeId> {
         let mut newly = Vec::new();
         let Some(last) = path.last().and_then(|id| self.nodes.get_mut(id)) else {
             return newly;
@@ -218,7 +218,7 @@ impl PrefixIndex {
 
     /// Clears every pin point on `path` (a path from the root, owned by `owner`); returns the
     /// nodes no longer pinned, which the pool may make evictable.
-    pub fn unpin(&mut self, owner: u64, path: &[NodeId]) -> Vec<NodeId> {
+    pub fn unpin(&mut self, owner: Owner, path: &[NodeId]) -> Vec<NodeId> {
         let mut freed = Vec::new();
         for (i, id) in path.iter().enumerate() {
             let Some(n) = self.nodes.get_mut(id) else { break };
@@ -245,7 +245,7 @@ impl PrefixIndex {
     }
 
     /// Pages `owner` has pinned.
-    pub fn pinned_pages(&self, owner: u64) -> usize {
+    pub fn pinned_pages(&self, owner: Owner) -> usize {
         self.pinned.get(&owner).copied().unwrap_or(0)
     }
 
@@ -259,6 +259,11 @@ impl PrefixIndex {
 mod tests {
     use super::*;
 
+    /// Tenant `n`'s owner.
+    fn o(n: u64) -> Owner {
+        crate::testutil::tenant(n).into()
+    }
+
     fn e(page: u32) -> PageEntry {
         PageEntry::own(page, 0)
     }
@@ -266,37 +271,37 @@ mod tests {
     #[test]
     fn keys_are_exact_and_per_owner() {
         let mut ix = PrefixIndex::default();
-        let a = ix.insert(1, ROOT, &[1, 2], e(0));
-        assert_eq!(ix.find(1, ROOT, &[1, 2]), Some(a));
-        assert_eq!(ix.find(2, ROOT, &[1, 2]), None, "another owner never finds it");
-        assert_eq!(ix.find(1, ROOT, &[1, 3]), None);
-        assert_eq!(ix.find(1, a, &[1, 2]), None, "position is part of the key");
+        let a = ix.insert(o(1), ROOT, &[1, 2], e(0));
+        assert_eq!(ix.find(o(1), ROOT, &[1, 2]), Some(a));
+        assert_eq!(ix.find(o(2), ROOT, &[1, 2]), None, "another owner never finds it");
+        assert_eq!(ix.find(o(1), ROOT, &[1, 3]), None);
+        assert_eq!(ix.find(o(1), a, &[1, 2]), None, "position is part of the key");
     }
 
     #[test]
     fn pins_count_per_owner_and_unpin_keeps_others_pins() {
         let mut ix = PrefixIndex::default();
-        let a = ix.insert(1, ROOT, &[1], e(0));
-        let b = ix.insert(1, a, &[2], e(1));
-        let c = ix.insert(1, a, &[3], e(2));
+        let a = ix.insert(o(1), ROOT, &[1], e(0));
+        let b = ix.insert(o(1), a, &[2], e(1));
+        let c = ix.insert(o(1), a, &[3], e(2));
         assert_eq!(ix.unpinned_on(&[a, b]), 2);
-        assert_eq!(ix.pin(1, &[a, b]), vec![a, b]);
-        assert!(ix.pin(1, &[a, b]).is_empty(), "pinning twice is a no-op");
-        assert_eq!(ix.pin(1, &[a, c]), vec![c]);
-        assert_eq!(ix.pinned_pages(1), 3);
+        assert_eq!(ix.pin(o(1), &[a, b]), vec![a, b]);
+        assert!(ix.pin(o(1), &[a, b]).is_empty(), "pinning twice is a no-op");
+        assert_eq!(ix.pin(o(1), &[a, c]), vec![c]);
+        assert_eq!(ix.pinned_pages(o(1)), 3);
         // Unpinning one path leaves the shared node pinned for the other.
-        assert_eq!(ix.unpin(1, &[a, b]), vec![b]);
+        assert_eq!(ix.unpin(o(1), &[a, b]), vec![b]);
         assert!(ix.is_pinned(a) && ix.is_pinned(c) && !ix.is_pinned(b));
-        assert_eq!(ix.unpin(1, &[a, c]), vec![a, c]);
-        assert_eq!(ix.pinned_pages(1), 0);
+        assert_eq!(ix.unpin(o(1), &[a, c]), vec![a, c]);
+        assert_eq!(ix.pinned_pages(o(1)), 0);
     }
 
     #[test]
     fn eviction_order_and_subtree_removal() {
         let mut ix = PrefixIndex::default();
-        let a = ix.insert(1, ROOT, &[1], e(0));
-        let b = ix.insert(1, a, &[2], e(1));
-        let c = ix.insert(2, ROOT, &[1], e(2));
+        let a = ix.insert(o(1), ROOT, &[1], e(0));
+        let b = ix.insert(o(1), a, &[2], e(1));
+        let c = ix.insert(o(2), ROOT, &[1], e(2));
         ix.set_idle(c, true);
         ix.set_idle(a, true);
         ix.set_idle(b, true);
@@ -309,7 +314,7 @@ mod tests {
         assert_eq!(gone, vec![0, 1]);
         assert_eq!(ix.idle_count(), 0);
         assert!(!ix.contains(b) && ix.contains(c));
-        assert_eq!(ix.find(1, ROOT, &[1]), None);
-        assert_eq!(ix.roots_of(2), vec![c]);
+        assert_eq!(ix.find(o(1), ROOT, &[1]), None);
+        assert_eq!(ix.roots_of(o(2)), vec![c]);
     }
 }

@@ -14,6 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::Engine;
 use crate::engine::request::RequestId;
+use crate::tenant::TenantId;
 use crate::transfer::wire::Frame;
 use crate::transfer::{Inbound, Limits, Outbound, TransferError};
 
@@ -21,7 +22,7 @@ use crate::transfer::{Inbound, Limits, Outbound, TransferError};
 struct Sending {
     /// Frames for the decode node, written by the connection task.
     frames: mpsc::UnboundedSender<Frame>,
-    owner: u64,
+    owner: TenantId,
     limits: Limits,
     /// Set once its prompt is computed, with the time its `Begin` went.
     out: Option<(Outbound, Instant)>,
@@ -29,7 +30,7 @@ struct Sending {
 
 /// An opened request's receiving end.
 struct Receiving {
-    owner: u64,
+    owner: TenantId,
     /// Told when its pages open (the transfer may begin).
     ready: Option<oneshot::Sender<()>>,
     /// Set by `Begin`.
@@ -69,7 +70,7 @@ pub struct Finished {
 
 impl Ends {
     /// Prefill-only request `id` of tenant `owner` sends its KV through `frames` once computed.
-    pub fn add_sender(&mut self, id: RequestId, owner: u64, limits: Limits, frames: mpsc::UnboundedSender<Frame>) {
+    pub fn add_sender(&mut self, id: RequestId, owner: TenantId, limits: Limits, frames: mpsc::UnboundedSender<Frame>) {
         self.sending.insert(
             id,
             Sending {
@@ -83,7 +84,7 @@ impl Ends {
 
     /// Admitted request `id` of tenant `owner` receives its prompt's KV once its pages open;
     /// `ready` is told then.
-    pub fn add_receiver(&mut self, id: RequestId, owner: u64, ready: oneshot::Sender<()>) {
+    pub fn add_receiver(&mut self, id: RequestId, owner: TenantId, ready: oneshot::Sender<()>) {
         self.receiving.insert(
             id,
             Receiving {

@@ -30,6 +30,7 @@ use crate::kv::{KvError, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
 use crate::plugin::{BoxFuture, KvAccess, PluginFailure};
+use crate::tenant::TenantId;
 use crate::transfer::Limits;
 use crate::transfer::wire::Frame;
 use ends::{Ends, Received};
@@ -128,14 +129,14 @@ pub enum KvQuery {
         /// The request.
         id: RequestId,
         /// The asking tenant.
-        owner: u64,
+        owner: TenantId,
         /// Where the answer goes.
         reply: oneshot::Sender<Option<Vec<PageEntry>>>,
     },
     /// What `owner` may learn of page `entry`.
     Info {
         /// The asking tenant.
-        owner: u64,
+        owner: TenantId,
         /// The page and the epoch the tenant was shown.
         entry: PageEntry,
         /// Where the answer goes.
@@ -146,7 +147,7 @@ pub enum KvQuery {
         /// The request.
         id: RequestId,
         /// The asking tenant.
-        owner: u64,
+        owner: TenantId,
         /// Tokens to pin.
         tokens: usize,
         /// The tokens pinned.
@@ -157,7 +158,7 @@ pub enum KvQuery {
         /// The request.
         id: RequestId,
         /// The asking tenant.
-        owner: u64,
+        owner: TenantId,
         /// The pages unpinned.
         reply: oneshot::Sender<Result<usize, String>>,
     },
@@ -201,9 +202,9 @@ enum Cmd {
     /// Prefill node: the decode node's answer on request `id`'s transfer.
     Answer(RequestId, Frame),
     /// Apply a tenant's policy (weight, KV), of a policy generation.
-    TenantSettings(u64, TenantSettings, u64),
+    TenantSettings(TenantId, TenantSettings, u64),
     /// Drop a deleted tenant's prefix cache; answer once the metrics show it.
-    Forget(u64, oneshot::Sender<()>),
+    Forget(TenantId, oneshot::Sender<()>),
     /// Make these the public prefixes; answer how that went.
     PublicPrefixes(Vec<Vec<u32>>, oneshot::Sender<Result<(), KvError>>),
     Shutdown(Instant, oneshot::Sender<()>),
@@ -271,13 +272,13 @@ pub trait EngineHandle: Send + Sync {
     fn submit(&self, job: Job) -> Result<(), Busy>;
 
     /// Applies tenant `owner`'s policy in the engine (weight, page cap and floor, prefix cache, pins).
-    fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()>;
+    fn set_tenant(&self, owner: TenantId, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()>;
 
     /// Makes `prefixes` the public prefixes (see [`Engine::set_public_prefixes`]).
     fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>>;
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
-    fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()>;
+    fn forget_tenant(&self, owner: TenantId) -> EngineFuture<'_, ()>;
 
     /// Whether the engine can take work.
     fn is_alive(&self) -> bool;
@@ -424,7 +425,7 @@ impl EngineHandle for LocalEngine {
         }
     }
 
-    fn set_tenant(&self, owner: u64, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()> {
+    fn set_tenant(&self, owner: TenantId, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()> {
         Box::pin(self.send_waiting(Cmd::TenantSettings(owner, settings, generation)))
     }
 
@@ -438,7 +439,7 @@ impl EngineHandle for LocalEngine {
         })
     }
 
-    fn forget_tenant(&self, owner: u64) -> EngineFuture<'_, ()> {
+    fn forget_tenant(&self, owner: TenantId) -> EngineFuture<'_, ()> {
         Box::pin(async move {
             self.call(|done| Cmd::Forget(owner, done)).await;
         })
@@ -472,13 +473,13 @@ impl EngineHandle for LocalEngine {
 /// its decode node's connection).
 pub struct EngineKv {
     engine: Arc<dyn EngineHandle>,
-    owner: u64,
+    owner: TenantId,
     slot: Arc<SeqSlot>,
 }
 
 impl EngineKv {
     /// Access for the request of tenant `owner` whose job is `slot`.
-    pub fn new(engine: Arc<dyn EngineHandle>, owner: u64, slot: Arc<SeqSlot>) -> Self {
+    pub fn new(engine: Arc<dyn EngineHandle>, owner: TenantId, slot: Arc<SeqSlot>) -> Self {
         Self { engine, owner, slot }
     }
 }
@@ -566,11 +567,11 @@ pub(crate) fn outcome_label(o: &Outcome) -> &'static str {
 
 /// The policy generation whose settings the engine has, per tenant.
 #[derive(Default)]
-struct Applied(HashMap<u64, u64>);
+struct Applied(HashMap<TenantId, u64>);
 
 impl Applied {
     /// Applies `settings` unless the engine already has a newer generation's settings for `owner`.
-    fn apply(&mut self, engine: &mut Engine, owner: u64, settings: TenantSettings, generation: u64) {
+    fn apply(&mut self, engine: &mut Engine, owner: TenantId, settings: TenantSettings, generation: u64) {
         let had = self.0.entry(owner).or_insert(0);
         if generation >= *had {
             *had = generation;

@@ -684,9 +684,15 @@ mod tests {
             }
         );
         // The one validated type, built from the checked parameters and the tokenized prompt.
-        let valid = plan.params.with_prompt(3, vec![1, 2, 3], &limits).unwrap();
+        let valid = plan
+            .params
+            .with_prompt(crate::testutil::tenant(3), vec![1, 2, 3], &limits)
+            .unwrap();
         let req = valid.request();
-        assert_eq!((req.owner, &req.prompt[..], req.max_tokens), (3, &[1, 2, 3][..], 5));
+        assert_eq!(
+            (req.owner.get(), &req.prompt[..], req.max_tokens),
+            (3, &[1, 2, 3][..], 5)
+        );
         assert_eq!(
             (
                 req.sampling.temperature,
@@ -702,14 +708,23 @@ mod tests {
         // What needs the prompt is checked with it: the model's context and vocabulary.
         let p = || r.common.plan(&lim(), None).unwrap().params;
         assert_eq!(
-            p().with_prompt(3, vec![1; 60], &limits).unwrap_err().code(),
+            p().with_prompt(crate::testutil::tenant(3), vec![1; 60], &limits)
+                .unwrap_err()
+                .code(),
             "context_length_exceeded"
         );
         assert_eq!(
-            p().with_prompt(3, vec![100], &limits).unwrap_err().code(),
+            p().with_prompt(crate::testutil::tenant(3), vec![100], &limits)
+                .unwrap_err()
+                .code(),
             "invalid_token"
         );
-        assert_eq!(p().with_prompt(3, vec![], &limits).unwrap_err().code(), "empty_prompt");
+        assert_eq!(
+            p().with_prompt(crate::testutil::tenant(3), vec![], &limits)
+                .unwrap_err()
+                .code(),
+            "empty_prompt"
+        );
     }
 
     #[test]

@@ -28,6 +28,7 @@ use crate::engine::request::Usage;
 use crate::policy::rate::{Denied, Gcra};
 use crate::policy::{Bounds, Policy, PolicyError, PolicySet};
 use crate::runner::UsageMeter;
+use crate::tenant::TenantId;
 
 /// A tenant's live limiters.
 #[derive(Default)]
@@ -80,7 +81,7 @@ pub struct Quotas {
     /// How public prefixes' text becomes tokens.
     tokenize: Tokenize,
     set: RwLock<Arc<PolicySet>>,
-    live: Mutex<HashMap<u64, Live>>,
+    live: Mutex<HashMap<TenantId, Live>>,
     /// Usage counters, persisted.
     pub usage: UsageBook,
     reload_failures: AtomicU64,
@@ -140,7 +141,7 @@ impl Quotas {
         self.reload_failures.load(Ordering::Relaxed)
     }
 
-    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Live>> {
+    fn live(&self) -> std::sync::MutexGuard<'_, HashMap<TenantId, Live>> {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -445,8 +445,8 @@ mod tests {
                 outcome: Outcome::Aborted(AbortReason::Isolation(
                     warden_kernels::tag::IsolationViolation::ForeignOwner {
                         page: 1,
-                        expected: 3,
-                        found: 2,
+                        expected: crate::testutil::tenant(3).into(),
+                        found: crate::testutil::tenant(2).into(),
                     },
                 )),
                 text: String::new(),

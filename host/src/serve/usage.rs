@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 
 use super::store::{Store, StoreError};
+use crate::tenant::TenantId;
 
 /// How often changed counters reach the disk.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(500);
@@ -78,10 +79,10 @@ pub struct UsageBook {
 
 #[derive(Default)]
 struct Inner {
-    by_tenant: HashMap<u64, TenantUsage>,
-    dirty: HashSet<u64>,
+    by_tenant: HashMap<TenantId, TenantUsage>,
+    dirty: HashSet<TenantId>,
     /// Deleted tenants (ids are never reused): a request of theirs still in flight books nothing.
-    forgotten: HashSet<u64>,
+    forgotten: HashSet<TenantId>,
 }
 
 /// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (Howard Hinnant's
@@ -127,8 +128,10 @@ impl UsageBook {
         for kv in tree.iter() {
             let (k, v) = kv?;
             let id = <[u8; 8]>::try_from(k.as_ref())
+                .ok()
                 .map(u64::from_be_bytes)
-                .map_err(|_| StoreError::Corrupt("usage key".into()))?;
+                .and_then(TenantId::new)
+                .ok_or_else(|| StoreError::Corrupt("usage key".into()))?;
             let u: TenantUsage =
                 serde_json::from_slice(&v).map_err(|_| StoreError::Corrupt(format!("usage of tenant {id}")))?;
             inner.by_tenant.insert(id, u);
@@ -140,7 +143,7 @@ impl UsageBook {
         })
     }
 
-    fn with(&self, id: u64, name: &str, f: impl FnOnce(&mut TenantUsage)) {
+    fn with(&self, id: TenantId, name: &str, f: impl FnOnce(&mut TenantUsage)) {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         if inner.forgotten.contains(&id) {
             return;
@@ -154,7 +157,7 @@ impl UsageBook {
     }
 
     /// Records a request that ended, with what it used.
-    pub fn record(&self, id: u64, name: &str, used: Used) {
+    pub fn record(&self, id: TenantId, name: &str, used: Used) {
         let (day, month, _, _) = periods(SystemTime::now());
         self.with(id, name, |u| {
             u.requests += 1;
@@ -172,12 +175,12 @@ impl UsageBook {
     }
 
     /// Records a refused request.
-    pub fn reject(&self, id: u64, name: &str, code: &str) {
+    pub fn reject(&self, id: TenantId, name: &str, code: &str) {
         self.with(id, name, |u| *u.rejections.entry(code.to_string()).or_insert(0) += 1);
     }
 
     /// Tokens tenant `id` used this UTC day and this UTC month.
-    pub fn period_tokens(&self, id: u64, now: SystemTime) -> (u64, u64) {
+    pub fn period_tokens(&self, id: TenantId, now: SystemTime) -> (u64, u64) {
         let (day, month, _, _) = periods(now);
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.by_tenant.get(&id).map_or((0, 0), |u| {
@@ -189,7 +192,7 @@ impl UsageBook {
     }
 
     /// One tenant's counters.
-    pub fn of(&self, id: u64, name: &str) -> TenantUsage {
+    pub fn of(&self, id: TenantId, name: &str) -> TenantUsage {
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let mut u = inner.by_tenant.get(&id).cloned().unwrap_or_default();
         u.tenant = name.to_string();
@@ -207,13 +210,13 @@ impl UsageBook {
     }
 
     /// Forgets a deleted tenant's counters.
-    pub fn forget(&self, id: u64) -> Result<(), StoreError> {
+    pub fn forget(&self, id: TenantId) -> Result<(), StoreError> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.by_tenant.remove(&id);
         inner.dirty.remove(&id);
         inner.forgotten.insert(id);
         // Under the lock, so a flush cannot write the entry back.
-        self.tree.remove(id.to_be_bytes())?;
+        self.tree.remove(id.get().to_be_bytes())?;
         Ok(())
     }
 
@@ -223,12 +226,12 @@ impl UsageBook {
             // The batch is applied under the lock (sled applies it in memory; the disk write
             // below is outside), so a tenant forgotten meanwhile is not written back.
             let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            let dirty: Vec<u64> = inner.dirty.drain().collect();
+            let dirty: Vec<TenantId> = inner.dirty.drain().collect();
             let mut batch = sled::Batch::default();
             for id in dirty {
                 if let Some(u) = inner.by_tenant.get(&id) {
                     let v = serde_json::to_vec(u).map_err(|e| StoreError::Corrupt(e.to_string()))?;
-                    batch.insert(&id.to_be_bytes(), v);
+                    batch.insert(&id.get().to_be_bytes(), v);
                 }
             }
             self.tree.apply_batch(batch)?;
@@ -241,6 +244,7 @@ impl UsageBook {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::tenant;
 
     #[test]
     fn counters_persist_and_a_forgotten_tenant_books_nothing_more() {
@@ -255,18 +259,18 @@ mod tests {
         {
             let store = Store::open(&dir).unwrap();
             let book = UsageBook::open(&store).unwrap();
-            book.record(1, "a", used);
-            book.record(2, "b", used);
-            book.reject(1, "a", "rate_limit_requests");
+            book.record(tenant(1), "a", used);
+            book.record(tenant(2), "b", used);
+            book.reject(tenant(1), "a", "rate_limit_requests");
             book.flush().unwrap();
-            book.forget(2).unwrap();
-            book.record(2, "b", used);
+            book.forget(tenant(2)).unwrap();
+            book.record(tenant(2), "b", used);
             book.flush().unwrap();
-            assert_eq!(book.period_tokens(1, SystemTime::now()), (15, 15));
+            assert_eq!(book.period_tokens(tenant(1), SystemTime::now()), (15, 15));
         }
         let store = Store::open(&dir).unwrap();
         let book = UsageBook::open(&store).unwrap();
-        let a = book.of(1, "a");
+        let a = book.of(tenant(1), "a");
         assert_eq!(
             (a.requests, a.prompt_tokens, a.cached_tokens, a.plugin_fuel),
             (1, 10, 8, 7)

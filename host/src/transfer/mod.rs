@@ -20,6 +20,7 @@ pub mod wire;
 use warden_kernels::tag::IsolationViolation;
 
 use crate::kv::{KvError, KvPool, SeqId};
+use crate::tenant::TenantId;
 use wire::{Frame, PageFrame};
 
 /// Most pages one transfer batch may carry (`cluster.pages_per_batch`).
@@ -62,9 +63,9 @@ pub enum TransferError {
     #[error("a batch tagged for tenant {got} arrived on tenant {expected}'s transfer")]
     WrongOwner {
         /// This transfer's tenant.
-        expected: u64,
+        expected: TenantId,
         /// The batch's.
-        got: u64,
+        got: TenantId,
     },
     /// A batch out of order: one was lost or reordered, or it came twice.
     #[error("batch {got} arrived where batch {expected} was due (a batch was lost, reordered or repeated)")]
@@ -129,7 +130,7 @@ pub enum TransferError {
 #[derive(Debug)]
 pub struct Outbound {
     seq: SeqId,
-    owner: u64,
+    owner: TenantId,
     tokens: usize,
     pages: usize,
     page_size: usize,
@@ -148,7 +149,7 @@ pub struct Outbound {
 
 impl Outbound {
     /// A transfer of the first `tokens` positions of pool sequence `seq` of tenant `owner`.
-    pub fn new(pool: &KvPool, seq: SeqId, owner: u64, tokens: usize, limits: Limits) -> Self {
+    pub fn new(pool: &KvPool, seq: SeqId, owner: TenantId, tokens: usize, limits: Limits) -> Self {
         let page_size = pool.shape().page_size;
         Self {
             seq,
@@ -286,7 +287,7 @@ pub struct Inbound {
     remote: u64,
     /// The receiver's pool sequence.
     seq: SeqId,
-    owner: u64,
+    owner: TenantId,
     tokens: usize,
     page_size: usize,
     received: Vec<bool>,
@@ -297,7 +298,7 @@ impl Inbound {
     /// Takes the sender's `Begin` for pool sequence `seq`, which the receiver opened for tenant
     /// `owner` with room for at least `tokens` positions; allocates exactly the pages the prompt
     /// needs.
-    pub fn begin(pool: &mut KvPool, seq: SeqId, owner: u64, begin: Frame) -> Result<Self, TransferError> {
+    pub fn begin(pool: &mut KvPool, seq: SeqId, owner: TenantId, begin: Frame) -> Result<Self, TransferError> {
         let Frame::Begin {
             seq: remote,
             owner: theirs,

@@ -8,6 +8,7 @@ use warden_kernels::attention::AttnShape;
 use super::wire::{Frame, WireError};
 use super::{Inbound, Limits, Outbound, TransferError};
 use crate::kv::KvPool;
+use crate::tenant::TenantId;
 
 const SHAPE: AttnShape = AttnShape {
     n_heads: 2,
@@ -16,7 +17,10 @@ const SHAPE: AttnShape = AttnShape {
     page_size: 4,
 };
 const LAYERS: usize = 2;
-const OWNER: u64 = 5;
+const OWNER: TenantId = match TenantId::new(5) {
+    Some(t) => t,
+    None => panic!("5 is a tenant id"),
+};
 const TOKENS: usize = 37;
 const SRC_SEQ: u64 = 1;
 const DST_SEQ: u64 = 100;
@@ -36,7 +40,7 @@ fn prefilled() -> KvPool {
         for pos in 0..TOKENS {
             let k: Vec<f32> = (0..4).map(|j| (layer * 1000 + pos * 10 + j) as f32 / 64.0).collect();
             let v: Vec<f32> = k.iter().map(|x| -x).collect();
-            p.write(layer, OWNER, &table, pos, &k, &v).unwrap();
+            p.write(layer, OWNER.into(), &table, pos, &k, &v).unwrap();
         }
     }
     p
@@ -85,7 +89,7 @@ fn transfer(src: &KvPool, dst: &mut KvPool, limits: Limits, fault: Fault) -> Res
                 && x == n
                 && let Frame::Batch { owner, .. } = &mut f
             {
-                *owner = 6;
+                *owner = crate::testutil::tenant(6);
             }
             let mut b = f.encode();
             match (fault, number) {
@@ -203,10 +207,8 @@ fn every_wire_fault_fails_the_transfer_and_leaves_nothing_written() {
         (Fault::Retag(2), |e| {
             matches!(
                 e,
-                Failed::Transfer(T::WrongOwner {
-                    expected: OWNER,
-                    got: 6
-                })
+                Failed::Transfer(T::WrongOwner { expected, got })
+                    if *expected == OWNER && got.get() == 6
             )
         }),
     ];
@@ -251,7 +253,13 @@ fn a_transfer_for_another_tenant_or_sequence_is_refused() {
     let src = prefilled();
     let mut dst = receiver();
     let out = Outbound::new(&src, SeqId(SRC_SEQ), OWNER, TOKENS, limits());
-    let e = Inbound::begin(&mut dst, SeqId(DST_SEQ), OWNER + 1, out.begin()).unwrap_err();
+    let e = Inbound::begin(
+        &mut dst,
+        SeqId(DST_SEQ),
+        crate::testutil::tenant(OWNER.get() + 1),
+        out.begin(),
+    )
+    .unwrap_err();
     assert!(matches!(e, TransferError::WrongOwner { .. }), "{e:?}");
     let mut inb = Inbound::begin(&mut dst, SeqId(DST_SEQ), OWNER, out.begin()).unwrap();
     let stray = Frame::End {

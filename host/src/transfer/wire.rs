@@ -8,6 +8,7 @@
 use half::f16;
 
 use crate::kv::PageData;
+use crate::tenant::TenantId;
 
 /// One page of a batch: its index in the sequence, the position of its first token, and its
 /// content.
@@ -30,7 +31,7 @@ pub enum Frame {
         /// The sequence, as the prefill node names it.
         seq: u64,
         /// Its tenant (the owner every page carries).
-        owner: u64,
+        owner: TenantId,
         /// Prompt tokens the transfer covers.
         tokens: u32,
     },
@@ -39,7 +40,7 @@ pub enum Frame {
         /// The sequence.
         seq: u64,
         /// Its tenant: the tag of every page in the batch.
-        owner: u64,
+        owner: TenantId,
         /// Batches are numbered from 0 and must arrive in order.
         number: u32,
         /// The pages.
@@ -141,7 +142,7 @@ impl Frame {
             Frame::Begin { seq, owner, tokens } => {
                 b.push(BEGIN);
                 put_u64(&mut b, *seq);
-                put_u64(&mut b, *owner);
+                put_u64(&mut b, owner.get());
                 put_u32(&mut b, *tokens);
             }
             Frame::Batch {
@@ -152,7 +153,7 @@ impl Frame {
             } => {
                 b.push(BATCH);
                 put_u64(&mut b, *seq);
-                put_u64(&mut b, *owner);
+                put_u64(&mut b, owner.get());
                 put_u32(&mut b, *number);
                 put_u32(&mut b, pages.len() as u32);
                 for p in pages {
@@ -212,11 +213,11 @@ impl Frame {
         let frame = match r.u8()? {
             BEGIN => Frame::Begin {
                 seq: r.u64()?,
-                owner: r.u64()?,
+                owner: r.tenant()?,
                 tokens: r.u32()?,
             },
             BATCH => {
-                let (seq, owner, number, n) = (r.u64()?, r.u64()?, r.u32()?, r.u32()? as usize);
+                let (seq, owner, number, n) = (r.u64()?, r.tenant()?, r.u32()?, r.u32()? as usize);
                 // Each page takes at least its 24-byte header: a count the body cannot hold is
                 // refused before anything is allocated for it.
                 if n > r.0.len() / 24 {
@@ -304,6 +305,12 @@ impl<'a> Reader<'a> {
         Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
     }
 
+    fn tenant(&mut self) -> Result<TenantId, WireError> {
+        TenantId::new(self.u64()?).ok_or(WireError::Malformed(
+            "a tenant id that is no tenant's (0 or the largest)",
+        ))
+    }
+
     fn u64(&mut self) -> Result<u64, WireError> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
     }
@@ -331,12 +338,12 @@ mod tests {
         vec![
             Frame::Begin {
                 seq: 7,
-                owner: 3,
+                owner: crate::testutil::tenant(3),
                 tokens: 37,
             },
             Frame::Batch {
                 seq: 7,
-                owner: 3,
+                owner: crate::testutil::tenant(3),
                 number: 0,
                 pages: vec![
                     PageFrame {

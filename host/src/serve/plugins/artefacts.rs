@@ -12,6 +12,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use crate::plugin::{Plugin, Runtime};
+use crate::tenant::TenantId;
 
 const MAC_LEN: usize = 32;
 
@@ -43,16 +44,16 @@ impl Artefacts {
         })
     }
 
-    fn path(&self, tenant: u64, sha256: &str) -> PathBuf {
+    fn path(&self, tenant: TenantId, sha256: &str) -> PathBuf {
         self.dir
-            .join(format!("{tenant:016x}-{sha256}-{}.cwasm", self.compatibility))
+            .join(format!("{:016x}-{sha256}-{}.cwasm", tenant.get(), self.compatibility))
     }
 
-    fn mac(&self, tenant: u64, sha256: &str, body: &[u8]) -> Hmac<Sha256> {
+    fn mac(&self, tenant: TenantId, sha256: &str, body: &[u8]) -> Hmac<Sha256> {
         hmac(
             &self.key,
             &[
-                &tenant.to_be_bytes(),
+                &tenant.get().to_be_bytes(),
                 sha256.as_bytes(),
                 self.compatibility.as_bytes(),
                 body,
@@ -61,7 +62,7 @@ impl Artefacts {
     }
 
     /// The cached compile of `tenant`'s version `sha256`, if there is one that Warden wrote.
-    pub fn load(&self, runtime: &Runtime, tenant: u64, sha256: &str) -> Option<Plugin> {
+    pub fn load(&self, runtime: &Runtime, tenant: TenantId, sha256: &str) -> Option<Plugin> {
         let bytes = std::fs::read(self.path(tenant, sha256)).ok()?;
         if bytes.len() < MAC_LEN {
             return None;
@@ -76,7 +77,7 @@ impl Artefacts {
 
     /// Writes `plugin`'s compile for `tenant`'s version `sha256` (atomically; errors are
     /// ignored: the cache only saves time).
-    pub fn save(&self, tenant: u64, sha256: &str, plugin: &Plugin) {
+    pub fn save(&self, tenant: TenantId, sha256: &str, plugin: &Plugin) {
         let Ok(body) = plugin.artefact() else { return };
         let mut out = self.mac(tenant, sha256, &body).finalize().into_bytes().to_vec();
         out.extend_from_slice(&body);
@@ -88,7 +89,7 @@ impl Artefacts {
     }
 
     /// Drops the cached compile of a version.
-    pub fn remove(&self, tenant: u64, sha256: &str) {
+    pub fn remove(&self, tenant: TenantId, sha256: &str) {
         let _ = std::fs::remove_file(self.path(tenant, sha256));
     }
 }

@@ -6,6 +6,7 @@
 //! writes at most 50 lines a second (bursts of 500), and lines beyond are counted and reported
 //! as one line; a file past 16 MiB is moved aside to `.log.1` (replacing the older one).
 
+use crate::tenant::TenantId;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,13 +28,13 @@ struct Bucket {
 /// The log files.
 pub struct TenantLogs {
     dir: PathBuf,
-    buckets: Mutex<HashMap<u64, Bucket>>,
+    buckets: Mutex<HashMap<TenantId, Bucket>>,
 }
 
 /// Where one batch of lines came from.
 pub struct Source<'a> {
     /// The tenant's id.
-    pub tenant: u64,
+    pub tenant: TenantId,
     /// The plugin's name.
     pub plugin: &'a str,
     /// Its version (SHA-256).
@@ -51,7 +52,7 @@ impl TenantLogs {
         }
     }
 
-    fn path(&self, tenant: u64) -> PathBuf {
+    fn path(&self, tenant: TenantId) -> PathBuf {
         self.dir.join(format!("{tenant}.log"))
     }
 
@@ -103,7 +104,7 @@ impl TenantLogs {
     }
 
     /// The last `n` lines plugin `plugin` of `tenant` wrote (from the end of the current file).
-    pub fn tail(&self, tenant: u64, plugin: &str, n: usize) -> Vec<String> {
+    pub fn tail(&self, tenant: TenantId, plugin: &str, n: usize) -> Vec<String> {
         use std::io::{Read, Seek, SeekFrom};
         let Ok(mut f) = std::fs::File::open(self.path(tenant)) else {
             return vec![];
@@ -130,6 +131,7 @@ impl TenantLogs {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::tenant;
 
     #[test]
     fn lines_are_rate_limited_per_tenant_and_tailed_per_plugin() {
@@ -143,18 +145,18 @@ mod tests {
             request: "req-1",
         };
         let many: Vec<String> = (0..600).map(|i| format!("info: line {i}")).collect();
-        logs.write(&src(1, "a"), many);
-        logs.write(&src(1, "b"), vec!["info: from b".into()]);
-        logs.write(&src(2, "a"), vec!["info: other tenant".into()]);
-        let a = logs.tail(1, "a", 1000);
+        logs.write(&src(tenant(1), "a"), many);
+        logs.write(&src(tenant(1), "b"), vec!["info: from b".into()]);
+        logs.write(&src(tenant(2), "a"), vec!["info: other tenant".into()]);
+        let a = logs.tail(tenant(1), "a", 1000);
         assert_eq!(
             a.len(),
             BURST as usize,
             "the burst is the most one tenant writes at once"
         );
         assert!(a[0].ends_with("a@0123456789ab req-1 info: line 0"), "{}", a[0]);
-        assert_eq!(logs.tail(1, "b", 10).len(), 0, "b was over the tenant's rate");
-        let other = logs.tail(2, "a", 10);
+        assert_eq!(logs.tail(tenant(1), "b", 10).len(), 0, "b was over the tenant's rate");
+        let other = logs.tail(tenant(2), "a", 10);
         assert_eq!(other.len(), 1);
         assert!(
             other[0].ends_with(" a@0123456789ab req-1 info: other tenant"),

@@ -25,6 +25,7 @@ use crate::config::PluginsConfig;
 use crate::plugin::compile::{CompileLimits, compile_isolated};
 use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling};
 use crate::policy::rate::{Denied, Gcra};
+use crate::tenant::TenantId;
 use crate::tenant::valid_tenant_name;
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
@@ -59,25 +60,25 @@ pub struct Plugins {
     store: Store,
     cfg: PluginsConfig,
     artefacts: Artefacts,
-    compiled: Mutex<HashMap<(u64, String), Plugin>>,
+    compiled: Mutex<HashMap<(TenantId, String), Plugin>>,
     /// Serializes read-modify-write of records.
     write: Mutex<()>,
     tokenizer: Arc<Tokenizer>,
     logs: Arc<TenantLogs>,
     /// Plugin instances each tenant's requests hold now.
-    held: Arc<Mutex<HashMap<u64, usize>>>,
+    held: Arc<Mutex<HashMap<TenantId, usize>>>,
     /// The `warden` binary, which compiles components in a child process.
     compiler: PathBuf,
     /// Compilations running at once.
     compiles: tokio::sync::Semaphore,
     /// Each tenant's uploads of new versions, per minute.
-    uploads: Mutex<HashMap<u64, Gcra>>,
+    uploads: Mutex<HashMap<TenantId, Gcra>>,
 }
 
 /// A request's hold on its tenant's share of plugin instances; dropping it gives them back.
 pub struct Share {
-    held: Arc<Mutex<HashMap<u64, usize>>>,
-    tenant: u64,
+    held: Arc<Mutex<HashMap<TenantId, usize>>>,
+    tenant: TenantId,
     n: usize,
 }
 
@@ -266,12 +267,12 @@ impl Plugins {
         Ok(self.store.plugins().default(t.id).map_err(store_error)?.as_deref() == Some(name))
     }
 
-    fn cached(&self, tenant: u64, sha: &str) -> Option<Plugin> {
+    fn cached(&self, tenant: TenantId, sha: &str) -> Option<Plugin> {
         let g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
         g.get(&(tenant, sha.to_string())).cloned()
     }
 
-    fn remember(&self, tenant: u64, sha: &str, p: &Plugin) {
+    fn remember(&self, tenant: TenantId, sha: &str, p: &Plugin) {
         let mut g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
         if g.len() >= COMPILED_CACHE
             && let Some(k) = g.keys().next().cloned()
@@ -281,7 +282,7 @@ impl Plugins {
         g.insert((tenant, sha.to_string()), p.clone());
     }
 
-    fn forget(&self, tenant: u64, sha: &str) {
+    fn forget(&self, tenant: TenantId, sha: &str) {
         let mut g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
         g.remove(&(tenant, sha.to_string()));
         self.artefacts.remove(tenant, sha);

@@ -25,6 +25,7 @@ use crate::plugin::{
 use crate::runner::{EndFlag, Update};
 use crate::serve::openai::{ApiError, Asked};
 use crate::serve::quota::Grant;
+use crate::tenant::TenantId;
 use crate::tokenizer::Tokenizer;
 
 /// Where a request's plugin reports: failures to the tenant's metrics, log lines to the
@@ -36,7 +37,7 @@ pub struct Reporter {
     /// The tenant's name.
     pub tenant: String,
     /// The tenant's id.
-    pub tenant_id: u64,
+    pub tenant_id: TenantId,
     /// The request's id.
     pub request: String,
     /// The tenants' plugin logs.

@@ -17,6 +17,7 @@ use subtle::ConstantTimeEq;
 pub mod error;
 pub mod records;
 
+use crate::tenant::TenantId;
 use crate::tenant::valid_tenant_name;
 pub use error::StoreError;
 use error::now;
@@ -25,8 +26,8 @@ use records::Records;
 /// A tenant.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Tenant {
-    /// Its id: the owner in every KV tag it gets. Never 0, never reused.
-    pub id: u64,
+    /// Its id: the owner in every KV tag it gets. Never reused.
+    pub id: TenantId,
     /// Its name.
     pub name: String,
     /// Creation time, seconds since the Unix epoch.
@@ -130,6 +131,7 @@ impl Store {
             })?
             .and_then(|b| <[u8; 8]>::try_from(&b[..]).ok())
             .map(u64::from_be_bytes)
+            .and_then(TenantId::new)
             .ok_or_else(|| StoreError::Corrupt("next_tenant_id".into()))?;
         let t = Tenant {
             id,
@@ -168,7 +170,7 @@ impl Store {
     }
 
     /// Deletes tenant `name`, every key of it and its plugins; returns its id.
-    pub fn delete_tenant(&self, name: &str) -> Result<u64, StoreError> {
+    pub fn delete_tenant(&self, name: &str) -> Result<TenantId, StoreError> {
         let t = self.tenant(name)?.ok_or_else(|| StoreError::NoTenant(name.into()))?;
         self.tenants.remove(name)?;
         for k in self.keys(Some(name))? {
@@ -322,7 +324,7 @@ mod tests {
             assert!(s.is_new().unwrap());
             let a = s.create_tenant("acme").unwrap();
             let b = s.create_tenant("beta").unwrap();
-            assert!(a.id != 0 && a.id != b.id);
+            assert!(a.id != b.id);
             let (_, key) = s.create_key("acme").unwrap();
             let (info, other) = s.create_key("beta").unwrap();
             assert_eq!(s.authenticate(&key).unwrap().unwrap().name, "acme");

@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::error::{StoreError, now};
+use crate::tenant::TenantId;
 
 /// One uploaded version.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,14 +59,14 @@ pub struct Records {
     defaults: sled::Tree,
 }
 
-fn plugin_key(tenant: u64, name: &str) -> Vec<u8> {
-    let mut k = tenant.to_be_bytes().to_vec();
+fn plugin_key(tenant: TenantId, name: &str) -> Vec<u8> {
+    let mut k = tenant.get().to_be_bytes().to_vec();
     k.extend_from_slice(name.as_bytes());
     k
 }
 
-fn blob_key(tenant: u64, sha: &[u8; 32]) -> Vec<u8> {
-    let mut k = tenant.to_be_bytes().to_vec();
+fn blob_key(tenant: TenantId, sha: &[u8; 32]) -> Vec<u8> {
+    let mut k = tenant.get().to_be_bytes().to_vec();
     k.extend_from_slice(sha);
     k
 }
@@ -97,7 +98,7 @@ impl Records {
     }
 
     /// Plugin `name` of `tenant`.
-    pub fn get(&self, tenant: u64, name: &str) -> Result<Option<PluginRecord>, StoreError> {
+    pub fn get(&self, tenant: TenantId, name: &str) -> Result<Option<PluginRecord>, StoreError> {
         self.plugins
             .get(plugin_key(tenant, name))?
             .map(|b| serde_json::from_slice(&b).map_err(|_| StoreError::Corrupt(format!("plugin {name}"))))
@@ -105,7 +106,7 @@ impl Records {
     }
 
     /// Writes `rec` (it replaces any record of the same name).
-    pub fn put(&self, tenant: u64, rec: &PluginRecord) -> Result<(), StoreError> {
+    pub fn put(&self, tenant: TenantId, rec: &PluginRecord) -> Result<(), StoreError> {
         let bytes = serde_json::to_vec(rec).map_err(|_| StoreError::Corrupt(format!("plugin {}", rec.name)))?;
         self.plugins.insert(plugin_key(tenant, &rec.name), bytes)?;
         self.plugins.flush()?;
@@ -113,9 +114,9 @@ impl Records {
     }
 
     /// The tenant's plugins, by name.
-    pub fn list(&self, tenant: u64) -> Result<Vec<PluginRecord>, StoreError> {
+    pub fn list(&self, tenant: TenantId) -> Result<Vec<PluginRecord>, StoreError> {
         self.plugins
-            .scan_prefix(tenant.to_be_bytes())
+            .scan_prefix(tenant.get().to_be_bytes())
             .map(|kv| {
                 let (k, v) = kv?;
                 serde_json::from_slice(&v).map_err(|_| StoreError::Corrupt(format!("plugin {}", hex(&k))))
@@ -124,26 +125,26 @@ impl Records {
     }
 
     /// Removes plugin `name` and the bytes of its versions.
-    pub fn remove(&self, tenant: u64, rec: &PluginRecord) -> Result<(), StoreError> {
+    pub fn remove(&self, tenant: TenantId, rec: &PluginRecord) -> Result<(), StoreError> {
         for v in &rec.versions {
             self.remove_blob(tenant, &v.sha256)?;
         }
         self.plugins.remove(plugin_key(tenant, &rec.name))?;
         if self.default(tenant)?.as_deref() == Some(rec.name.as_str()) {
-            self.defaults.remove(tenant.to_be_bytes())?;
+            self.defaults.remove(tenant.get().to_be_bytes())?;
         }
         self.plugins.flush()?;
         Ok(())
     }
 
     /// Stores a version's bytes.
-    pub fn put_blob(&self, tenant: u64, sha: &[u8; 32], bytes: &[u8]) -> Result<(), StoreError> {
+    pub fn put_blob(&self, tenant: TenantId, sha: &[u8; 32], bytes: &[u8]) -> Result<(), StoreError> {
         self.blobs.insert(blob_key(tenant, sha), bytes)?;
         Ok(())
     }
 
     /// A version's bytes.
-    pub fn blob(&self, tenant: u64, sha256: &str) -> Result<Option<sled::IVec>, StoreError> {
+    pub fn blob(&self, tenant: TenantId, sha256: &str) -> Result<Option<sled::IVec>, StoreError> {
         let Some(sha) = unhex(sha256) else {
             return Ok(None);
         };
@@ -151,7 +152,7 @@ impl Records {
     }
 
     /// Drops a version's bytes.
-    pub fn remove_blob(&self, tenant: u64, sha256: &str) -> Result<(), StoreError> {
+    pub fn remove_blob(&self, tenant: TenantId, sha256: &str) -> Result<(), StoreError> {
         if let Some(sha) = unhex(sha256) {
             self.blobs.remove(blob_key(tenant, &sha))?;
         }
@@ -159,27 +160,27 @@ impl Records {
     }
 
     /// The tenant's default plugin, if set.
-    pub fn default(&self, tenant: u64) -> Result<Option<String>, StoreError> {
+    pub fn default(&self, tenant: TenantId) -> Result<Option<String>, StoreError> {
         Ok(self
             .defaults
-            .get(tenant.to_be_bytes())?
+            .get(tenant.get().to_be_bytes())?
             .map(|b| String::from_utf8_lossy(&b).into_owned()))
     }
 
     /// Sets (or with `None` clears) the tenant's default plugin.
-    pub fn set_default(&self, tenant: u64, name: Option<&str>) -> Result<(), StoreError> {
+    pub fn set_default(&self, tenant: TenantId, name: Option<&str>) -> Result<(), StoreError> {
         match name {
-            Some(n) => self.defaults.insert(tenant.to_be_bytes(), n.as_bytes())?,
-            None => self.defaults.remove(tenant.to_be_bytes())?,
+            Some(n) => self.defaults.insert(tenant.get().to_be_bytes(), n.as_bytes())?,
+            None => self.defaults.remove(tenant.get().to_be_bytes())?,
         };
         self.defaults.flush()?;
         Ok(())
     }
 
     /// Removes everything of `tenant`.
-    pub fn forget_tenant(&self, tenant: u64) -> Result<(), StoreError> {
+    pub fn forget_tenant(&self, tenant: TenantId) -> Result<(), StoreError> {
         for tree in [&self.plugins, &self.blobs, &self.defaults] {
-            for k in tree.scan_prefix(tenant.to_be_bytes()).keys() {
+            for k in tree.scan_prefix(tenant.get().to_be_bytes()).keys() {
                 tree.remove(k?)?;
             }
             tree.flush()?;
