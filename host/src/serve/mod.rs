@@ -2,13 +2,14 @@
 //! engine handle (this process's engine thread, or a router's cluster: [`crate::runner`]), with
 //! tenants and API keys in sled.
 //!
-//! Modules, one concept each: [`store`] (tenants and keys), [`tls`] (certificates), [`openai`]
-//! (request shapes and the error JSON), [`stream`] (response and SSE shapes), [`quota`] and
+//! Modules, one concept each: [`store`] (tenants and keys), [`tls`] (certificates), [`error`]
+//! (the one error type and its JSON), [`openai`] (request shapes), [`stream`] (response and SSE shapes), [`quota`] and
 //! [`usage`] (policies enforced, usage booked), [`plugins`] (the plugin registry and pipeline),
 //! [`http`] (routing and endpoints), [`manage`] (the CLI's offline commands) and [`client`] (the
 //! small HTTPS client the CLI uses to reach a running server's admin API).
 
 pub mod client;
+pub mod error;
 pub mod http;
 pub mod manage;
 pub mod openai;

@@ -1,97 +1,14 @@
-//! OpenAI's wire shapes: request bodies (parsed strictly, errors naming the field), the
-//! conversion into engine requests, and the error JSON every failure reaches the client as.
+//! OpenAI's wire shapes: request bodies (parsed strictly, errors naming the field) and their
+//! conversion into the engine's validated parameters (the error JSON is [`ApiError`]'s).
 
 use hyper::StatusCode;
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 
+use super::error::ApiError;
 use crate::chat::ChatMessage;
-use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params, RejectReason};
+use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params};
 use crate::engine::sampling::SamplingParams;
-
-/// An error as the client sees it: `{"error": {"message", "type", "code", "param"}}`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: StatusCode,
-    /// Stable machine-readable code.
-    pub code: &'static str,
-    /// Human message: names the field, the limit and the value.
-    pub message: String,
-    /// The request field at fault, if one is.
-    pub param: Option<String>,
-    /// Seconds after which a retry may succeed (`Retry-After`), for rate and usage limits.
-    pub retry_after: Option<u64>,
-}
-
-impl ApiError {
-    /// An error with no particular field.
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            code,
-            message: message.into(),
-            param: None,
-            retry_after: None,
-        }
-    }
-
-    /// 400 for a field.
-    pub fn field(field: &str, message: impl Into<String>) -> Self {
-        Self {
-            status: StatusCode::BAD_REQUEST,
-            code: "invalid_parameter",
-            message: message.into(),
-            param: Some(field.into()),
-            retry_after: None,
-        }
-    }
-
-    /// OpenAI's `type` for this status.
-    pub fn kind(&self) -> &'static str {
-        match self.status {
-            StatusCode::UNAUTHORIZED => "authentication_error",
-            StatusCode::FORBIDDEN => "permission_error",
-            StatusCode::NOT_FOUND => "not_found_error",
-            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
-            s if s.is_server_error() => "server_error",
-            _ => "invalid_request_error",
-        }
-    }
-
-    /// The JSON body.
-    pub fn body(&self) -> Value {
-        json!({"error": {"message": self.message, "type": self.kind(), "code": self.code, "param": self.param}})
-    }
-}
-
-impl From<RejectReason> for ApiError {
-    fn from(r: RejectReason) -> Self {
-        let status = match r {
-            RejectReason::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            _ => StatusCode::BAD_REQUEST,
-        };
-        let param = match &r {
-            RejectReason::InvalidParameter { field, .. } => Some(field.as_str().into()),
-            RejectReason::ContextLengthExceeded { .. } => Some("messages".into()),
-            RejectReason::EmptyPrompt | RejectReason::InvalidToken { .. } => Some("prompt".into()),
-            _ => None,
-        };
-        Self {
-            status,
-            code: r.code(),
-            message: r.to_string(),
-            param,
-            retry_after: None,
-        }
-    }
-}
-
-impl From<InvalidParam> for ApiError {
-    fn from(e: InvalidParam) -> Self {
-        ApiError::field(e.field.as_str(), e.to_string())
-    }
-}
 
 /// Deepest nesting of arrays and objects in a JSON text (strings skipped), without parsing it.
 pub fn json_depth(bytes: &[u8]) -> usize {

@@ -19,9 +19,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant, SystemTime};
 
-use hyper::StatusCode;
-
-use super::openai::ApiError;
 use super::store::Tenant;
 use super::usage::{UsageBook, Used, periods};
 use crate::engine::request::Usage;
@@ -65,10 +62,109 @@ fn limiter(slot: &mut Option<(u64, Gcra)>, limit: Option<u64>, now: Instant) -> 
     }
 }
 
-fn too_many(code: &'static str, message: String, retry: Duration) -> ApiError {
-    let mut e = ApiError::new(StatusCode::TOO_MANY_REQUESTS, code, message);
-    e.retry_after = Some(retry.as_secs_f64().ceil().max(1.0) as u64);
-    e
+/// Why a tenant's quotas refused a request: it would fit later (a retry time), or it never
+/// fits its policy (no retry time).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum QuotaError {
+    /// `concurrent_requests` requests are in flight.
+    #[error("tenant {tenant:?} has {max} requests in flight, its policy's concurrent_requests; retry when one ends")]
+    Concurrency {
+        /// The tenant.
+        tenant: String,
+        /// Its limit.
+        max: u64,
+    },
+    /// Over `requests_per_minute`.
+    #[error("tenant {tenant:?} is over its policy's requests_per_minute of {max}")]
+    RequestRate {
+        /// The tenant.
+        tenant: String,
+        /// Its limit.
+        max: u64,
+        /// When a request would be let in.
+        retry: Duration,
+    },
+    /// Over `tokens_per_day` or `tokens_per_month` (`period` names which).
+    #[error(
+        "tenant {tenant:?} has used {used} of its {period} of {max} tokens ({reserved} more reserved by requests in flight); this request needs up to {tokens}"
+    )]
+    TokenQuota {
+        /// The tenant.
+        tenant: String,
+        /// The policy key.
+        period: &'static str,
+        /// Its limit.
+        max: u64,
+        /// Used in the period.
+        used: u64,
+        /// Reserved by requests in flight.
+        reserved: u64,
+        /// What this request reserves.
+        tokens: u64,
+        /// When it would fit: a second if only requests in flight stand in the way, else the
+        /// period's end.
+        retry: Duration,
+    },
+    /// Over `tokens_per_minute`.
+    #[error(
+        "tenant {tenant:?} is over its policy's tokens_per_minute of {max}; this request reserves {tokens} (its prompt plus max_tokens for each choice)"
+    )]
+    TokenRate {
+        /// The tenant.
+        tenant: String,
+        /// Its limit.
+        max: u64,
+        /// What this request reserves.
+        tokens: u64,
+        /// When it would fit.
+        retry: Duration,
+    },
+    /// The request alone reserves more than a limit (`key`) can ever allow.
+    #[error(
+        "this request reserves {tokens} tokens (its prompt plus max_tokens for each choice), more than tenant {tenant:?}'s {key} of {max}; lower max_tokens"
+    )]
+    RequestOverLimit {
+        /// The tenant.
+        tenant: String,
+        /// The policy key (`tokens_per_day`, `tokens_per_month` or `tokens_per_minute`).
+        key: &'static str,
+        /// Its limit.
+        max: u64,
+        /// What this request reserves.
+        tokens: u64,
+    },
+}
+
+impl QuotaError {
+    /// The stable code a client sees.
+    pub fn code(&self) -> &'static str {
+        match self {
+            QuotaError::Concurrency { .. } => "concurrency_limit",
+            QuotaError::RequestRate { .. } => "rate_limit_requests",
+            QuotaError::TokenQuota {
+                period: "tokens_per_day",
+                ..
+            } => "quota_tokens_day",
+            QuotaError::TokenQuota { .. } => "quota_tokens_month",
+            QuotaError::TokenRate { .. } => "rate_limit_tokens",
+            QuotaError::RequestOverLimit {
+                key: "tokens_per_minute",
+                ..
+            } => "request_over_token_rate",
+            QuotaError::RequestOverLimit { .. } => "request_over_token_quota",
+        }
+    }
+
+    /// When the request would fit; `None` if it never will.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            QuotaError::Concurrency { .. } => Some(Duration::from_secs(1)),
+            QuotaError::RequestRate { retry, .. }
+            | QuotaError::TokenQuota { retry, .. }
+            | QuotaError::TokenRate { retry, .. } => Some(*retry),
+            QuotaError::RequestOverLimit { .. } => None,
+        }
+    }
 }
 
 /// Turns a public prefix's text into the tokens a prompt that begins with it begins with.
@@ -147,34 +243,26 @@ impl Quotas {
 
     /// Admits a request of tenant `t` under `policy`, or refuses it (429) on its concurrency
     /// or its requests per minute. Nothing of the request has run yet.
-    pub fn admit(self: &Arc<Self>, t: &Tenant, policy: &Policy) -> Result<Grant, ApiError> {
+    pub fn admit(self: &Arc<Self>, t: &Tenant, policy: &Policy) -> Result<Grant, QuotaError> {
         let now = Instant::now();
         let mut live = self.live();
         let l = live.entry(t.id).or_default();
         if let Some(max) = policy.concurrent_requests.get()
             && l.in_flight >= max
         {
-            return Err(too_many(
-                "concurrency_limit",
-                format!(
-                    "tenant {:?} has {max} requests in flight, its policy's concurrent_requests; retry when one ends",
-                    t.name
-                ),
-                Duration::from_secs(1),
-            ));
+            return Err(QuotaError::Concurrency {
+                tenant: t.name.clone(),
+                max,
+            });
         }
         if let Some(g) = limiter(&mut l.rpm, policy.requests_per_minute.get(), now)
             && let Err(Denied::RetryAfter(d)) = g.take(1, now)
         {
-            return Err(too_many(
-                "rate_limit_requests",
-                format!(
-                    "tenant {:?} is over its policy's requests_per_minute of {}",
-                    t.name,
-                    policy.requests_per_minute.get().unwrap_or(0)
-                ),
-                d,
-            ));
+            return Err(QuotaError::RequestRate {
+                tenant: t.name.clone(),
+                max: policy.requests_per_minute.get().unwrap_or(0),
+                retry: d,
+            });
         }
         l.in_flight += 1;
         Ok(Grant {
@@ -201,7 +289,7 @@ impl Grant {
     /// Reserves `tokens` (the prompt plus `max_tokens` for each choice) against the tenant's
     /// tokens per minute, day and month, or refuses: 429 with `Retry-After` when they would
     /// fit later, 400 when the request alone is over a per-minute limit.
-    pub fn reserve(&self, tokens: u64, policy: &Policy) -> Result<(), ApiError> {
+    pub fn reserve(&self, tokens: u64, policy: &Policy) -> Result<(), QuotaError> {
         let now = Instant::now();
         let wall = SystemTime::now();
         let (day_used, month_used) = self.quotas.usage.period_tokens(self.tenant.id, wall);
@@ -209,31 +297,18 @@ impl Grant {
         let mut live = self.quotas.live();
         let l = live.entry(self.tenant.id).or_default();
         let name = &self.tenant.name;
-        for (limit, used, left, code, key) in [
-            (
-                policy.tokens_per_day,
-                day_used,
-                day_left,
-                "quota_tokens_day",
-                "tokens_per_day",
-            ),
-            (
-                policy.tokens_per_month,
-                month_used,
-                month_left,
-                "quota_tokens_month",
-                "tokens_per_month",
-            ),
+        for (limit, used, left, key) in [
+            (policy.tokens_per_day, day_used, day_left, "tokens_per_day"),
+            (policy.tokens_per_month, month_used, month_left, "tokens_per_month"),
         ] {
             let Some(max) = limit.get() else { continue };
             if tokens > max {
-                return Err(ApiError::new(
-                    StatusCode::BAD_REQUEST,
-                    "request_over_token_quota",
-                    format!(
-                        "this request reserves {tokens} tokens (its prompt plus max_tokens for each choice), more than tenant {name:?}'s {key} of {max}; lower max_tokens"
-                    ),
-                ));
+                return Err(QuotaError::RequestOverLimit {
+                    tenant: name.clone(),
+                    key,
+                    max,
+                    tokens,
+                });
             }
             if used + l.reserved + tokens > max {
                 // If only requests in flight stand in the way, their refunds may make room soon;
@@ -243,14 +318,15 @@ impl Grant {
                 } else {
                     Duration::from_secs(left)
                 };
-                return Err(too_many(
-                    code,
-                    format!(
-                        "tenant {name:?} has used {used} of its {key} of {max} tokens ({} more reserved by requests in flight); this request needs up to {tokens}",
-                        l.reserved
-                    ),
-                    wait,
-                ));
+                return Err(QuotaError::TokenQuota {
+                    tenant: name.clone(),
+                    period: key,
+                    max,
+                    used,
+                    reserved: l.reserved,
+                    tokens,
+                    retry: wait,
+                });
             }
         }
         let tpm = policy.tokens_per_minute.get();
@@ -258,23 +334,20 @@ impl Grant {
             match g.take(tokens, now) {
                 Ok(()) => {}
                 Err(Denied::RetryAfter(d)) => {
-                    return Err(too_many(
-                        "rate_limit_tokens",
-                        format!(
-                            "tenant {name:?} is over its policy's tokens_per_minute of {}; this request reserves {tokens} (its prompt plus max_tokens for each choice)",
-                            tpm.unwrap_or(0)
-                        ),
-                        d,
-                    ));
+                    return Err(QuotaError::TokenRate {
+                        tenant: name.clone(),
+                        max: tpm.unwrap_or(0),
+                        tokens,
+                        retry: d,
+                    });
                 }
                 Err(Denied::TooLarge { burst }) => {
-                    return Err(ApiError::new(
-                        StatusCode::BAD_REQUEST,
-                        "request_over_token_rate",
-                        format!(
-                            "this request reserves {tokens} tokens (its prompt plus max_tokens for each choice), more than tenant {name:?}'s tokens_per_minute of {burst}; lower max_tokens"
-                        ),
-                    ));
+                    return Err(QuotaError::RequestOverLimit {
+                        tenant: name.clone(),
+                        key: "tokens_per_minute",
+                        max: burst,
+                        tokens,
+                    });
                 }
             }
         }

@@ -16,8 +16,7 @@ use hyper::body::{Body, Frame};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
-use super::openai::ApiError;
-use super::plugins::failure_error;
+use super::error::ApiError;
 use crate::engine::TokenLogprobs;
 use crate::engine::request::{AbortReason, Outcome};
 use crate::runner::Update;
@@ -55,18 +54,6 @@ pub struct Responder {
     cached_tokens: usize,
     done: usize,
     error: Option<ApiError>,
-}
-
-/// The error an aborted request ends with.
-pub fn abort_error(r: &AbortReason) -> ApiError {
-    use hyper::StatusCode;
-    let status = match r.code() {
-        "cancelled" => StatusCode::BAD_REQUEST,
-        "isolation_violation" => StatusCode::INTERNAL_SERVER_ERROR,
-        "shutting_down" | "kv_unavailable" => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::BAD_GATEWAY,
-    };
-    ApiError::new(status, r.code(), r.client_message())
 }
 
 fn token_value(tok: &Tokenizer, id: u32, logprob: f32) -> Value {
@@ -192,7 +179,7 @@ impl Responder {
                 let finish = match outcome {
                     Outcome::Finished(f) => f.as_str(),
                     Outcome::Aborted(r) => {
-                        self.fail(abort_error(&r), out);
+                        self.fail(ApiError::from(&r), out);
                         return;
                     }
                 };
@@ -216,8 +203,8 @@ impl Responder {
                 }
             }
             Update::Rejected(r) => self.fail(r.reason.into(), out),
-            Update::Failed(f) => self.fail(failure_error(&f), out),
-            Update::ShuttingDown => self.fail(abort_error(&AbortReason::Shutdown), out),
+            Update::Failed(f) => self.fail(ApiError::from(&f), out),
+            Update::ShuttingDown => self.fail(ApiError::from(&AbortReason::Shutdown), out),
         }
     }
 
@@ -306,7 +293,7 @@ impl Body for SseBody {
                 Poll::Ready(None) => {
                     // The engine dropped the request without a last update: say so, once.
                     if !this.responder.finished() {
-                        let e = abort_error(&AbortReason::Shutdown);
+                        let e = ApiError::from(&AbortReason::Shutdown);
                         this.pending.push_back(Bytes::from(format!("data: {}\n\n", e.body())));
                     }
                     this.ended = true;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
-use super::openai::ApiError;
+use super::error::ApiError;
 use super::store::records::{self, PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
@@ -106,18 +106,6 @@ fn not_found(name: &str) -> ApiError {
         param: Some("plugin".into()),
         retry_after: None,
     }
-}
-
-/// The error a client gets for a plugin failure.
-pub fn failure_error(f: &PluginFailure) -> ApiError {
-    let status = match f {
-        PluginFailure::Refused { .. } | PluginFailure::Invalid(_) | PluginFailure::OverLimits(_) => {
-            StatusCode::BAD_REQUEST
-        }
-        PluginFailure::Busy => StatusCode::SERVICE_UNAVAILABLE,
-        _ => StatusCode::INTERNAL_SERVER_ERROR,
-    };
-    ApiError::new(status, f.code(), f.to_string())
 }
 
 fn version_json(rec: &PluginRecord, v: &records::Version) -> Value {
@@ -394,7 +382,7 @@ impl Plugins {
             self.take_upload(t, policy)?;
             let plugin = self.compile(bytes.clone()).await.map_err(|e| upload_error(&e))?;
             self.smoke(&plugin, &config).await.map_err(|e| match e {
-                PluginFailure::Busy | PluginFailure::OverLimits(_) => failure_error(&e),
+                PluginFailure::Busy | PluginFailure::OverLimits(_) => ApiError::from(&e),
                 e => upload_error(&PluginFailure::Invalid(format!("the upload check failed: {e}"))),
             })?;
             self.store.plugins().put_blob(t.id, &sha, &bytes).map_err(store_error)?;
@@ -590,7 +578,7 @@ impl Plugins {
                             .blob(t.id, &version)
                             .map_err(store_error)?
                             .ok_or_else(|| store_error(StoreError::Corrupt(format!("plugin {name} {version}"))))?;
-                        let p = self.compile(bytes.to_vec()).await.map_err(|e| failure_error(&e))?;
+                        let p = self.compile(bytes.to_vec()).await.map_err(|e| ApiError::from(&e))?;
                         self.artefacts.save(t.id, &version, &p);
                         p
                     }

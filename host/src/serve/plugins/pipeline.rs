@@ -15,7 +15,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::logs::{Source, TenantLogs};
-use super::{Resolved, Share, failure_error};
+use super::{Resolved, Share};
 use crate::chat::ChatMessage;
 use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Params, Usage};
 use crate::metrics::Metrics;
@@ -23,7 +23,8 @@ use crate::plugin::{
     Input, Instance, KvAccess, Message, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
 };
 use crate::runner::{EndFlag, Update};
-use crate::serve::openai::{ApiError, Asked};
+use crate::serve::error::ApiError;
+use crate::serve::openai::Asked;
 use crate::serve::quota::Grant;
 use crate::tenant::TenantId;
 use crate::tokenizer::Tokenizer;
@@ -49,7 +50,7 @@ pub struct Reporter {
 
 impl Reporter {
     fn error(&self, f: &PluginFailure) -> ApiError {
-        failure_error(&self.failed(f.clone()))
+        ApiError::from(&self.failed(f.clone()))
     }
 
     /// Counts `f` in the tenant's metrics.

@@ -1,0 +1,51 @@
+//! Who is asking: a tenant's API key or the admin token, as `Authorization: Bearer`.
+
+use hyper::body::Incoming;
+use hyper::header::AUTHORIZATION;
+use hyper::{Request, StatusCode};
+
+use crate::serve::error::ApiError;
+use crate::serve::state::State;
+use crate::serve::store::Tenant;
+
+fn bearer(req: &Request<Incoming>) -> Option<&str> {
+    let v = req.headers().get(AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = v.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+pub(super) fn tenant(state: &State, req: &Request<Incoming>) -> Result<Tenant, ApiError> {
+    let key = bearer(req).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing_api_key",
+            "this endpoint needs an API key: send Authorization: Bearer <key>",
+        )
+    })?;
+    match state.store.authenticate(key) {
+        Ok(Some(t)) => Ok(t),
+        Ok(None) => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_api_key",
+            "the API key is not valid",
+        )),
+        Err(e) => Err(e.into()),
+    }
+}
+
+pub(super) fn admin(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
+    let ok = bearer(req).map(|t| state.store.is_admin(t)).transpose()?;
+    match ok {
+        Some(true) => Ok(()),
+        Some(false) => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_admin_token",
+            "the admin token is not valid",
+        )),
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing_admin_token",
+            "this endpoint needs the admin token: send Authorization: Bearer <token>",
+        )),
+    }
+}

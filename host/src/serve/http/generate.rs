@@ -1,0 +1,368 @@
+//! `POST /v1/chat/completions` and `POST /v1/completions`: a body checked once into a plan,
+//! the tenant's policy and quotas, the plugin's preprocess, the prompt tokenized and checked
+//! against the model, then the engine's answer as JSON or SSE.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use http_body_util::BodyExt;
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::{Response, StatusCode};
+use tokio::sync::mpsc;
+
+use super::reply::{Body, json_response, model_not_found};
+use crate::engine::request::ValidRequest;
+use crate::plugin::KvAccess;
+use crate::policy::Policy;
+use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
+use crate::serve::error::ApiError;
+use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape};
+use crate::serve::plugins::pipeline::{Hooks, Reporter};
+use crate::serve::quota::Grant;
+use crate::serve::state::State;
+use crate::serve::store::Tenant;
+use crate::serve::stream::{Api, Responder, SseBody};
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Runs CPU-heavy request preparation (template rendering, tokenizing up to a whole body) on
+/// the blocking pool, so it never stalls the connections the runtime serves.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            format!("preparing the request failed: {e}"),
+        ))
+    })
+}
+
+fn request_id(prefix: &str) -> String {
+    use rand::RngCore;
+    let mut b = [0u8; 12];
+    rand::rng().fill_bytes(&mut b);
+    format!("{prefix}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+}
+
+/// A request its tenant's policy let in.
+struct Admitted {
+    /// The tenant's policy, from the set in force when the request arrived.
+    policy: Policy,
+    /// That set's generation.
+    generation: u64,
+    /// The request's hold on the tenant's quotas.
+    grant: Arc<Grant>,
+    /// Request limits under the policy.
+    lim: RequestLimits,
+}
+
+/// What the tenant's policy allows a request before anything of it runs: the model (403), its
+/// concurrency and requests per minute (429).
+fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<Admitted, ApiError> {
+    if model != state.model_id {
+        return Err(model_not_found(model));
+    }
+    let set = state.quotas.set();
+    let policy = set.of(&t.name).clone();
+    if !policy.allows_model(model) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "model_not_allowed",
+            format!(
+                "tenant {:?} may not use model {model:?} (its policy's allowed_models)",
+                t.name
+            ),
+        ));
+    }
+    let grant = Arc::new(state.quotas.admit(t, &policy)?);
+    let mut lim = state.request_limits;
+    if let Some(m) = policy.max_tokens.get() {
+        // A request that names no max_tokens gets the policy's, if that is lower.
+        lim.default_max_tokens = lim.default_max_tokens.min(m as usize);
+    }
+    Ok(Admitted {
+        policy,
+        generation: set.generation,
+        grant,
+        lim,
+    })
+}
+
+/// The policy's limits on a request of `prompt` tokens (400), then its tokens against the
+/// tenant's rates and quotas (429), then the prompt against the model (400): all before anything
+/// is queued. What passes is the request the engine takes, checked this once.
+fn limit(state: &State, t: &Tenant, a: &Admitted, plan: Plan, prompt: Vec<u32>) -> Result<ValidRequest, ApiError> {
+    let policy = &a.policy;
+    let (prompt_len, max_tokens) = (prompt.len() as u64, plan.params.max_tokens() as u64);
+    if let Some(m) = policy.max_tokens.get()
+        && max_tokens > m
+    {
+        return Err(ApiError {
+            status: StatusCode::BAD_REQUEST,
+            code: "max_tokens_over_policy",
+            message: format!(
+                "max_tokens is {max_tokens}, more than tenant {:?}'s policy allows ({m})",
+                t.name
+            ),
+            param: Some("max_tokens".into()),
+            retry_after: None,
+        });
+    }
+    if let Some(m) = policy.max_context.get()
+        && prompt_len + max_tokens > m
+    {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "context_over_policy",
+            format!(
+                "the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) is {} tokens, more than tenant {:?}'s policy allows ({m})",
+                prompt_len + max_tokens,
+                t.name
+            ),
+        ));
+    }
+    a.grant.reserve(prompt_len + max_tokens * plan.shape.n as u64, policy)?;
+    plan.params
+        .with_prompt(t.id, prompt, &state.admission)
+        .map_err(|reason| {
+            state.metrics.rejected(&t.name, reason.code());
+            reason.into()
+        })
+}
+
+pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
+    let a = admit(state, &t, &r.common.model)?;
+    let asked = Asked::Chat(r.chat_messages()?);
+    let plan = r.common.plan(&a.lim, r.logprobs()?)?;
+    let id = request_id("chatcmpl");
+    let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+    let shape = plan.shape;
+    let req = limit(state, &t, &a, plan, prompt)?;
+    generate(state, &t, req, shape, Api::Chat, id, hooks, a).await
+}
+
+pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
+    let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
+    let a = admit(state, &t, &r.common.model)?;
+    let asked = r.asked()?;
+    let plan = r.common.plan(&a.lim, None)?;
+    let id = request_id("cmpl");
+    let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+    let shape = plan.shape;
+    let req = limit(state, &t, &a, plan, prompt)?;
+    generate(state, &t, req, shape, Api::Completion, id, hooks, a).await
+}
+
+/// Runs the request's plugin (`plugin`, or the tenant's default), if it has one, on what it asks
+/// and its parameters, then renders and tokenizes what it asks (off the runtime). Returns the
+/// prompt, the plan as the plugin left it, and the plugin's hooks for the output.
+async fn prepare(
+    state: &Arc<State>,
+    t: &Tenant,
+    a: &Admitted,
+    mut asked: Asked,
+    mut plan: Plan,
+    plugin: Option<&str>,
+    id: &str,
+) -> Result<(Vec<u32>, Plan, Option<Hooks>), ApiError> {
+    let resolved = match state.plugins.chosen(t, plugin)? {
+        Some(name) if !a.policy.allows_plugin(&name) => {
+            return Err(ApiError {
+                status: StatusCode::FORBIDDEN,
+                code: "plugin_not_allowed",
+                message: format!(
+                    "tenant {:?} may not run plugin {name:?} (its policy's allowed_plugins)",
+                    t.name
+                ),
+                param: Some("plugin".into()),
+                retry_after: None,
+            });
+        }
+        Some(name) => Some(state.plugins.resolve(t, name).await?),
+        None => None,
+    };
+    let mut hooks = None;
+    if let Some(resolved) = resolved {
+        let share = state.plugins.take_instances(t, &a.policy, plan.shape.n)?;
+        let seed = plan.params.sampling().seed.unwrap_or_else(rand::random);
+        let reporter = Reporter {
+            metrics: state.metrics.clone(),
+            tenant: t.name.clone(),
+            tenant_id: t.id,
+            request: id.to_string(),
+            logs: state.plugins.logs().clone(),
+            grant: a.grant.clone(),
+        };
+        let mut h = Hooks::new(
+            resolved,
+            state.plugins.limits_for(&a.policy),
+            share,
+            state.tokenizer.clone(),
+            seed,
+            reporter,
+            state.cfg.limits.body_bytes,
+        )
+        .await?;
+        let metadata = vec![
+            ("tenant".to_string(), t.name.clone()),
+            ("request-id".into(), id.to_string()),
+            ("model".into(), state.model_id.clone()),
+        ];
+        (asked, plan.params) = h.preprocess(asked, plan.params, metadata).await?;
+        hooks = Some(h);
+    }
+    let prompt = match asked {
+        Asked::Tokens(ids) => ids,
+        Asked::Text(text) => {
+            let tk = state.tokenizer.clone();
+            off_runtime(move || Ok(tk.encode(&text, true))).await?
+        }
+        Asked::Chat(messages) => {
+            let template = state.chat.as_ref().ok_or_else(|| {
+                ApiError::new(
+                    StatusCode::BAD_REQUEST,
+                    "no_chat_template",
+                    "this model has no chat template; use /v1/completions",
+                )
+            })?;
+            let (template, tk) = (template.clone(), state.tokenizer.clone());
+            off_runtime(move || {
+                let text = template
+                    .render(&messages, true)
+                    .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+                Ok(tk.encode(&text, true))
+            })
+            .await?
+        }
+    };
+    Ok((prompt, plan, hooks))
+}
+
+/// Submits and answers a validated request in its `shape`: a JSON body, or an SSE stream that
+/// starts once every choice is admitted (so a rejection is an error status, never a 200).
+#[allow(clippy::too_many_arguments)]
+async fn generate(
+    state: &Arc<State>,
+    t: &Tenant,
+    req: ValidRequest,
+    shape: Shape,
+    api: Api,
+    id: String,
+    hooks: Option<Hooks>,
+    a: Admitted,
+) -> Result<Response<Body>, ApiError> {
+    let (settings, policy_generation, grant) = (a.policy.tenant_settings(), a.generation, a.grant);
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "shutting_down",
+            "the server is shutting down",
+        ));
+    }
+    let stops: Vec<Arc<EndFlag>> = (0..shape.n).map(|_| Arc::new(EndFlag::default())).collect();
+    let slots: Vec<Arc<SeqSlot>> = (0..shape.n).map(|_| Arc::new(SeqSlot::default())).collect();
+    // Every choice's plugin instance exists before anything is queued.
+    let output = match hooks {
+        Some(h) => {
+            let choices = stops
+                .iter()
+                .zip(&slots)
+                .map(|(stop, slot)| {
+                    let kv: Arc<dyn KvAccess> = Arc::new(EngineKv::new(state.engine.clone(), t.id, slot.clone()));
+                    (stop.clone(), kv)
+                })
+                .collect();
+            Some(h.output(choices).await?)
+        }
+        None => None,
+    };
+    let (tx, rx) = mpsc::unbounded_channel::<(usize, Update)>();
+    for (i, (stop, slot)) in stops.iter().zip(&slots).enumerate() {
+        let job = Job {
+            req: req.choice(i),
+            tenant: t.name.clone(),
+            index: i,
+            tx: tx.clone(),
+            stop: stop.clone(),
+            slot: slot.clone(),
+            settings,
+            policy_generation,
+            grant: Some(grant.clone()),
+        };
+        if let Err(Busy) = state.engine.submit(job) {
+            // The choices already queued end before they get a slot, and book nothing.
+            for stop in &stops[..i] {
+                stop.cancel();
+            }
+            state.metrics.rejected(&t.name, "queue_full");
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "queue_full",
+                format!(
+                    "the request queue is full ({} waiting); retry later",
+                    state.cfg.limits.queue
+                ),
+            ));
+        }
+    }
+    drop(tx);
+    let mut rx = match output {
+        Some(o) => o.spawn(rx),
+        None => rx,
+    };
+    let mut responder = Responder::new(
+        api,
+        &state.model_id,
+        shape.n,
+        shape.stream,
+        shape.include_usage,
+        state.tokenizer.clone(),
+        id,
+        now(),
+    );
+    let mut pending = VecDeque::new();
+    if shape.stream {
+        // Wait for each choice's first update: a rejection then becomes an error status.
+        let mut started = vec![false; shape.n];
+        while started.iter().any(|s| !s) && !responder.finished() {
+            match rx.recv().await {
+                Some((i, u)) => {
+                    started[i] = true;
+                    responder.push(i, u, &mut pending);
+                }
+                None => break,
+            }
+        }
+        if let Some(e) = responder.error() {
+            return Err(e.clone());
+        }
+        let mut r = Response::new(SseBody::new(rx, responder, pending).boxed());
+        let h = r.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        h.insert("cache-control", HeaderValue::from_static("no-cache"));
+        return Ok(r);
+    }
+    while !responder.finished() {
+        match rx.recv().await {
+            Some((i, u)) => responder.push(i, u, &mut pending),
+            None => break,
+        }
+    }
+    if let Some(e) = responder.error() {
+        return Err(e.clone());
+    }
+    if !responder.finished() {
+        return Err(ApiError::from(&crate::engine::request::AbortReason::Shutdown));
+    }
+    Ok(json_response(StatusCode::OK, &responder.body()))
+}
