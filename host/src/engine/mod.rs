@@ -15,6 +15,7 @@ mod cost;
 pub mod field;
 pub mod request;
 pub mod sampling;
+mod schedule;
 pub mod text;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -34,6 +35,7 @@ use request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, RejectReason, Rejected, RequestId, Usage, ValidRequest,
 };
 use sampling::Sampler;
+use schedule::{Planner, SeqView};
 use text::{Detokenizer, TextStream};
 
 /// Engine settings.
@@ -192,8 +194,33 @@ impl TokenLogprobs {
     }
 }
 
+/// Which part of a request this engine runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// All of it: prefill, then decode.
+    Whole,
+    /// A prefill node's half of a disaggregated request: compute the prompt but its last
+    /// token, then hand the pages to a transfer instead of sampling.
+    PrefillOnly,
+    /// A decode node's half: its pages open for its prompt's KV to arrive from the prefill node,
+    /// then it decodes as a whole request does.
+    DecodeOnly,
+}
+
+/// How far a sequence has come: which container holds it says the rest (`waiting`,
+/// `receiving`, `running`, `held`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Queued without pages.
+    Queued,
+    /// Its pages are open in the pool.
+    Open,
+}
+
 struct Seq {
     id: RequestId,
+    role: Role,
+    phase: Phase,
     logprobs: Option<usize>,
     owner: TenantId,
     tokens: Vec<u32>,
@@ -205,12 +232,6 @@ struct Seq {
     ignore_eos: bool,
     sampler: Sampler,
     text: TextStream,
-    opened: bool,
-    /// A prefill node's half of a disaggregated request: compute the prompt but its last token,
-    /// then hand the pages to a transfer instead of sampling.
-    prefill_only: bool,
-    /// A decode node's half: waiting for pages to receive its prompt's KV in.
-    awaits_kv: bool,
 }
 
 impl Seq {
@@ -222,16 +243,21 @@ impl Seq {
     /// its transfer): every token it has, or for a prefill node the prompt but its last token,
     /// whose logits the decode node computes.
     fn target(&self) -> usize {
-        if self.prefill_only {
+        if self.role == Role::PrefillOnly {
             self.prompt_len - 1
         } else {
             self.tokens.len()
         }
     }
 
+    /// Whether its pages are still to open for KV that arrives from a prefill node.
+    fn awaits_kv(&self) -> bool {
+        self.role == Role::DecodeOnly && self.phase == Phase::Queued
+    }
+
     /// Whether computing up to `upto` ends in a token to sample.
     fn samples_at(&self, upto: usize) -> bool {
-        !self.prefill_only && upto == self.tokens.len()
+        self.role != Role::PrefillOnly && upto == self.tokens.len()
     }
 }
 
@@ -264,8 +290,7 @@ pub struct Engine {
     events: Vec<Event>,
 }
 
-/// Prefill tokens a step carries even when its decodes take the whole budget.
-pub const MIN_PREFILL_TOKENS: usize = 16;
+pub use schedule::MIN_PREFILL_TOKENS;
 
 /// Errors creating an engine.
 #[derive(Debug, thiserror::Error)]
@@ -572,7 +597,7 @@ impl Engine {
     /// Admits a request or rejects it. A rejected request allocates nothing and never runs.
     pub fn submit(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
         self.admit(&req)?;
-        self.enqueue(req)
+        self.enqueue(req, Role::Whole)
     }
 
     /// Submits the prefill half of a disaggregated request: it is admitted and scheduled like
@@ -581,11 +606,7 @@ impl Engine {
     /// [`Engine::release_prefilled`].
     pub fn submit_prefill(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
         self.admit(&req)?;
-        let id = self.enqueue(req)?;
-        if let Some(s) = self.waiting.back_mut() {
-            s.prefill_only = true;
-        }
-        Ok(id)
+        self.enqueue(req, Role::PrefillOnly)
     }
 
     /// Lets a prefill-only request's pages go once its transfer was acknowledged, or abandoned.
@@ -608,11 +629,7 @@ impl Engine {
     /// [`fail_transfer`](Self::fail_transfer)'s error.
     pub fn open_transfer(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
         self.admit(&req)?;
-        let id = self.enqueue(req)?;
-        if let Some(s) = self.waiting.back_mut() {
-            s.awaits_kv = true;
-        }
-        Ok(id)
+        self.enqueue(req, Role::DecodeOnly)
     }
 
     /// The prompt's KV of transferred request `id` arrived and was verified up to `tokens`
@@ -664,7 +681,7 @@ impl Engine {
     }
 
     /// Queues a request that passed admission.
-    fn enqueue(&mut self, valid: ValidRequest) -> Result<RequestId, Rejected> {
+    fn enqueue(&mut self, valid: ValidRequest, role: Role) -> Result<RequestId, Rejected> {
         if self.waiting.len() >= self.cfg.max_waiting {
             return Err(Rejected {
                 reason: RejectReason::QueueFull {
@@ -696,6 +713,8 @@ impl Engine {
         self.next_id = self.next_id.next();
         self.waiting.push_back(Seq {
             id,
+            role,
+            phase: Phase::Queued,
             logprobs: r.logprobs,
             owner: r.owner,
             prompt_len: r.prompt.len(),
@@ -706,9 +725,6 @@ impl Engine {
             ignore_eos: r.ignore_eos,
             sampler: Sampler::new(r.sampling),
             text: TextStream::new(r.stop),
-            opened: false,
-            prefill_only: false,
-            awaits_kv: false,
         });
         Ok(id)
     }
@@ -763,7 +779,7 @@ impl Engine {
 
     /// The one way a scheduled request ends.
     fn retire(&mut self, mut seq: Seq, outcome: Outcome) {
-        if seq.opened {
+        if seq.phase == Phase::Open {
             // Closing cannot fail for an open sequence; its pages go back once unreferenced.
             let _ = self.pool.close(seq.id.seq());
         }
@@ -773,7 +789,7 @@ impl Engine {
         };
         // A request that never got a slot used nothing: it books no prompt.
         let usage = Usage {
-            prompt_tokens: if seq.opened { seq.prompt_len } else { 0 },
+            prompt_tokens: if seq.phase == Phase::Open { seq.prompt_len } else { 0 },
             completion_tokens: seq.output_len(),
             cached_tokens: seq.cached,
         };
@@ -786,7 +802,7 @@ impl Engine {
     }
 
     /// Moves waiting requests into the running set while slots and KV reservations allow:
-    /// across tenants the least served first (by virtual tokens, see [`Engine::next_to_admit`]),
+    /// across tenants the least served first (by virtual tokens, see [`schedule::next_to_admit`]),
     /// within a tenant in arrival order. A request whose owner is at its KV budget, or that
     /// follows a prefill of its owner, waits without blocking the others.
     fn admit_waiting(&mut self) {
@@ -798,7 +814,7 @@ impl Engine {
         // the first free slots, so the pages they hold never wait behind a request that needs
         // more pages than are free (which would wait for them forever).
         while self.running.len() < self.cfg.max_running {
-            let Some(i) = self.waiting.iter().position(|s| s.opened) else {
+            let Some(i) = self.waiting.iter().position(|s| s.phase == Phase::Open) else {
                 break;
             };
             let seq = self.waiting.remove(i).expect("index in range");
@@ -809,14 +825,14 @@ impl Engine {
                 break;
             };
             let s = &self.waiting[i];
-            if !s.awaits_kv && self.follows_a_prefill(s) {
+            if !s.awaits_kv() && self.follows_a_prefill(s) {
                 passed.insert(s.id);
                 continue;
             }
             let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
             // The last prompt token is always computed: its logits give the first output token.
             // A transferred prompt's KV all comes from the prefill node.
-            let reusable = if self.prefix_cache_for(s.owner) && !s.awaits_kv {
+            let reusable = if self.prefix_cache_for(s.owner) && !s.awaits_kv() {
                 &s.tokens[..s.prompt_len.saturating_sub(1)]
             } else {
                 &[]
@@ -825,11 +841,11 @@ impl Engine {
                 Ok(cached) => {
                     *admitted.entry(s.owner).or_insert(0.0) += (s.prompt_len - cached) as f64 / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
-                    seq.opened = true;
+                    let awaited_kv = seq.awaits_kv();
+                    seq.phase = Phase::Open;
                     seq.computed = cached;
                     seq.cached = cached;
-                    if seq.awaits_kv {
-                        seq.awaits_kv = false;
+                    if awaited_kv {
                         self.events.push(Event::Opened { id: seq.id });
                         self.receiving.insert(seq.id, seq);
                     } else {
@@ -860,23 +876,15 @@ impl Engine {
         }
     }
 
-    /// The waiting request to admit next, skipping `passed`: the one whose tenant has the
-    /// lowest virtual counter (tokens computed for it over its weight, as in "Fairness in Serving
-    /// Large Language Models", OSDI 2024), then the fewest running sequences, then the oldest.
+    /// The waiting request to admit next, skipping `passed` (see [`schedule::next_to_admit`]).
     fn next_to_admit(&self, passed: &HashSet<RequestId>, admitted: &HashMap<TenantId, f64>) -> Option<usize> {
-        let running = self.running_per_owner();
-        self.waiting
+        let waiting = self
+            .waiting
             .iter()
-            .enumerate()
-            .filter(|(_, s)| !passed.contains(&s.id))
-            .min_by_key(|(i, s)| {
-                (
-                    OrdF64(self.served(s.owner) + admitted.get(&s.owner).copied().unwrap_or(0.0)),
-                    running.get(&s.owner).copied().unwrap_or(0),
-                    *i,
-                )
-            })
-            .map(|(i, _)| i)
+            .map(|s| (!passed.contains(&s.id)).then_some(s.owner));
+        let running = self.running_per_owner();
+        let counter = |o: TenantId| self.served(o) + admitted.get(&o).copied().unwrap_or(0.0);
+        schedule::next_to_admit(waiting, &counter, &|o| running.get(&o).copied().unwrap_or(0))
     }
 
     /// Whether `s` should wait for a running sequence of its owner whose prompt begins with the
@@ -895,106 +903,27 @@ impl Engine {
             .any(|r| r.owner == s.owner && r.computed < r.prompt_len && r.tokens.get(..ps) == Some(first))
     }
 
-    /// Whether a step doing `work` stays within the step's limits: `max_batch_tokens`, and the
-    /// step target as the cost model predicts it (once it has seen enough steps).
-    fn fits(&self, work: Work) -> bool {
-        work.tokens <= self.cfg.max_batch_tokens
-            && match (self.cfg.step_target, self.cost.predict(work)) {
-                (Some(target), Some(took)) => took <= target,
-                _ => true,
-            }
-    }
-
-    /// The next prefill chunk of running sequence `i` beside `work`: the largest that fits, or
-    /// `floor` tokens if that is more (within `max_batch_tokens` and its prompt).
-    fn prefill_chunk(&self, i: usize, work: Work, floor: usize) -> usize {
-        let s = &self.running[i];
-        let left = s.target() - s.computed;
-        let most = left.min(self.cfg.max_batch_tokens - work.tokens);
-        let chunk = |n: usize| Work::chunk(s.computed, n, s.samples_at(s.computed + n));
-        let (mut lo, mut hi) = (0, most);
-        // The cost only grows with the chunk: binary search for the last size that fits.
-        while lo < hi {
-            let mid = (lo + hi).div_ceil(2);
-            if self.fits(work.plus(chunk(mid))) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        lo.max(floor.min(most))
-    }
-
-    /// Plans a step. Returns (running index, new tokens).
-    ///
-    /// Normally (as Sarathi-Serve): one token for every decoding sequence, then prefill chunks,
-    /// the least served tenant's first (then in admission order), while the step fits its
-    /// limits, and at least [`MIN_PREFILL_TOKENS`] so decodes never stall prefills entirely.
-    ///
-    /// A first-token step: when the least served tenant has nothing decoding (its requests are
-    /// all waiting for their first token) and the other tenants' decodes do not fit in the step
-    /// beside its prefill, the step is its prefill alone, and the decodes wait one step. Its time
-    /// to first token is then the step in flight plus its own prefill, as on an idle engine,
-    /// however many streams others keep open. Serving it raises its counter above theirs, so the
-    /// next step is theirs: a tenant's decodes wait only while the VTC lets less served tenants
-    /// catch up.
+    /// Plans a step over the running set (see [`schedule::Planner::plan`]). Returns (running
+    /// index, new tokens).
     fn plan(&self) -> Vec<(usize, usize)> {
-        let per_owner = self.running_per_owner();
-        let tenant_key = |o: TenantId| (OrdF64(self.served(o)), per_owner[&o]);
-        // A running sequence has at least one token to compute: the last sampled one (a decode)
-        // or the rest of its prompt (a prefill).
-        let (decodes, mut prefills): (Vec<usize>, Vec<usize>) = (0..self.running.len()).partition(|&i| {
-            let s = &self.running[i];
-            !s.prefill_only && s.tokens.len() - s.computed == 1
-        });
-        // Least served first; on a tie (a tenant just lifted to the others' counter), the tenant
-        // with fewer sequences.
-        prefills.sort_by_key(|&i| (tenant_key(self.running[i].owner), i));
-        let cap = self.cfg.max_batch_tokens;
-        let mut plan = Vec::new();
-        let mut work = Work::default();
-        let lead = prefills.first().map(|&i| self.running[i].owner);
-        let first_token = lead.filter(|&l| {
-            decodes
-                .iter()
-                .all(|&i| tenant_key(l) < tenant_key(self.running[i].owner))
-        });
-        // Prefill tokens the step still owes the floor.
-        let mut floor = MIN_PREFILL_TOKENS;
-        if let Some(lead) = first_token {
-            for &i in prefills.iter().filter(|&&i| self.running[i].owner == lead) {
-                let n = self.prefill_chunk(i, work, floor);
-                if n == 0 {
-                    break;
-                }
-                let s = &self.running[i];
-                plan.push((i, n));
-                work = work.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)));
-                floor = floor.saturating_sub(n);
-            }
-            let with_decodes = decodes
-                .iter()
-                .fold(work, |w, &i| w.plus(Work::chunk(self.running[i].computed, 1, true)));
-            if !decodes.is_empty() && !self.fits(with_decodes) {
-                return plan;
-            }
-            prefills.retain(|&i| self.running[i].owner != lead);
+        let running: Vec<SeqView> = self
+            .running
+            .iter()
+            .map(|s| SeqView {
+                owner: s.owner,
+                computed: s.computed,
+                target: s.target(),
+                samples: s.role != Role::PrefillOnly,
+            })
+            .collect();
+        let served = |o: TenantId| self.served(o);
+        Planner {
+            max_batch_tokens: self.cfg.max_batch_tokens,
+            step_target: self.cfg.step_target,
+            cost: &self.cost,
+            served: &served,
         }
-        for &i in decodes.iter().take(cap - work.tokens) {
-            plan.push((i, 1));
-            work = work.plus(Work::chunk(self.running[i].computed, 1, true));
-        }
-        for i in prefills {
-            let n = self.prefill_chunk(i, work, floor);
-            if n == 0 {
-                break;
-            }
-            let s = &self.running[i];
-            plan.push((i, n));
-            work = work.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)));
-            floor = floor.saturating_sub(n);
-        }
-        plan
+        .plan(&running)
     }
 
     /// Runs one step and returns its events.
@@ -1101,7 +1030,7 @@ impl Engine {
     fn hold_prefilled(&mut self) {
         for i in (0..self.running.len()).rev() {
             let s = &self.running[i];
-            if s.prefill_only && s.computed >= s.target() {
+            if s.role == Role::PrefillOnly && s.computed >= s.target() {
                 let seq = self.running.swap_remove(i);
                 self.events.push(Event::Prefilled {
                     id: seq.id,
@@ -1139,24 +1068,6 @@ impl Engine {
         } else {
             None
         }
-    }
-}
-
-/// An `f64` ordered by `total_cmp`, for sort keys.
-#[derive(PartialEq)]
-struct OrdF64(f64);
-
-impl Eq for OrdF64 {}
-
-impl PartialOrd for OrdF64 {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-
-impl Ord for OrdF64 {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0)
     }
 }
 

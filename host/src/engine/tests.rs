@@ -533,7 +533,10 @@ fn the_2026_replay_an_over_length_request_ends_with_its_error_and_no_output() {
         ..e.limits()
     };
     let over = e
-        .enqueue(over().validate(&loose).expect("valid without the pool's limit"))
+        .enqueue(
+            over().validate(&loose).expect("valid without the pool's limit"),
+            super::Role::Whole,
+        )
         .expect("queued");
     let neighbour_prompt = sixteen_prompts()[3].clone();
     let neighbour_alone = solo(&neighbour_prompt, 8);
