@@ -1,7 +1,7 @@
 //! Server metrics, rendered as Prometheus text on `GET /metrics`.
 //!
 //! Per tenant: requests by outcome, prompt and completion tokens, rejections by reason. Global:
-//! isolation violations (tag mismatches), KV pages used/free/awaiting release, queue depth and
+//! isolation violations (tag mismatches), KV pages used/free/cached, queue depth and
 //! running sequences, and histograms of time to first token and inter-token latency. Labels are
 //! tenant names (validated at creation) and fixed codes: never request content.
 
@@ -222,13 +222,12 @@ impl Metrics {
             );
             let _ = writeln!(
                 o,
-                "# HELP warden_kv_pages KV pages by state (used, free, cached and awaiting_release add up to the total; reserved pages are free pages promised to running sequences).\n# TYPE warden_kv_pages gauge"
+                "# HELP warden_kv_pages KV pages by state (used, free and cached add up to the total; reserved pages are free pages promised to running sequences).\n# TYPE warden_kv_pages gauge"
             );
             for (state, n) in [
                 ("used", m.kv.pages_used),
                 ("free", m.kv.pages_free),
                 ("cached", m.kv.pages_cached),
-                ("awaiting_release", m.kv.pages_awaiting_release),
                 ("reserved", m.kv.pages_reserved),
             ] {
                 let _ = writeln!(o, "warden_kv_pages{{state=\"{state}\"}} {n}");

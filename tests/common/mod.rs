@@ -356,14 +356,12 @@ impl Node {
             .unwrap_or(0.0)
     }
 
-    /// Waits (up to 20 s) until no page of its pool is in use or awaiting release; false if
-    /// some still are then.
+    /// Waits (up to 20 s) until no page of its pool is in use; false if some still are then.
     pub async fn pages_return(&self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let used = self.metric("warden_kv_pages{state=\"used\"}").await;
-            let held = self.metric("warden_kv_pages{state=\"awaiting_release\"}").await;
-            if used == 0.0 && held == 0.0 {
+            if used == 0.0 {
                 return true;
             }
             if Instant::now() > deadline {

@@ -6,10 +6,11 @@
 //!   pages other owners are guaranteed (their floors) are not available to it. Pages are
 //!   allocated from that reservation as its positions grow. Page table entries ([`PageEntry`]) are
 //!   minted only here, carrying the page's epoch at allocation.
-//! * Every page has a reference count. Closing a sequence drops its references; a page that some
-//!   step, transfer or guest still holds ([`KvPool::retain`]) waits in "awaiting release" and
-//!   returns to the free list only when the last holder lets go (invariant 3). On free its epoch is
-//!   bumped and its tag cleared, so any stale entry fails the tag check (invariant 2).
+//! * Every page has a reference count: the open sequences whose tables hold it, and the prefix
+//!   cache. Closing a sequence drops its references; a page returns to the free list only when
+//!   the last holder lets go (invariant 3). On free its epoch is bumped and its tag cleared, so
+//!   any stale entry fails the tag check (invariant 2). Nothing outside the pool holds a page:
+//!   a guest's page handle or a transfer's entry is checked against the tag at every use.
 //! * The tenant-private prefix cache ([`prefix`]): a sequence's fully computed pages are offered
 //!   to its owner's cache ([`KvPool::cache_computed`]), which holds a reference on each; a later
 //!   sequence of the same owner whose prompt starts with the same tokens adopts those pages at
@@ -18,8 +19,8 @@
 //!   only the cache holds are evictable (least recently idle first) and count as available;
 //!   pinned prefixes ([`KvPool::pin_prefix`]) are not, within a per-owner cap and a ceiling for
 //!   all owners that always leaves room for one request of the maximum context.
-//! * Counters record free, used, cached, pinned and awaiting pages, allocations, cache hits and
-//!   evictions, and tag mismatches.
+//! * Counters record free, used, cached and pinned pages, allocations, cache hits and evictions,
+//!   and tag mismatches.
 
 mod prefix;
 
@@ -260,8 +261,6 @@ pub struct KvCounters {
     pub pages_free: usize,
     /// Pages owned by an open sequence.
     pub pages_used: usize,
-    /// Pages released by their sequence but still held by someone (not the prefix cache).
-    pub pages_awaiting_release: usize,
     /// Pages only the prefix cache holds (pinned or evictable).
     pub pages_cached: usize,
     /// Pages in pinned prefixes (whether or not a sequence also uses them).
@@ -301,7 +300,7 @@ pub struct KvPool {
     k: Vec<f16>,
     v: Vec<f16>,
     tags: Vec<PageTag>,
-    /// Holders of each page: open sequences, the prefix cache, and retains.
+    /// Holders of each page: open sequences and the prefix cache.
     refs: Vec<u32>,
     /// Open sequences whose table holds each page.
     seq_refs: Vec<u32>,
@@ -806,18 +805,7 @@ impl KvPool {
             have: pages.len(),
             positions: pos + 1,
         })?;
-        let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
-            page: e.page,
-            pages: self.n_pages,
-        })?;
-        if e.public {
-            self.counters.tag_mismatches += 1;
-            return Err(IsolationViolation::PublicPage { page: e.page }.into());
-        }
-        if let Err(v) = tag.check_holder(owner, e) {
-            self.counters.tag_mismatches += 1;
-            return Err(v.into());
-        }
+        self.check_write(owner, e)?;
         let at = ((layer * self.n_pages + e.page as usize) * ps + pos % ps) * kvd;
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.k[at..at + kvd], k);
         half::slice::HalfFloatSliceExt::convert_from_f32_slice(&mut self.v[at..at + kvd], v);
@@ -830,12 +818,7 @@ impl KvPool {
     /// isolation violation: it is how a plugin finds that a page it was shown has since left
     /// its sequence.
     pub fn inspect(&self, owner: impl Into<Owner>, e: PageEntry) -> Result<PageInfo, KvError> {
-        let owner = owner.into();
-        let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
-            page: e.page,
-            pages: self.n_pages,
-        })?;
-        tag.check_holder(owner, e)?;
+        let tag = self.check_read(owner.into(), e)?;
         let ps = self.shape.page_size;
         let kvd = self.shape.kv_dim();
         let slots = (tag.written as usize).min(ps);
@@ -860,12 +843,7 @@ impl KvPool {
     /// The content of the page behind holder `owner`'s entry `e`, for a transfer: tag-checked
     /// first (invariant 2), so a stale or foreign entry exports nothing.
     pub fn export_page(&self, owner: impl Into<Owner>, e: PageEntry) -> Result<PageData, KvError> {
-        let owner = owner.into();
-        let tag = self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
-            page: e.page,
-            pages: self.n_pages,
-        })?;
-        tag.check_holder(owner, e)?;
+        let tag = self.check_read(owner.into(), e)?;
         let ps = self.shape.page_size;
         let kvd = self.shape.kv_dim();
         let slots = (tag.written as usize).min(ps);
@@ -901,15 +879,7 @@ impl KvPool {
             have: s.pages.len(),
             positions: (index + 1) * ps,
         })?;
-        let tag = self.tags[e.page as usize];
-        if e.public {
-            self.counters.tag_mismatches += 1;
-            return Err(IsolationViolation::PublicPage { page: e.page }.into());
-        }
-        if let Err(v) = tag.check_holder(s.owner, e) {
-            self.counters.tag_mismatches += 1;
-            return Err(v.into());
-        }
+        self.check_write(s.owner, e)?;
         let slots = data.written as usize;
         let len = self.n_layers * slots * kvd;
         if slots == 0 || slots > ps || data.k.len() != len || data.v.len() != len {
@@ -955,63 +925,6 @@ impl KvPool {
         self.counters.tag_mismatches += 1;
     }
 
-    /// Takes an extra reference on a page (for a step, transfer or guest that must outlive the
-    /// sequence's own hold). Fails if the entry is stale, or if it would take an evictable page
-    /// out of a pool that has no page to spare.
-    pub fn retain(&mut self, e: PageEntry) -> Result<(), KvError> {
-        let i = e.page as usize;
-        match self.tags.get(i) {
-            Some(t) if t.epoch == e.epoch && self.refs[i] > 0 => {
-                if self.cached[i].is_some_and(|id| self.prefix.is_idle(id)) && self.available_pages() == 0 {
-                    return Err(KvError::PoolExhausted {
-                        wanted: 1,
-                        available: 0,
-                    });
-                }
-                self.refs[i] += 1;
-                self.settle(e.page);
-                Ok(())
-            }
-            Some(t) => {
-                self.counters.tag_mismatches += 1;
-                Err(IsolationViolation::StaleEpoch {
-                    page: e.page,
-                    expected: e.epoch,
-                    found: t.epoch,
-                }
-                .into())
-            }
-            None => Err(IsolationViolation::NoSuchPage {
-                page: e.page,
-                pages: self.n_pages,
-            }
-            .into()),
-        }
-    }
-
-    /// Drops a reference taken with [`retain`](Self::retain); frees the page if it was the last.
-    pub fn release(&mut self, e: PageEntry) -> Result<(), KvError> {
-        let i = e.page as usize;
-        match self.tags.get(i) {
-            Some(t) if t.epoch == e.epoch && self.refs[i] > self.seq_refs[i] + u32::from(self.cached[i].is_some()) => {
-                self.unref(e.page);
-                self.settle(e.page);
-                Ok(())
-            }
-            Some(t) => Err(IsolationViolation::StaleEpoch {
-                page: e.page,
-                expected: e.epoch,
-                found: t.epoch,
-            }
-            .into()),
-            None => Err(IsolationViolation::NoSuchPage {
-                page: e.page,
-                pages: self.n_pages,
-            }
-            .into()),
-        }
-    }
-
     fn unref(&mut self, page: u32) {
         let i = page as usize;
         self.refs[i] -= 1;
@@ -1028,8 +941,8 @@ impl KvPool {
         }
     }
 
-    /// Closes a sequence: returns its unused reservation and drops its page references. Pages that
-    /// others still hold wait in "awaiting release".
+    /// Closes a sequence: returns its unused reservation and drops its page references. Pages the
+    /// prefix cache or other sequences still hold stay.
     pub fn close(&mut self, seq: SeqId) -> Result<(), KvError> {
         let s = self.seqs.remove(&seq).ok_or(KvError::NoSuchSequence(seq))?;
         self.reserved_total -= s.reserved;
@@ -1064,6 +977,34 @@ impl KvPool {
         &mut self.seqs.get_mut(&seq).expect("open sequence").pages
     }
 
+    /// The tag check of a read of page `e` by `owner` (invariant 2): the page exists and the
+    /// holder holds it at its epoch (a public entry: the page is a public prefix's).
+    fn check_read(&self, owner: Owner, e: PageEntry) -> Result<PageTag, IsolationViolation> {
+        let tag = *self.tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
+            page: e.page,
+            pages: self.n_pages,
+        })?;
+        tag.check_holder(owner, e)?;
+        Ok(tag)
+    }
+
+    /// The tag check of a write to page `e` by `owner`: a read's, and the page is the holder's
+    /// own (a public prefix's is read-only). A refused write to an existing page counts as a
+    /// tag mismatch.
+    fn check_write(&mut self, owner: Owner, e: PageEntry) -> Result<(), IsolationViolation> {
+        let checked = if e.public {
+            Err(IsolationViolation::PublicPage { page: e.page })
+        } else {
+            self.check_read(owner, e).map(|_| ())
+        };
+        if let Err(v) = &checked
+            && !matches!(v, IsolationViolation::NoSuchPage { .. })
+        {
+            self.counters.tag_mismatches += 1;
+        }
+        checked
+    }
+
     /// The counters now.
     pub fn counters(&self) -> KvCounters {
         let mut c = self.counters;
@@ -1071,9 +1012,6 @@ impl KvPool {
         c.pages_used = self.seq_refs.iter().filter(|&&n| n > 0).count();
         c.pages_cached = (0..self.n_pages)
             .filter(|&i| self.seq_refs[i] == 0 && self.cached[i].is_some())
-            .count();
-        c.pages_awaiting_release = (0..self.n_pages)
-            .filter(|&i| self.refs[i] > 0 && self.seq_refs[i] == 0 && self.cached[i].is_none())
             .count();
         c.pages_pinned = self.prefix.pinned_total();
         c.pages_reserved = self.reserved_total;
@@ -1162,25 +1100,9 @@ mod tests {
                 written: 0
             }
         );
-        // The stale entry no longer works for writes or retains.
+        // The stale entry no longer works for writes.
         assert!(p.write(0, tenant(5).into(), &[e], 0, &[0.0; 4], &[0.0; 4]).is_err());
-        assert!(p.retain(e).is_err());
-        assert_eq!(p.counters().tag_mismatches, 2);
-    }
-
-    #[test]
-    fn release_is_deferred_while_held() {
-        let mut p = pool(2);
-        p.open(SeqId(1), tenant(5), 2, &[]).unwrap();
-        p.ensure(SeqId(1), 5).unwrap();
-        let held = p.table(SeqId(1)).unwrap().1[1];
-        p.retain(held).unwrap(); // e.g. a transfer in flight
-        p.close(SeqId(1)).unwrap();
-        let c = p.counters();
-        assert_eq!((c.pages_free, c.pages_awaiting_release, c.pages_used), (1, 1, 0));
-        p.release(held).unwrap();
-        let c = p.counters();
-        assert_eq!((c.pages_free, c.pages_awaiting_release), (2, 0));
+        assert_eq!(p.counters().tag_mismatches, 1);
     }
 
     #[test]
@@ -1458,14 +1380,13 @@ mod tests {
     }
 
     proptest! {
-        /// Random open/grow/cache/pin/retain/close/release/forget sequences over owners that share
+        /// Random open/grow/cache/pin/close/forget sequences over owners that share
         /// the same tokens: pages are conserved, no page is free while referenced, every page in a
         /// table is its owner's, reservations are always backed, and at quiescence every page is
         /// free again.
         #[test]
-        fn pool_state_machine_conserves_pages(ops in proptest::collection::vec((0u8..9, 0u64..6, 1usize..17), 1..120)) {
+        fn pool_state_machine_conserves_pages(ops in proptest::collection::vec((0u8..7, 0u64..6, 1usize..17), 1..120)) {
             let mut p = pool(8);
-            let mut held: Vec<PageEntry> = Vec::new();
             let mut written: HashMap<SeqId, usize> = HashMap::new();
             let owner = |seq: u64| tenant(seq % 3 + 1);
             for (op, seq, n) in ops {
@@ -1478,25 +1399,17 @@ mod tests {
                         let w = written.entry(SeqId(seq)).or_insert(0);
                         *w = (*w).max(n);
                     },
-                    2 => if let Ok((_, t)) = p.table(SeqId(seq)) && let Some(&e) = t.first() {
-                        p.retain(e).unwrap();
-                        held.push(e);
-                    },
-                    3 => { let _ = p.close(SeqId(seq)); written.remove(&SeqId(seq)); }
-                    4 => if let Some(e) = held.pop() { p.release(e).unwrap(); },
-                    5 => if let Some(&w) = written.get(&SeqId(seq)) { p.cache_computed(SeqId(seq), &TOKS[..w]).unwrap(); },
-                    6 => { let _ = p.pin_prefix(SeqId(seq), n, 3); }
-                    7 => { let _ = p.unpin_prefix(SeqId(seq)); }
+                    2 => { let _ = p.close(SeqId(seq)); written.remove(&SeqId(seq)); }
+                    3 => if let Some(&w) = written.get(&SeqId(seq)) { p.cache_computed(SeqId(seq), &TOKS[..w]).unwrap(); },
+                    4 => { let _ = p.pin_prefix(SeqId(seq), n, 3); }
+                    5 => { let _ = p.unpin_prefix(SeqId(seq)); }
                     _ => p.forget_owner(owner(seq)),
                 }
                 let c = p.counters();
-                prop_assert_eq!(c.pages_free + c.pages_used + c.pages_cached + c.pages_awaiting_release, 8);
+                prop_assert_eq!(c.pages_free + c.pages_used + c.pages_cached, 8);
                 prop_assert!(c.pages_reserved <= p.free.len() + p.prefix.idle_count());
                 prop_assert!(c.pages_pinned <= 9);
                 prop_assert_eq!(c.tag_mismatches, 0);
-                for e in &held {
-                    prop_assert!(p.refs[e.page as usize] > 0);
-                }
                 for (seq, s) in &p.seqs {
                     prop_assert_eq!(s.owner, Owner::from(owner(seq.0)));
                     for e in &s.pages {
@@ -1505,7 +1418,6 @@ mod tests {
                 }
             }
             for s in 0..6 { let _ = p.close(SeqId(s)); }
-            for e in held { p.release(e).unwrap(); }
             for o in 1..=3 { p.forget_owner(tenant(o)); }
             let c = p.counters();
             prop_assert_eq!((c.pages_free, c.pages_reserved, c.pages_pinned), (8, 0, 0));
