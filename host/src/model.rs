@@ -193,6 +193,40 @@ pub struct StepSeq<'a> {
     pub want_logits: bool,
 }
 
+/// What the engine needs of a model: its shape, and a step's forward pass over the KV pool.
+/// [`Model`] is the real one; the engine's own tests drive a stand-in, so that scheduling is
+/// tested without loading weights.
+pub trait Forward: Send + Sync {
+    /// The hyperparameters.
+    fn config(&self) -> &LlamaConfig;
+
+    /// Runs one step. Returns, per sequence, its logits (when asked for) or the error that fails
+    /// it. Token ids must be below the vocabulary size (the engine validates them at admission).
+    fn forward(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[StepSeq<'_>],
+        check: TagCheck,
+        s: &mut Scratch,
+    ) -> Vec<Result<Option<Vec<f32>>, StepError>>;
+}
+
+impl Forward for Model {
+    fn config(&self) -> &LlamaConfig {
+        Model::config(self)
+    }
+
+    fn forward(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[StepSeq<'_>],
+        check: TagCheck,
+        s: &mut Scratch,
+    ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
+        Model::forward(self, pool, seqs, check, s)
+    }
+}
+
 /// Errors of one sequence in a step.
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StepError {
@@ -322,8 +356,7 @@ impl Model {
         dequantize(self.embd_type, &self.embd[t * row_bytes..(t + 1) * row_bytes], out);
     }
 
-    /// Runs one step. Returns, per sequence, its logits (when asked for) or the error that fails
-    /// it. Token ids must be below the vocabulary size (the engine validates them at admission).
+    /// Runs one step (see [`Forward::forward`]).
     pub fn forward(
         &self,
         pool: &mut KvPool,

@@ -29,7 +29,7 @@ use warden_kernels::tag::{Owner, PageEntry, TagCheck};
 use crate::tenant::TenantId;
 
 use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
-use crate::model::{Model, Scratch, StepError, StepSeq};
+use crate::model::{Forward, Model, Scratch, StepError, StepSeq};
 use cost::{CostModel, Work};
 use request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, RejectReason, Rejected, RequestId, Usage, ValidRequest,
@@ -264,7 +264,7 @@ impl Seq {
 /// The engine. Single-threaded: one caller drives [`step`](Engine::step); the kernels inside use
 /// the rayon pool.
 pub struct Engine {
-    model: Arc<Model>,
+    model: Arc<dyn Forward>,
     detok: Arc<dyn Detokenizer>,
     cfg: EngineConfig,
     pool: KvPool,
@@ -306,7 +306,7 @@ pub enum EngineError {
 impl Engine {
     /// An engine over `model`. Refuses to start when the KV pool cannot hold `cfg.max_context`
     /// tokens (invariant 4), naming both numbers.
-    pub fn new(model: Arc<Model>, detok: Arc<dyn Detokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
+    pub fn new(model: Arc<dyn Forward>, detok: Arc<dyn Detokenizer>, cfg: EngineConfig) -> Result<Self, EngineError> {
         Self::build(model, detok, cfg, true)
     }
 
@@ -314,7 +314,7 @@ impl Engine {
     /// the tests that show the other checks still hold. Test builds only.
     #[cfg(test)]
     pub(crate) fn new_without_capacity_check(
-        model: Arc<Model>,
+        model: Arc<dyn Forward>,
         detok: Arc<dyn Detokenizer>,
         cfg: EngineConfig,
     ) -> Result<Self, EngineError> {
@@ -322,7 +322,7 @@ impl Engine {
     }
 
     fn build(
-        model: Arc<Model>,
+        model: Arc<dyn Forward>,
         detok: Arc<dyn Detokenizer>,
         cfg: EngineConfig,
         check_capacity: bool,
@@ -361,7 +361,7 @@ impl Engine {
     }
 
     /// The model.
-    pub fn model(&self) -> &Arc<Model> {
+    pub fn model(&self) -> &Arc<dyn Forward> {
         &self.model
     }
 
@@ -1071,5 +1071,7 @@ impl Engine {
     }
 }
 
+#[cfg(test)]
+mod sim;
 #[cfg(test)]
 mod tests;

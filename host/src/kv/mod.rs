@@ -451,6 +451,11 @@ impl KvPool {
             .sum()
     }
 
+    /// Pages `owner`'s open sequences hold or have reserved.
+    pub fn pages_held(&self, owner: impl Into<Owner>) -> usize {
+        self.owner_pages.get(&owner.into()).copied().unwrap_or(0)
+    }
+
     /// The page budget of `owner`, if one is set.
     pub fn owner_budget(&self, owner: impl Into<Owner>) -> Option<usize> {
         self.budgets.get(&owner.into()).copied()
