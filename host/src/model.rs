@@ -350,10 +350,10 @@ impl Model {
         self.backend.name()
     }
 
-    fn embed(&self, token: u32, out: &mut [f32]) {
+    fn embed(&self, be: &dyn Backend, token: u32, out: &mut [f32]) {
         let row_bytes = self.embd_type.bytes_for(self.cfg.dim as u64).unwrap_or(0) as usize;
         let t = token as usize;
-        dequantize(self.embd_type, &self.embd[t * row_bytes..(t + 1) * row_bytes], out);
+        be.dequantize_row(self.embd_type, &self.embd[t * row_bytes..(t + 1) * row_bytes], out);
     }
 
     /// Runs one step (see [`Forward::forward`]).
@@ -394,12 +394,13 @@ impl Model {
                 }
             }
         }
+        let be = &*self.backend;
         s.x.resize(total * dim, 0.0);
         for (row, &tok) in seqs.iter().flat_map(|q| q.tokens).enumerate() {
             let (x, embd) = (&mut s.x, self);
-            embd.embed(tok.min(c.vocab as u32 - 1), &mut x[row * dim..(row + 1) * dim]);
+            embd.embed(be, tok.min(c.vocab as u32 - 1), &mut x[row * dim..(row + 1) * dim]);
         }
-        let rope = self.rope.table(&positions);
+        let rope = be.rope_table(&self.rope, &positions);
         s.acts.drop_inputs(!self.float_matrices);
         let shape = c.attn_shape(pool.shape().page_size);
         s.xn.resize(total * dim, 0.0);
@@ -409,10 +410,9 @@ impl Model {
         s.proj.resize(total * dim, 0.0);
         s.gate_up.resize(total * 2 * ffn, 0.0);
         s.hidden.resize(total * ffn, 0.0);
-        let be = &*self.backend;
         for (li, layer) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, &layer.attn_norm, c.norm_eps, &mut s.xn);
-            s.acts.quantize(&s.xn, dim);
+            be.quantize(&mut s.acts, &s.xn, dim);
             be.matmul(&layer.wqkv, &s.acts, &mut s.qkv);
             for r in 0..total {
                 s.q[r * dim..(r + 1) * dim].copy_from_slice(&s.qkv[r * qkv_w..r * qkv_w + dim]);
@@ -460,16 +460,16 @@ impl Model {
                     results[i] = Err(v.into());
                 }
             }
-            s.acts.quantize(&s.attn, dim);
+            be.quantize(&mut s.acts, &s.attn, dim);
             be.matmul(&layer.wo, &s.acts, &mut s.proj);
-            warden_kernels::ops::add_assign(&mut s.x, &s.proj);
+            be.add_assign(&mut s.x, &s.proj);
             be.rms_norm(&s.x, &layer.ffn_norm, c.norm_eps, &mut s.xn);
-            s.acts.quantize(&s.xn, dim);
+            be.quantize(&mut s.acts, &s.xn, dim);
             be.matmul(&layer.w_gate_up, &s.acts, &mut s.gate_up);
             be.swiglu(&s.gate_up, ffn, &mut s.hidden);
-            s.acts.quantize(&s.hidden, ffn);
+            be.quantize(&mut s.acts, &s.hidden, ffn);
             be.matmul(&layer.w_down, &s.acts, &mut s.proj);
-            warden_kernels::ops::add_assign(&mut s.x, &s.proj);
+            be.add_assign(&mut s.x, &s.proj);
         }
         // Logits for the last token of each sequence that wants them and has not failed.
         let mut rows = Vec::new();
@@ -488,7 +488,7 @@ impl Model {
             }
             let mut normed = vec![0f32; last.len()];
             be.rms_norm(&last, &self.output_norm, c.norm_eps, &mut normed);
-            s.acts.quantize(&normed, dim);
+            be.quantize(&mut s.acts, &normed, dim);
             let mut logits = vec![0f32; rows.len() * c.vocab];
             be.matmul(&self.output, &s.acts, &mut logits);
             for (k, &(i, _)) in rows.iter().enumerate() {

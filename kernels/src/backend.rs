@@ -1,20 +1,30 @@
 //! The [`Backend`] trait: the operations a llama forward pass needs, and the CPU implementation.
 //!
-//! The engine is written against this trait so that a second backend (CUDA through cudarc, behind
-//! the `cuda` feature) can slot in with its own kernels. Every backend's attention checks page tags
+//! The forward pass reaches compute only through this trait (its buffers are host slices; the
+//! pass itself only moves rows between them), so that a second backend (CUDA through cudarc,
+//! behind the `cuda` feature) slots in by implementing it. Every backend's attention checks page tags
 //! exactly as [`crate::tag::check_pages`] does (invariant 2).
 
 use crate::attention::{AttnSeq, AttnShape, KvLayer};
 use crate::matmul::{QActs, QMatrix};
-use crate::ops::RopeTable;
+use crate::ops::{Rope, RopeTable};
+use crate::quant::GgmlType;
 use crate::tag::{IsolationViolation, PageTag, TagCheck};
 
 /// Compute operations of a llama block.
 pub trait Backend: Send + Sync {
     /// A short name for logs and benchmarks, e.g. `cpu-avx512vnni`.
     fn name(&self) -> String;
+    /// Row `out` of a `ty` matrix whose row is `data` (an embedding lookup).
+    fn dequantize_row(&self, ty: GgmlType, data: &[u8], out: &mut [f32]);
+    /// Quantizes `x`, rows of `cols`, into `acts` for the matmuls that follow.
+    fn quantize(&self, acts: &mut QActs, x: &[f32], cols: usize);
     /// `out[t·rows + n] = Σ_k W[n][k] · x[t][k]`.
     fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]);
+    /// `x += y` (the residual stream).
+    fn add_assign(&self, x: &mut [f32], y: &[f32]);
+    /// `rope`'s rotations at `positions`, for [`rope`](Self::rope).
+    fn rope_table(&self, rope: &Rope, positions: &[u32]) -> RopeTable;
     /// Row-wise RMSNorm with weight `w`.
     fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]);
     /// Rotary embedding of the heads in `offset..offset+width` of each row of `x` (rows `stride`
@@ -50,8 +60,24 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn dequantize_row(&self, ty: GgmlType, data: &[u8], out: &mut [f32]) {
+        crate::quant::dequantize(ty, data, out)
+    }
+
+    fn quantize(&self, acts: &mut QActs, x: &[f32], cols: usize) {
+        acts.quantize(x, cols)
+    }
+
     fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]) {
         w.matmul(x, out)
+    }
+
+    fn add_assign(&self, x: &mut [f32], y: &[f32]) {
+        crate::ops::add_assign(x, y)
+    }
+
+    fn rope_table(&self, rope: &Rope, positions: &[u32]) -> RopeTable {
+        rope.table(positions)
     }
 
     fn rms_norm(&self, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
