@@ -246,6 +246,9 @@ fn references(f: &File, modules: &BTreeSet<Vec<String>>) -> BTreeSet<Vec<String>
                 Some((7, Vec::new()))
             } else if rest.starts_with("super::") {
                 Some((7, parent.clone()))
+            } else if rest.starts_with("self::") && f.is_mod {
+                // In a `mod.rs`, `self::child` is a child module.
+                Some((6, own.clone()))
             } else {
                 children
                     .iter()
@@ -344,6 +347,21 @@ fn the_checker_sees_crate_super_and_child_paths() {
     );
     assert_eq!(code, "use crate::kv;\n");
     assert!(tests.contains("model"));
+    // A `mod.rs` naming a child through `self::` imports it.
+    let m = File {
+        rel: "serve/mod.rs".into(),
+        module: vec!["serve".into()],
+        is_mod: true,
+        code: "pub use self::store::Tenant;
+use self::http::handle;
+"
+        .into(),
+    };
+    let refs: BTreeSet<String> = references(&m, &modules).into_iter().map(|m| m.join("::")).collect();
+    assert_eq!(
+        refs,
+        ["serve::http", "serve::store"].into_iter().map(String::from).collect()
+    );
 }
 
 #[test]

@@ -21,236 +21,28 @@
 //!   all owners that always leaves room for one request of the maximum context.
 //! * Counters record free, used, cached and pinned pages, allocations, cache hits and evictions,
 //!   and tag mismatches.
+//!
+//! Here: the page slab (tags, epochs, reference counts, the free list, and the one read and one
+//! write tag check), the K/V storage, and sequences' tables. Beside it: `budget` (caps, floors,
+//! pages held, the pin ceiling, public readers), `id` (a sequence's id), `prefix` (the prefix cache's index), `page`
+//! (a page's checksummed content as holders and transfers see it) and `error`.
 
+mod budget;
+mod error;
+mod id;
+mod page;
 mod prefix;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use half::f16;
 use warden_kernels::attention::{AttnShape, KvLayer};
 use warden_kernels::tag::{IsolationViolation, Owner, PageEntry, PageTag};
-use xxhash_rust::xxh3::Xxh3;
 
-/// A sequence's id in the pool: its own type, never a request's id (the engine maps one to the
-/// other in one place).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SeqId(pub u64);
-
-impl std::fmt::Display for SeqId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)
-    }
-}
-
-/// Errors from the KV pool.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KvError {
-    /// The pool cannot hold the configured maximum context (invariant 4).
-    #[error(
-        "KV pool holds {capacity_tokens} tokens ({pages} pages of {page_size}), less than the configured max context of {max_context} tokens; raise the KV memory budget or lower max_context"
-    )]
-    CapacityBelowContext {
-        /// Tokens the pool holds.
-        capacity_tokens: usize,
-        /// Pages.
-        pages: usize,
-        /// Slots per page.
-        page_size: usize,
-        /// The configured maximum context.
-        max_context: usize,
-    },
-    /// The page size or memory budget is unusable.
-    #[error("invalid KV pool configuration: {0}")]
-    BadConfig(String),
-    /// Not enough unreserved pages in the pool.
-    #[error("KV pool exhausted: {wanted} pages wanted, {available} available")]
-    PoolExhausted {
-        /// Pages wanted.
-        wanted: usize,
-        /// Pages free and unreserved.
-        available: usize,
-    },
-    /// The owner's page budget would be exceeded.
-    #[error("owner {owner} KV budget exceeded: {wanted} more pages wanted, {in_use} of {budget} in use")]
-    OwnerBudget {
-        /// Owner.
-        owner: Owner,
-        /// Pages wanted.
-        wanted: usize,
-        /// Pages already reserved or used.
-        in_use: usize,
-        /// Budget.
-        budget: usize,
-    },
-    /// The sequence id is not open.
-    #[error("sequence {0} has no KV state")]
-    NoSuchSequence(SeqId),
-    /// The sequence id is already open.
-    #[error("sequence {0} is already open")]
-    AlreadyOpen(SeqId),
-    /// A sequence outgrew its reservation.
-    #[error("sequence {seq} needs {needed} pages, reserved {reserved}")]
-    ReservationExceeded {
-        /// Sequence.
-        seq: SeqId,
-        /// Pages needed.
-        needed: usize,
-        /// Pages reserved.
-        reserved: usize,
-    },
-    /// Pinning would take the owner past its cap of pinned pages.
-    #[error("pinning {wanted} more pages would exceed the tenant's limit of {limit} pinned KV pages ({pinned} pinned)")]
-    PinLimit {
-        /// Pages the pin would add.
-        wanted: usize,
-        /// Pages the owner has pinned.
-        pinned: usize,
-        /// The cap.
-        limit: usize,
-    },
-    /// Pinning would leave too little of the pool unpinned.
-    #[error(
-        "pinning {wanted} more pages would pass the server's ceiling of {ceiling} pinned KV pages ({pinned} pinned by all tenants); the rest is kept for requests"
-    )]
-    PinCeiling {
-        /// Pages the pin would add.
-        wanted: usize,
-        /// Pages pinned by all owners.
-        pinned: usize,
-        /// The ceiling.
-        ceiling: usize,
-    },
-    /// Nothing of the asked prefix is a whole, computed page in the cache.
-    #[error(
-        "nothing to pin: the first {tokens} tokens hold no whole computed page ({page_size} tokens a page, {cached} tokens of this sequence cached)"
-    )]
-    NothingToPin {
-        /// Tokens asked for.
-        tokens: usize,
-        /// Slots per page.
-        page_size: usize,
-        /// Tokens of the sequence in the cache.
-        cached: usize,
-    },
-    /// The sequence begins with a public prefix, which the server keeps pinned itself; none of
-    /// its pages are the tenant's to pin.
-    #[error(
-        "this request begins with a public prefix, which the server keeps cached for every tenant allowed it; there is nothing of the tenant's own to pin"
-    )]
-    PublicPrefix,
-    /// Public prefixes need the prefix cache, which this server runs without.
-    #[error("public prefixes need the prefix cache, which this server runs without (kv.prefix_cache = false)")]
-    PublicWithoutCache,
-    /// A public prefix shorter than a page: nothing of it could be shared.
-    #[error(
-        "a public prefix of {tokens} tokens holds no whole KV page ({page_size} tokens): nothing of it could be shared"
-    )]
-    PublicPrefixTooShort {
-        /// Its tokens.
-        tokens: usize,
-        /// Slots per page.
-        page_size: usize,
-    },
-    /// Pinning needs the prefix cache, which this server runs without.
-    #[error(
-        "the prefix cache is off for this tenant (its policy says kv.prefix_cache = \"off\", or the server has kv.prefix_cache = false), so nothing can be pinned"
-    )]
-    PrefixCacheOff,
-    /// A transferred page's content does not have the page's shape.
-    #[error(
-        "a transferred page says {written} slots written and carries {values} values; the page's shape needs {expected}"
-    )]
-    BadPageData {
-        /// Slots it says are written.
-        written: u32,
-        /// Values it carries (K or V).
-        values: usize,
-        /// Values that many slots take.
-        expected: usize,
-    },
-    /// A transferred page's content does not match its checksum (corrupted on the way).
-    #[error(
-        "transferred page {index} fails its checksum (sent {expected:#018x}, received content gives {found:#018x})"
-    )]
-    PageChecksum {
-        /// The page's index in the sequence.
-        index: usize,
-        /// The checksum sent.
-        expected: u64,
-        /// The checksum of what arrived.
-        found: u64,
-    },
-    /// A tag check failed.
-    #[error(transparent)]
-    Isolation(#[from] IsolationViolation),
-}
-
-/// What [`KvPool::inspect`] tells a page's holder.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct PageInfo {
-    /// Token slots written.
-    pub written: u32,
-    /// Allocation epoch.
-    pub epoch: u32,
-    /// A 64-bit checksum of the written K and V (not cryptographic: it detects corruption and
-    /// change, it does not authenticate).
-    pub checksum: u64,
-}
-
-/// A page's content as a transfer carries it (invariant 7): the written slots' K and V of every
-/// layer, layer by layer, and their checksum as [`KvPool::inspect`] computes it.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PageData {
-    /// Token slots written, from slot 0.
-    pub written: u32,
-    /// K rows: `n_layers × written × kv_dim` values.
-    pub k: Vec<f16>,
-    /// V rows, laid out as `k`.
-    pub v: Vec<f16>,
-    /// Checksum of the written K and V.
-    pub checksum: u64,
-}
-
-impl PageData {
-    /// The checksum of this content, computed afresh (to compare with `checksum`).
-    pub fn computed_checksum(&self, n_layers: usize) -> u64 {
-        let mut sum = Checksum::default();
-        let per_layer = self.k.len().checked_div(n_layers).unwrap_or(0);
-        for l in 0..n_layers {
-            sum.add(&self.k[l * per_layer..(l + 1) * per_layer]);
-            sum.add(&self.v[l * per_layer..(l + 1) * per_layer]);
-        }
-        sum.finish()
-    }
-}
-
-/// The checksum of a page's content: xxh3-64 over its written K and V, layer by layer, each value
-/// as its two little-endian bytes (so nodes of any endianness agree).
-struct Checksum(Xxh3);
-
-impl Default for Checksum {
-    fn default() -> Self {
-        Self(Xxh3::new())
-    }
-}
-
-impl Checksum {
-    fn add(&mut self, xs: &[f16]) {
-        const CHUNK: usize = 4096;
-        let mut buf = [0u8; 2 * CHUNK];
-        for chunk in xs.chunks(CHUNK) {
-            let bytes = &mut buf[..2 * chunk.len()];
-            for (b, x) in bytes.chunks_exact_mut(2).zip(chunk) {
-                b.copy_from_slice(&x.to_bits().to_le_bytes());
-            }
-            self.0.update(bytes);
-        }
-    }
-
-    fn finish(&self) -> u64 {
-        self.0.digest()
-    }
-}
+pub use self::error::KvError;
+pub use self::id::SeqId;
+use self::page::Checksum;
+pub use self::page::{PageData, PageInfo};
 
 /// Pool counters, as `/metrics` and tests read them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -309,15 +101,8 @@ pub struct KvPool {
     free: Vec<u32>,
     seqs: HashMap<SeqId, SeqKv>,
     prefix: prefix::PrefixIndex,
-    /// Pages reserved or used per owner.
-    owner_pages: HashMap<Owner, usize>,
-    budgets: HashMap<Owner, usize>,
-    /// Pages guaranteed per owner.
-    floors: HashMap<Owner, usize>,
-    /// Most pages pinned by all owners together.
-    pin_ceiling: usize,
-    /// Owners whose policy lets them read public prefixes (invariant 5).
-    public_readers: HashSet<Owner>,
+    /// Caps, floors, pages held per owner, the pin ceiling and the public readers.
+    budgets: budget::Budgets,
     reserved_total: usize,
     counters: KvCounters,
 }
@@ -367,11 +152,7 @@ impl KvPool {
             free: (0..n_pages as u32).rev().collect(),
             seqs: HashMap::new(),
             prefix: prefix::PrefixIndex::default(),
-            owner_pages: HashMap::new(),
-            budgets: HashMap::new(),
-            floors: HashMap::new(),
-            pin_ceiling: n_pages,
-            public_readers: HashSet::new(),
+            budgets: budget::Budgets::new(n_pages),
             reserved_total: 0,
             counters: KvCounters {
                 pages_total: n_pages,
@@ -410,55 +191,37 @@ impl KvPool {
 
     /// Caps the pages (reserved plus used) that `owner` may hold; `None` lifts the cap.
     pub fn set_owner_budget(&mut self, owner: impl Into<Owner>, pages: Option<usize>) {
-        let owner = owner.into();
-        match pages {
-            Some(p) => self.budgets.insert(owner, p),
-            None => self.budgets.remove(&owner),
-        };
+        self.budgets.set_cap(owner.into(), pages);
     }
 
     /// Caps the pages pinned by all owners together, so that pins can never take the room one
     /// request of the maximum context needs.
     pub fn set_pin_ceiling(&mut self, pages: usize) {
-        self.pin_ceiling = pages;
+        self.budgets.pin_ceiling = pages;
     }
 
     /// Guarantees `owner` a floor of `pages` pages: other owners' sequences may not take the
     /// pages it would need to reach it. 0 removes the floor.
     pub fn set_owner_floor(&mut self, owner: impl Into<Owner>, pages: usize) {
-        let owner = owner.into();
-        if pages == 0 {
-            self.floors.remove(&owner);
-        } else {
-            self.floors.insert(owner, pages);
-        }
+        self.budgets.set_floor(owner.into(), pages);
     }
 
     /// The most pages one sequence of `owner` could ever get now: the pool less other owners'
     /// unused floors and every pinned page.
     pub fn pages_open_to(&self, owner: impl Into<Owner>) -> usize {
         self.n_pages
-            .saturating_sub(self.floors_of_others(owner.into()))
+            .saturating_sub(self.budgets.floors_of_others(owner.into()))
             .saturating_sub(self.prefix.pinned_total())
-    }
-
-    /// Pages other owners' floors still claim: what `owner` may not take.
-    fn floors_of_others(&self, owner: Owner) -> usize {
-        self.floors
-            .iter()
-            .filter(|(o, _)| **o != owner)
-            .map(|(o, f)| f.saturating_sub(self.owner_pages.get(o).copied().unwrap_or(0)))
-            .sum()
     }
 
     /// Pages `owner`'s open sequences hold or have reserved.
     pub fn pages_held(&self, owner: impl Into<Owner>) -> usize {
-        self.owner_pages.get(&owner.into()).copied().unwrap_or(0)
+        self.budgets.held(owner.into())
     }
 
     /// The page budget of `owner`, if one is set.
     pub fn owner_budget(&self, owner: impl Into<Owner>) -> Option<usize> {
-        self.budgets.get(&owner.into()).copied()
+        self.budgets.cap(owner.into())
     }
 
     /// Free or evictable pages not promised to any open sequence.
@@ -487,7 +250,7 @@ impl KvPool {
         // cover more.
         let mut chain = self.cached_chain(owner, reusable, pages);
         let mut public = false;
-        if self.public_readers.contains(&owner) {
+        if self.budgets.reads_public(owner) {
             let shared = self.cached_chain(Owner::PUBLIC, reusable, pages);
             if shared.len() > chain.len() {
                 (chain, public) = (shared, true);
@@ -496,19 +259,11 @@ impl KvPool {
         // Adopting an idle page takes it out of what is available.
         let adopted_idle = chain.iter().filter(|&&id| self.prefix.is_idle(id)).count();
         let reserve = pages - chain.len();
-        let in_use = self.owner_pages.get(&owner).copied().unwrap_or(0);
-        if let Some(&budget) = self.budgets.get(&owner)
-            && in_use + pages > budget
-        {
-            return Err(KvError::OwnerBudget {
-                owner,
-                wanted: pages,
-                in_use,
-                budget,
-            });
-        }
+        self.budgets.check_cap(owner, pages)?;
         // Other owners' guaranteed floors are not available to this one.
-        let available = self.available_pages().saturating_sub(self.floors_of_others(owner));
+        let available = self
+            .available_pages()
+            .saturating_sub(self.budgets.floors_of_others(owner));
         if reserve + adopted_idle > available {
             return Err(KvError::PoolExhausted {
                 wanted: reserve + adopted_idle,
@@ -525,7 +280,7 @@ impl KvPool {
         }
         let hit = chain.len() * self.shape.page_size;
         self.reserved_total += reserve;
-        *self.owner_pages.entry(owner).or_insert(0) += pages;
+        self.budgets.charge(owner, pages);
         self.counters.prefix_hit_tokens += hit as u64;
         self.seqs.insert(
             seq,
@@ -564,12 +319,7 @@ impl KvPool {
 
     /// Lets `owner` read public prefixes, or stops it (for sequences opened from now on).
     pub fn set_public_access(&mut self, owner: impl Into<Owner>, allowed: bool) {
-        let owner = owner.into();
-        if allowed {
-            self.public_readers.insert(owner);
-        } else {
-            self.public_readers.remove(&owner);
-        }
+        self.budgets.set_public_reader(owner.into(), allowed);
     }
 
     /// Puts page `page` into the eviction order if only the cache holds it and nothing pinned
@@ -681,11 +431,11 @@ impl KvPool {
             return Err(KvError::PinLimit { wanted, pinned, limit });
         }
         let all = self.prefix.pinned_total();
-        if all + wanted > self.pin_ceiling {
+        if all + wanted > self.budgets.pin_ceiling {
             return Err(KvError::PinCeiling {
                 wanted,
                 pinned: all,
-                ceiling: self.pin_ceiling,
+                ceiling: self.budgets.pin_ceiling,
             });
         }
         // Pinning an idle page takes it out of what is available.
@@ -966,12 +716,7 @@ impl KvPool {
                 _ => self.counters.tag_mismatches += 1,
             }
         }
-        if let Some(n) = self.owner_pages.get_mut(&s.owner) {
-            *n = n.saturating_sub(held);
-            if *n == 0 {
-                self.owner_pages.remove(&s.owner);
-            }
-        }
+        self.budgets.refund(s.owner, held);
         Ok(())
     }
 
