@@ -5,9 +5,9 @@
 //! all computed but the last (a decode) one token, then fills the rest of the step with prefill
 //! chunks, the least served tenant's first, up to a token cap and a target duration that a cost
 //! model fitted from recent steps predicts (`cost`). A tenant arriving with nothing decoding may
-//! get a step for its prefill alone (see [`Engine::plan`]). Sequences join and leave between any
+//! get a step for its prefill alone (see `schedule`). Sequences join and leave between any
 //! two steps. Every way a scheduled request ends — finished, cancelled, failed — goes through
-//! [`Engine::retire`], which closes its KV state (pages return to the pool once unreferenced) and
+//! `Engine::retire`, which closes its KV state (pages return to the pool once unreferenced) and
 //! emits exactly one [`Event::Done`]. Rejected requests never get here: [`Engine::submit`] returns
 //! them before anything is allocated.
 

@@ -11,7 +11,7 @@
 //!   the last holder lets go (invariant 3). On free its epoch is bumped and its tag cleared, so
 //!   any stale entry fails the tag check (invariant 2). Nothing outside the pool holds a page:
 //!   a guest's page handle or a transfer's entry is checked against the tag at every use.
-//! * The tenant-private prefix cache ([`prefix`]): a sequence's fully computed pages are offered
+//! * The tenant-private prefix cache (`prefix`): a sequence's fully computed pages are offered
 //!   to its owner's cache ([`KvPool::cache_computed`]), which holds a reference on each; a later
 //!   sequence of the same owner whose prompt starts with the same tokens adopts those pages at
 //!   [`KvPool::open`] instead of computing them again. Shared pages are full, so nobody writes

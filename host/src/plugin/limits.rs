@@ -64,7 +64,7 @@ impl RequestTime {
 
 /// What one component may take of the shared instance pool: what one plugin needs, so that no
 /// component can hold the slots of many. The pool checks them when a component is compiled or
-/// loaded, and a component over any of them is refused ([`PluginFailure::OverLimits`]), the
+/// loaded, and a component over any of them is refused ([`PluginFailure::OverLimits`](super::PluginFailure::OverLimits)), the
 /// message naming the limit.
 #[derive(Debug, Clone, Copy)]
 pub struct ComponentLimits {
@@ -90,7 +90,7 @@ impl ComponentLimits {
     };
 }
 
-/// A host import's input over its limit (the call fails with [`PluginFailure::HostLimit`]).
+/// A host import's input over its limit (the call fails with [`PluginFailure::HostLimit`](super::PluginFailure::HostLimit)).
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{0}")]
 pub struct HostLimit(pub String);

@@ -17,7 +17,7 @@
 //! Every bound holds whatever the guest does (invariant 8): each call is raced against its
 //! deadline, so a call waiting in a host import ends on time as surely as one spinning in guest
 //! code; a request's calls together share [`PluginLimits::request_time`]; host imports are
-//! charged in fuel ([`host`]); and one component can take only what one plugin needs of the
+//! charged in fuel (`host`); and one component can take only what one plugin needs of the
 //! shared instance pool ([`ComponentLimits`], checked at compile).
 
 mod access;

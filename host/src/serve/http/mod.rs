@@ -1,7 +1,7 @@
-//! The HTTP service: the routing table here; the endpoints by group in [`generate`] (the OpenAI
-//! generation endpoints), [`plugin_api`] (a tenant's plugins) and [`admin_api`] (tenants, keys,
-//! usage); beneath them [`auth`] (keys and the admin token), [`body`] (bodies within their
-//! limits) and [`reply`] (responses, and every failure as [`ApiError`]'s JSON).
+//! The HTTP service: the routing table here; the endpoints by group in `generate` (the OpenAI
+//! generation endpoints), `plugin_api` (a tenant's plugins) and `admin_api` (tenants, keys,
+//! usage); beneath them `auth` (keys and the admin token), `body` (bodies within their
+//! limits) and `reply` (responses, and every failure as [`ApiError`]'s JSON).
 
 mod admin_api;
 mod auth;
