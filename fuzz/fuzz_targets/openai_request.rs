@@ -1,10 +1,12 @@
-//! Request bodies of both endpoints: parsed, checked and planned as the server does, then through
-//! the engine's admission check; every refusal is an error, never a panic.
+//! Request bodies of both endpoints: parsed, checked and planned as the server does, then with a
+//! prompt through the check that makes the engine's validated request; every refusal is an
+//! error, never a panic.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 use warden::engine::request::AdmissionLimits;
 use warden::serve::openai::{ChatRequest, CompletionRequest, RequestLimits};
+use warden::tenant::TenantId;
 
 const LIMITS: RequestLimits = RequestLimits {
     default_max_tokens: 256,
@@ -18,16 +20,21 @@ const ADMISSION: AdmissionLimits = AdmissionLimits {
 };
 
 fuzz_target!(|data: &[u8]| {
+    let Some(tenant) = TenantId::new(1) else {
+        return;
+    };
     if let Ok(r) = ChatRequest::parse(data, 32) {
         let _ = r.chat_messages();
-        let _ = r.logprobs();
-        if let Ok(p) = r.common.plan(1, vec![1, 2, 3], &LIMITS) {
-            let _ = p.req.validate(&ADMISSION);
+        if let Ok(logprobs) = r.logprobs()
+            && let Ok(p) = r.common.plan(&LIMITS, logprobs)
+        {
+            let _ = p.params.with_prompt(tenant, vec![1, 2, 3], &ADMISSION);
         }
     }
-    if let Ok(r) = CompletionRequest::parse(data, 32)
-        && let Ok(p) = r.common.plan(1, vec![1, 2, 3], &LIMITS)
-    {
-        let _ = p.req.validate(&ADMISSION);
+    if let Ok(r) = CompletionRequest::parse(data, 32) {
+        let _ = r.asked();
+        if let Ok(p) = r.common.plan(&LIMITS, None) {
+            let _ = p.params.with_prompt(tenant, vec![1, 2, 3], &ADMISSION);
+        }
     }
 });
