@@ -93,3 +93,19 @@ pub fn oracle() -> (Vec<OraclePrompt>, Vec<u32>) {
 pub fn tenant(n: u64) -> crate::tenant::TenantId {
     crate::tenant::TenantId::new(n).expect("test tenants are numbered from 1")
 }
+
+/// Opens the store in `dir` again after a handle to it was dropped. sled's background flusher
+/// holds the file lock until its next wake-up, so an immediate reopen in the same process can
+/// find it still locked; this waits (up to 5 s) for the lock to go.
+pub fn reopen_store(dir: &std::path::Path) -> crate::serve::store::Store {
+    use crate::serve::store::{Store, StoreError};
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match Store::open(dir) {
+            Err(StoreError::Locked(_)) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => return r.expect("the store reopens"),
+        }
+    }
+}

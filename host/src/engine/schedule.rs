@@ -81,15 +81,8 @@ impl Planner<'_> {
         // Prefill tokens the step still owes the floor.
         let mut floor = MIN_PREFILL_TOKENS;
         if let Some(lead) = first_token {
-            for &i in prefills.iter().filter(|&&i| running[i].owner == lead) {
-                let n = self.prefill_chunk(&running[i], work, floor);
-                if n == 0 {
-                    break;
-                }
-                plan.push((i, n));
-                work = work.plus(running[i].chunk(n));
-                floor = floor.saturating_sub(n);
-            }
+            let own = prefills.iter().copied().filter(|&i| running[i].owner == lead);
+            self.add_prefills(running, own, &mut plan, &mut work, &mut floor);
             let with_decodes = decodes.iter().fold(work, |w, &i| w.plus(running[i].chunk(1)));
             if !decodes.is_empty() && !self.fits(with_decodes) {
                 return plan;
@@ -100,16 +93,29 @@ impl Planner<'_> {
             plan.push((i, 1));
             work = work.plus(running[i].chunk(1));
         }
-        for i in prefills {
-            let n = self.prefill_chunk(&running[i], work, floor);
+        self.add_prefills(running, prefills, &mut plan, &mut work, &mut floor);
+        plan
+    }
+
+    /// Adds the prefill chunks of `order`'s sequences to `plan` while they fit beside `work`,
+    /// until one gets nothing; each counts against the `floor` the step still owes.
+    fn add_prefills(
+        &self,
+        running: &[SeqView],
+        order: impl IntoIterator<Item = usize>,
+        plan: &mut Vec<(usize, usize)>,
+        work: &mut Work,
+        floor: &mut usize,
+    ) {
+        for i in order {
+            let n = self.prefill_chunk(&running[i], *work, *floor);
             if n == 0 {
                 break;
             }
             plan.push((i, n));
-            work = work.plus(running[i].chunk(n));
-            floor = floor.saturating_sub(n);
+            *work = work.plus(running[i].chunk(n));
+            *floor = floor.saturating_sub(n);
         }
-        plan
     }
 
     /// Whether a step doing `work` stays within the step's limits: `max_batch_tokens`, and the

@@ -18,14 +18,13 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::config::ServeConfig;
 use crate::engine::request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
-use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
+use crate::engine::{Engine, EngineConfig, EngineError, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
@@ -243,9 +242,14 @@ impl SeqSlot {
 #[derive(Debug)]
 pub struct Busy;
 
+/// The engine the configuration describes could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("starting the engine (see [kv] and [limits] in the config)")]
+pub struct StartError(#[source] pub EngineError);
+
 /// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
 /// context (invariant 4) or a setting is impossible.
-pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> anyhow::Result<Engine> {
+pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> Result<Engine, StartError> {
     let mut ec = EngineConfig::for_model(&loaded.model);
     if let Some(m) = cfg.limits.max_context {
         ec.max_context = m;
@@ -258,8 +262,7 @@ pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> anyhow::Result<E
     ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
     ec.prefix_cache = cfg.kv.prefix_cache;
     ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
-    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec)
-        .context("starting the engine (see [kv] and [limits] in the config)")
+    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec).map_err(StartError)
 }
 
 /// A future an [`EngineHandle`] returns.

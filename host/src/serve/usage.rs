@@ -268,7 +268,7 @@ mod tests {
             book.flush().unwrap();
             assert_eq!(book.period_tokens(tenant(1), SystemTime::now()), (15, 15));
         }
-        let store = Store::open(&dir).unwrap();
+        let store = crate::testutil::reopen_store(&dir);
         let book = UsageBook::open(&store).unwrap();
         let a = book.of(tenant(1), "a");
         assert_eq!(

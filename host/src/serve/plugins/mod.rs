@@ -49,9 +49,26 @@ pub struct Resolved {
     pub plugin: Plugin,
 }
 
+/// Why the plugin service could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    /// The running binary, which compiles plugins, cannot be found.
+    #[error("finding the warden binary, which compiles plugins")]
+    Compiler(#[source] std::io::Error),
+    /// The wasmtime runtime refused its configuration.
+    #[error("starting the plugin runtime")]
+    Runtime(#[source] PluginFailure),
+    /// The artefact key could not be read or made.
+    #[error("the plugin artefact key")]
+    Key(#[source] StoreError),
+    /// The compiled-artefact cache could not be created.
+    #[error("creating the plugin cache {}", .0.display())]
+    Cache(PathBuf, #[source] std::io::Error),
+}
+
 /// The `warden` binary running now, which compiles plugins in a child process.
-pub fn compiler() -> anyhow::Result<PathBuf> {
-    std::env::current_exe().map_err(|e| anyhow::anyhow!("finding the warden binary, which compiles plugins: {e}"))
+pub fn compiler() -> Result<PathBuf, SetupError> {
+    std::env::current_exe().map_err(SetupError::Compiler)
 }
 
 /// The server's plugin service.
@@ -135,13 +152,12 @@ impl Plugins {
         data_dir: &std::path::Path,
         tokenizer: Arc<Tokenizer>,
         compiler: &std::path::Path,
-    ) -> anyhow::Result<Self> {
+    ) -> Result<Self, SetupError> {
         let cache_dir = data_dir.join("plugin-cache");
-        let cache_dir = cache_dir.as_path();
-        let runtime = Runtime::new(cfg.instances, cfg.memory_mib << 20)?;
-        let key = store.secret("plugin-artefacts")?;
-        let artefacts = Artefacts::new(cache_dir, key, &runtime)
-            .map_err(|e| anyhow::anyhow!("creating the plugin cache {}: {e}", cache_dir.display()))?;
+        let runtime = Runtime::new(cfg.instances, cfg.memory_mib << 20).map_err(SetupError::Runtime)?;
+        let key = store.secret("plugin-artefacts").map_err(SetupError::Key)?;
+        let artefacts =
+            Artefacts::new(&cache_dir, key, &runtime).map_err(|e| SetupError::Cache(cache_dir.clone(), e))?;
         Ok(Self {
             compiles: tokio::sync::Semaphore::new(cfg.compiles),
             runtime: Arc::new(runtime),

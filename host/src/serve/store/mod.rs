@@ -333,7 +333,7 @@ mod tests {
             assert!(s.authenticate(&other).unwrap().is_none());
             (key, other)
         };
-        let s = Store::open(&dir).unwrap();
+        let s = crate::testutil::reopen_store(&dir);
         assert!(!s.is_new().unwrap());
         assert_eq!(s.authenticate(&key).unwrap().unwrap().name, "acme");
         assert!(s.authenticate(&other).unwrap().is_none(), "revoked stays revoked");
