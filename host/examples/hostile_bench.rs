@@ -134,7 +134,7 @@ async fn attacker(
 }
 
 async fn put(c: &Client, path: &str, key: &str, body: &[u8]) -> anyhow::Result<Reply> {
-    c.request(Method::PUT, path, Some(key), Some(body.to_vec())).await
+    Ok(c.request(Method::PUT, path, Some(key), Some(body.to_vec())).await?)
 }
 
 fn main() -> anyhow::Result<()> {

@@ -2,10 +2,9 @@
 //! running server's admin API with it, and the end-to-end tests talk to the server with it. One
 //! connection per request.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, bail};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
@@ -13,6 +12,38 @@ use hyper::{Method, Request, Response};
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::ServerName;
 use tokio::net::TcpStream;
+
+/// What went wrong reaching the server.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The URL is not `https://host:port` or `http://host:port`.
+    #[error("unsupported URL {0:?} (expected https://host:port or http://host:port)")]
+    Url(String),
+    /// An https URL without a certificate to trust.
+    #[error("an https URL needs the certificate to trust")]
+    NoCertificate,
+    /// The certificate file could not be read.
+    #[error("reading {}", .0.display())]
+    Certificate(PathBuf, #[source] std::io::Error),
+    /// TLS refused the certificate or the connection.
+    #[error("TLS")]
+    Tls(#[from] rustls::Error),
+    /// The host is not a name TLS can check.
+    #[error("{0:?} is not a valid server name")]
+    ServerName(String),
+    /// The TCP connection or the TLS handshake failed.
+    #[error("connecting to {0}")]
+    Connect(String, #[source] std::io::Error),
+    /// The request could not be built.
+    #[error("building the request")]
+    Request(#[from] hyper::http::Error),
+    /// HTTP failed on the connection.
+    #[error("HTTP")]
+    Http(#[from] hyper::Error),
+    /// The reply is not JSON.
+    #[error("reply is not JSON: {0:?}")]
+    NotJson(String, #[source] serde_json::Error),
+}
 
 /// HTTP version to speak.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,8 +75,8 @@ pub struct Reply {
 
 impl Reply {
     /// The body as JSON.
-    pub fn json(&self) -> anyhow::Result<serde_json::Value> {
-        serde_json::from_slice(&self.body).with_context(|| format!("reply is not JSON: {:?}", self.text()))
+    pub fn json(&self) -> Result<serde_json::Value, ClientError> {
+        serde_json::from_slice(&self.body).map_err(|e| ClientError::NotJson(self.text(), e))
     }
 
     /// The body as text.
@@ -57,25 +88,25 @@ impl Reply {
 impl Client {
     /// A client for `url` (`https://host:port` or `http://host:port`); for https, `ca_cert` is
     /// the PEM certificate to trust.
-    pub fn new(url: &str, ca_cert: Option<&Path>) -> anyhow::Result<Self> {
+    pub fn new(url: &str, ca_cert: Option<&Path>) -> Result<Self, ClientError> {
+        let bad_url = || ClientError::Url(url.into());
         let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
             (true, r)
         } else if let Some(r) = url.strip_prefix("http://") {
             (false, r)
         } else {
-            bail!("unsupported URL {url:?}");
+            return Err(bad_url());
         };
         let hostport = rest.trim_end_matches('/');
-        let (host, port) = hostport
-            .rsplit_once(':')
-            .with_context(|| format!("URL {url:?} has no port"))?;
-        let port: u16 = port.parse().with_context(|| format!("port of {url:?}"))?;
+        let (host, port) = hostport.rsplit_once(':').ok_or_else(bad_url)?;
+        let port: u16 = port.parse().map_err(|_| bad_url())?;
         let tls = if tls {
-            let path = ca_cert.context("an https URL needs the certificate to trust")?;
-            let pem = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+            let path = ca_cert.ok_or(ClientError::NoCertificate)?;
+            let unreadable = |e| ClientError::Certificate(path.into(), e);
+            let pem = std::fs::read(path).map_err(unreadable)?;
             let mut roots = rustls::RootCertStore::empty();
             for c in rustls_pemfile::certs(&mut &pem[..]) {
-                roots.add(c?)?;
+                roots.add(c.map_err(unreadable)?)?;
             }
             let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_safe_default_protocol_versions()?
@@ -100,10 +131,10 @@ impl Client {
         path: &str,
         bearer: Option<&str>,
         body: Option<Vec<u8>>,
-    ) -> anyhow::Result<Response<Incoming>> {
+    ) -> Result<Response<Incoming>, ClientError> {
         let tcp = TcpStream::connect((self.host.as_str(), self.port))
             .await
-            .with_context(|| format!("connecting to {}:{}", self.host, self.port))?;
+            .map_err(|e| self.unreachable(e))?;
         let mut b = Request::builder()
             .method(method)
             .uri(format!("https://{}:{}{path}", self.host, self.port))
@@ -122,10 +153,10 @@ impl Client {
                     Proto::Http1 => b"http/1.1".to_vec(),
                     Proto::Http2 => b"h2".to_vec(),
                 }];
-                let name = ServerName::try_from(self.host.clone())?;
                 let stream = tokio_rustls::TlsConnector::from(Arc::new(cfg))
-                    .connect(name, tcp)
-                    .await?;
+                    .connect(self.server_name()?, tcp)
+                    .await
+                    .map_err(|e| self.unreachable(e))?;
                 send_on(proto, TokioIo::new(stream), req).await
             }
             None => send_on(proto, TokioIo::new(tcp), req).await,
@@ -133,13 +164,17 @@ impl Client {
     }
 
     /// Opens a connection (TLS handshake included) and sends nothing: a slow or idle client.
-    pub async fn connect_idle(&self) -> anyhow::Result<IdleConnection> {
-        let tcp = TcpStream::connect((self.host.as_str(), self.port)).await?;
+    pub async fn connect_idle(&self) -> Result<IdleConnection, ClientError> {
+        let tcp = TcpStream::connect((self.host.as_str(), self.port))
+            .await
+            .map_err(|e| self.unreachable(e))?;
         let stream: Box<dyn IdleStream> = match &self.tls {
-            Some(cfg) => {
-                let name = ServerName::try_from(self.host.clone())?;
-                Box::new(tokio_rustls::TlsConnector::from(cfg.clone()).connect(name, tcp).await?)
-            }
+            Some(cfg) => Box::new(
+                tokio_rustls::TlsConnector::from(cfg.clone())
+                    .connect(self.server_name()?, tcp)
+                    .await
+                    .map_err(|e| self.unreachable(e))?,
+            ),
             None => Box::new(tcp),
         };
         Ok(IdleConnection { stream })
@@ -152,7 +187,7 @@ impl Client {
         path: &str,
         bearer: Option<&str>,
         body: Option<Vec<u8>>,
-    ) -> anyhow::Result<Reply> {
+    ) -> Result<Reply, ClientError> {
         self.request_proto(Proto::Http1, method, path, bearer, body).await
     }
 
@@ -164,16 +199,24 @@ impl Client {
         path: &str,
         bearer: Option<&str>,
         body: Option<Vec<u8>>,
-    ) -> anyhow::Result<Reply> {
+    ) -> Result<Reply, ClientError> {
         let r = self.send(proto, method, path, bearer, body).await?;
         let status = r.status().as_u16();
         let headers = r.headers().clone();
         let body = r.into_body().collect().await?.to_bytes();
         Ok(Reply { status, headers, body })
     }
+
+    fn unreachable(&self, e: std::io::Error) -> ClientError {
+        ClientError::Connect(format!("{}:{}", self.host, self.port), e)
+    }
+
+    fn server_name(&self) -> Result<ServerName<'static>, ClientError> {
+        ServerName::try_from(self.host.clone()).map_err(|_| ClientError::ServerName(self.host.clone()))
+    }
 }
 
-async fn send_on<IO>(proto: Proto, io: IO, req: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>>
+async fn send_on<IO>(proto: Proto, io: IO, req: Request<Full<Bytes>>) -> Result<Response<Incoming>, ClientError>
 where
     IO: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
