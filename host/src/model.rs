@@ -223,7 +223,10 @@ impl Forward for Model {
         check: TagCheck,
         s: &mut Scratch,
     ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
-        Model::forward(self, pool, seqs, check, s)
+        // The whole step runs on a worker of the thread pool: the kernels' parallel loops then
+        // split work between workers that are already awake, instead of each of the ~150 calls
+        // of a step waking sleeping threads from outside the pool and blocking until they finish.
+        rayon::scope(|_| self.forward_in_pool(pool, seqs, check, s))
     }
 }
 
@@ -354,20 +357,6 @@ impl Model {
         let row_bytes = self.embd_type.bytes_for(self.cfg.dim as u64).unwrap_or(0) as usize;
         let t = token as usize;
         be.dequantize_row(self.embd_type, &self.embd[t * row_bytes..(t + 1) * row_bytes], out);
-    }
-
-    /// Runs one step (see [`Forward::forward`]).
-    pub fn forward(
-        &self,
-        pool: &mut KvPool,
-        seqs: &[StepSeq<'_>],
-        check: TagCheck,
-        s: &mut Scratch,
-    ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
-        // The whole step runs on a worker of the thread pool: the kernels' parallel loops then
-        // split work between workers that are already awake, instead of each of the ~150 calls
-        // of a step waking sleeping threads from outside the pool and blocking until they finish.
-        rayon::scope(|_| self.forward_in_pool(pool, seqs, check, s))
     }
 
     fn forward_in_pool(

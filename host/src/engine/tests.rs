@@ -10,7 +10,7 @@ use warden_kernels::tag::{IsolationViolation, TagCheck};
 use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, RejectReason, Rejected, RequestId, Usage};
 use super::{Engine, EngineConfig, Event};
 use crate::kv::{KvError, KvPool};
-use crate::model::{Scratch, StepSeq};
+use crate::model::{Forward, Scratch, StepSeq};
 use crate::testutil::{IdDetok, model, oracle, tenant};
 
 /// These tests hold raw requests: each is validated against the engine's own limits on the way
