@@ -365,17 +365,15 @@ impl GenerateRequest {
     /// Validation of a whole request, as [`Params::new`] then [`Params::with_prompt`] check it:
     /// for callers that hold a raw request (the CLI, benchmarks, another node's message).
     pub fn validate(self, limits: &AdmissionLimits) -> Result<ValidRequest, Rejected> {
-        let GenerateRequest {
-            owner,
-            prompt,
-            sampling,
-            max_tokens,
-            stop,
-            ignore_eos,
-            logprobs,
-        } = self;
-        let params = Params::new(sampling, max_tokens, stop, ignore_eos, logprobs).map_err(RejectReason::from)?;
-        Ok(params.with_prompt(owner, prompt, limits)?)
+        let params = Params::new(
+            self.sampling,
+            self.max_tokens,
+            self.stop,
+            self.ignore_eos,
+            self.logprobs,
+        )
+        .map_err(RejectReason::from)?;
+        Ok(params.with_prompt(self.owner, self.prompt, limits)?)
     }
 }
 
