@@ -21,11 +21,11 @@ use tokio::sync::mpsc;
 use super::NodeInfo;
 use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, RequestId, Usage};
 use crate::engine::{TenantSettings, TokenLogprobs};
-use crate::kv::PageInfo;
+use crate::kv::{PageHandle, PageInfo};
+use crate::plugin::KvAccessError;
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
 use crate::transfer::wire::{Frame, WireError};
-use warden_kernels::tag::PageEntry;
 
 /// The protocol's version; a peer that speaks another is refused.
 pub const VERSION: u32 = 2;
@@ -106,37 +106,6 @@ pub enum Ended {
     },
 }
 
-/// A page-table entry on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct WireEntry {
-    /// Page index in the decode node's pool.
-    pub page: u32,
-    /// Its epoch.
-    pub epoch: u32,
-    /// A public prefix's page.
-    pub public: bool,
-}
-
-impl From<PageEntry> for WireEntry {
-    fn from(e: PageEntry) -> Self {
-        Self {
-            page: e.page,
-            epoch: e.epoch,
-            public: e.public,
-        }
-    }
-}
-
-impl From<WireEntry> for PageEntry {
-    fn from(e: WireEntry) -> Self {
-        Self {
-            page: e.page,
-            epoch: e.epoch,
-            public: e.public,
-        }
-    }
-}
-
 /// A plugin's question about its own request's KV, forwarded by the router. It names no
 /// request and no tenant: the decode node answers for the connection's own request.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -145,7 +114,7 @@ pub enum KvCall {
     /// The page table.
     Pages,
     /// What the tenant may learn of a page.
-    Info(WireEntry),
+    Info(PageHandle),
     /// Pin the first `n` tokens.
     Pin(usize),
     /// Unpin.
@@ -157,11 +126,11 @@ pub enum KvCall {
 #[serde(rename_all = "snake_case")]
 pub enum KvReply {
     /// The page table, if the request is open.
-    Pages(Option<Vec<WireEntry>>),
+    Pages(Option<Vec<PageHandle>>),
     /// A page's info.
-    Info(Result<PageInfo, String>),
+    Info(Result<PageInfo, KvAccessError>),
     /// Tokens pinned or pages unpinned.
-    Count(Result<usize, String>),
+    Count(Result<usize, KvAccessError>),
 }
 
 /// A JSON message.
@@ -450,5 +419,30 @@ mod tests {
         let bytes = encode_msg(&m);
         let mut r = &bytes[..bytes.len() - 1];
         assert!(matches!(read(&mut r, 0).await, Err(LinkError::Io(_))));
+    }
+
+    /// The KV questions' wire shape is the protocol's (version 1): a page handle is an object of
+    /// page, epoch and public; an error is its message, and arrives as a remote error.
+    #[test]
+    fn kv_calls_keep_their_wire_shape() {
+        let h = crate::kv::PageHandle::for_test(5, 9);
+        let call = serde_json::to_value(KvCall::Info(h)).expect("serializes");
+        assert_eq!(
+            call,
+            serde_json::json!({"info": {"page": 5, "epoch": 9, "public": false}})
+        );
+        let back: KvCall = serde_json::from_value(call).expect("reads back");
+        assert!(matches!(back, KvCall::Info(b) if b == h));
+        let refused = KvReply::Count(Err(KvAccessError::Busy));
+        let v = serde_json::to_value(&refused).expect("serializes");
+        assert_eq!(
+            v,
+            serde_json::json!({"count": {"Err": "the engine's queue is full; retry"}})
+        );
+        let back: KvReply = serde_json::from_value(v).expect("reads back");
+        assert!(matches!(
+            back,
+            KvReply::Count(Err(KvAccessError::Remote(m))) if m == "the engine's queue is full; retry"
+        ));
     }
 }

@@ -25,6 +25,7 @@ use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usag
 use crate::kv::KvPool;
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
+use crate::plugin::KvAccessError;
 use crate::runner::{
     EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, Update, start_engine,
 };
@@ -403,21 +404,19 @@ fn ask_kv(
 ) {
     let engine = node.engine.clone();
     tokio::spawn(async move {
-        let gone = || "the engine's queue is full; retry".to_string();
         let answer = match query {
             KvCall::Pages => {
                 let (reply, rx) = oneshot::channel();
                 let asked = engine.ask(KvQuery::Pages { id, owner, reply });
                 let pages = if asked { rx.await.ok().flatten() } else { None };
-                KvReply::Pages(pages.map(|p| p.into_iter().map(Into::into).collect()))
+                KvReply::Pages(pages)
             }
-            KvCall::Info(entry) => {
+            KvCall::Info(page) => {
                 let (reply, rx) = oneshot::channel();
-                let entry = entry.into();
-                let r = if engine.ask(KvQuery::Info { owner, entry, reply }) {
-                    rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+                let r = if engine.ask(KvQuery::Info { owner, page, reply }) {
+                    rx.await.unwrap_or(Err(KvAccessError::Stopped))
                 } else {
-                    Err(gone())
+                    Err(KvAccessError::Busy)
                 };
                 KvReply::Info(r)
             }
@@ -429,18 +428,18 @@ fn ask_kv(
                     tokens,
                     reply,
                 }) {
-                    rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+                    rx.await.unwrap_or(Err(KvAccessError::Stopped))
                 } else {
-                    Err(gone())
+                    Err(KvAccessError::Busy)
                 };
                 KvReply::Count(r)
             }
             KvCall::Unpin => {
                 let (reply, rx) = oneshot::channel();
                 let r = if engine.ask(KvQuery::Unpin { id, owner, reply }) {
-                    rx.await.unwrap_or_else(|_| Err("the engine stopped".into()))
+                    rx.await.unwrap_or(Err(KvAccessError::Stopped))
                 } else {
-                    Err(gone())
+                    Err(KvAccessError::Busy)
                 };
                 KvReply::Count(r)
             }

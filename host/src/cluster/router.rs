@@ -23,12 +23,12 @@ use crate::config::ClusterConfig;
 use crate::config::Role;
 use crate::engine::TenantSettings;
 use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
-use crate::kv::PageInfo;
+use crate::kv::{PageHandle, PageInfo};
 use crate::metrics::Metrics;
+use crate::plugin::KvAccessError;
 use crate::runner::{Busy, END_STOP, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label};
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
-use warden_kernels::tag::PageEntry;
 
 /// The cluster as the router sees it.
 pub struct Router {
@@ -434,9 +434,9 @@ fn outcome(e: Ended) -> Outcome {
 
 /// A plugin's KV question waiting for the decode node's answer.
 enum Pending {
-    Pages(oneshot::Sender<Option<Vec<PageEntry>>>),
-    Info(oneshot::Sender<Result<PageInfo, String>>),
-    Count(oneshot::Sender<Result<usize, String>>),
+    Pages(oneshot::Sender<Option<Vec<PageHandle>>>),
+    Info(oneshot::Sender<Result<PageInfo, KvAccessError>>),
+    Count(oneshot::Sender<Result<usize, KvAccessError>>),
 }
 
 impl Pending {
@@ -445,7 +445,7 @@ impl Pending {
     fn of(q: KvQuery) -> (KvCall, Self) {
         match q {
             KvQuery::Pages { reply, .. } => (KvCall::Pages, Pending::Pages(reply)),
-            KvQuery::Info { entry, reply, .. } => (KvCall::Info(entry.into()), Pending::Info(reply)),
+            KvQuery::Info { page, reply, .. } => (KvCall::Info(page), Pending::Info(reply)),
             KvQuery::Pin { tokens, reply, .. } => (KvCall::Pin(tokens), Pending::Count(reply)),
             KvQuery::Unpin { reply, .. } => (KvCall::Unpin, Pending::Count(reply)),
         }
@@ -454,7 +454,7 @@ impl Pending {
     fn answer(self, a: KvReply) {
         match (self, a) {
             (Pending::Pages(r), KvReply::Pages(p)) => {
-                let _ = r.send(p.map(|p| p.into_iter().map(Into::into).collect()));
+                let _ = r.send(p);
             }
             (Pending::Info(r), KvReply::Info(i)) => {
                 let _ = r.send(i);
@@ -466,10 +466,10 @@ impl Pending {
                 let _ = r.send(None);
             }
             (Pending::Info(r), _) => {
-                let _ = r.send(Err("the decode node answered another question".into()));
+                let _ = r.send(Err(KvAccessError::Mismatched));
             }
             (Pending::Count(r), _) => {
-                let _ = r.send(Err("the decode node answered another question".into()));
+                let _ = r.send(Err(KvAccessError::Mismatched));
             }
         }
     }

@@ -24,11 +24,11 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use warden_kernels::tag::{Owner, PageEntry, TagCheck};
+use warden_kernels::tag::{Owner, TagCheck};
 
 use crate::tenant::TenantId;
 
-use crate::kv::{KvCounters, KvError, KvPool, PageInfo};
+use crate::kv::{KvCounters, KvError, KvPool, PageHandle, PageInfo};
 use crate::model::{Forward, Model, Scratch, StepError, StepSeq};
 use cost::{CostModel, Work};
 use request::{
@@ -376,14 +376,14 @@ impl Engine {
     }
 
     /// The page table of request `id`, if it is open and `owner`'s.
-    pub fn kv_pages(&self, id: RequestId, owner: TenantId) -> Option<Vec<PageEntry>> {
-        let (o, pages) = self.pool.table(id.seq()).ok()?;
-        (o == Owner::from(owner)).then(|| pages.to_vec())
+    pub fn kv_pages(&self, id: RequestId, owner: TenantId) -> Option<Vec<PageHandle>> {
+        let (o, pages) = self.pool.handles(id.seq()).ok()?;
+        (o == Owner::from(owner)).then_some(pages)
     }
 
-    /// What holder `owner` may learn of page `e` (after its tag check).
-    pub fn kv_inspect(&self, owner: TenantId, e: PageEntry) -> Result<PageInfo, KvError> {
-        self.pool.inspect(owner, e)
+    /// What holder `owner` may learn of page `h` (after its tag check).
+    pub fn kv_inspect(&self, owner: TenantId, h: PageHandle) -> Result<PageInfo, KvError> {
+        self.pool.inspect(owner, h)
     }
 
     /// Pins the first `tokens` tokens of request `id` (if it is open and `owner`'s) in the

@@ -10,7 +10,8 @@
 //!   cache. Closing a sequence drops its references; a page returns to the free list only when
 //!   the last holder lets go (invariant 3). On free its epoch is bumped and its tag cleared, so
 //!   any stale entry fails the tag check (invariant 2). Nothing outside the pool holds a page:
-//!   a guest's page handle or a transfer's entry is checked against the tag at every use.
+//!   a guest's page handle (a [`PageHandle`], which only the pool mints) or a transfer's entry is
+//!   checked against the tag at every use.
 //! * The tenant-private prefix cache (`prefix`): a sequence's fully computed pages are offered
 //!   to its owner's cache ([`KvPool::cache_computed`]), which holds a reference on each; a later
 //!   sequence of the same owner whose prompt starts with the same tokens adopts those pages at
@@ -24,11 +25,13 @@
 //!
 //! Here: the page slab (tags, epochs, reference counts, the free list, and the one read and one
 //! write tag check), the K/V storage, and sequences' tables. Beside it: `budget` (caps, floors,
-//! pages held, the pin ceiling, public readers), `id` (a sequence's id), `prefix` (the prefix cache's index), `page`
+//! pages held, the pin ceiling, public readers), `handle` (what holders outside the engine
+//! thread keep of a page), `id` (a sequence's id), `prefix` (the prefix cache's index), `page`
 //! (a page's checksummed content as holders and transfers see it) and `error`.
 
 mod budget;
 mod error;
+mod handle;
 mod id;
 mod page;
 mod prefix;
@@ -40,6 +43,7 @@ use warden_kernels::attention::{AttnShape, KvLayer};
 use warden_kernels::tag::{IsolationViolation, Owner, PageEntry, PageTag};
 
 pub use self::error::KvError;
+pub use self::handle::PageHandle;
 pub use self::id::SeqId;
 use self::page::Checksum;
 pub use self::page::{PageData, PageInfo};
@@ -518,6 +522,12 @@ impl KvPool {
         Ok((s.owner, &s.pages))
     }
 
+    /// The sequence's owner and handles to its pages, for holders outside the engine thread.
+    pub fn handles(&self, seq: SeqId) -> Result<(Owner, Vec<PageHandle>), KvError> {
+        let (owner, table) = self.table(seq)?;
+        Ok((owner, table.iter().copied().map(PageHandle::of).collect()))
+    }
+
     /// Marks positions `0..upto` of the sequence as written. Called when a step that writes those
     /// slots begins: the step writes each layer's slot before that layer's attention reads it.
     pub fn commit_slots(&mut self, seq: SeqId, upto: usize) -> Result<(), KvError> {
@@ -567,12 +577,13 @@ impl KvPool {
         Ok(())
     }
 
-    /// What holder `owner` with entry `e` may learn of a page: its written slots, epoch, and a
+    /// What holder `owner` with handle `h` may learn of a page: its written slots, epoch, and a
     /// checksum of the K and V it holds (written slots only, every layer). The tag is checked
-    /// first, so a stale or foreign entry learns nothing. A refusal here is not counted as an
+    /// first, so a stale or foreign handle learns nothing. A refusal here is not counted as an
     /// isolation violation: it is how a plugin finds that a page it was shown has since left
     /// its sequence.
-    pub fn inspect(&self, owner: impl Into<Owner>, e: PageEntry) -> Result<PageInfo, KvError> {
+    pub fn inspect(&self, owner: impl Into<Owner>, h: PageHandle) -> Result<PageInfo, KvError> {
+        let e = h.entry();
         let tag = self.check_read(owner.into(), e)?;
         let ps = self.shape.page_size;
         let kvd = self.shape.kv_dim();
@@ -919,9 +930,13 @@ mod tests {
         assert!(table.iter().all(|e| e.public));
         for e in &table {
             assert_eq!(p.tags()[e.page as usize].owner, Owner::PUBLIC);
-            assert!(p.inspect(tenant(5), *e).is_ok(), "readable through the public entry");
             assert!(
-                p.inspect(tenant(5), PageEntry { public: false, ..*e }).is_err(),
+                p.inspect(tenant(5), PageHandle::of(*e)).is_ok(),
+                "readable through the public entry"
+            );
+            assert!(
+                p.inspect(tenant(5), PageHandle::of(PageEntry { public: false, ..*e }))
+                    .is_err(),
                 "not as the owner's own page"
             );
         }

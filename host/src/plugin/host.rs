@@ -20,11 +20,11 @@ use wasmtime::{StoreContextMut, Trap};
 use wasmtime_wasi::p2::{DynPollable, Pollable};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use super::access::{KvAccess, KvPage, Sequence};
+use super::access::{KvAccess, KvAccessError, KvPage, Sequence};
 use super::bindings::warden::plugin::{kv, log, types};
 use super::limits::{HostLimit, PluginLimits};
+use crate::kv::PageHandle;
 use crate::tokenizer::Tokenizer;
-use warden_kernels::tag::PageEntry;
 
 /// Most log lines one instance may write; further lines are dropped.
 const MAX_LOG_LINES: usize = 64;
@@ -115,7 +115,7 @@ pub struct PluginHost {
     /// The epoch each page allocation seen by this instance shows the guest: numbered from 1 in
     /// the order the guest first saw them, so it says nothing of the physical page's history
     /// (other tenants' use of it included).
-    epochs: HashMap<(u32, u32), u32>,
+    epochs: HashMap<PageHandle, u32>,
 }
 
 impl PluginHost {
@@ -158,20 +158,20 @@ impl PluginHost {
     }
 
     /// The epoch the guest sees for `entry`: relative to this instance, never the pool's.
-    fn relative_epoch(&mut self, entry: PageEntry) -> u32 {
+    fn relative_epoch(&mut self, page: PageHandle) -> u32 {
         let next = self.epochs.len() as u32 + 1;
-        *self.epochs.entry((entry.page, entry.epoch)).or_insert(next)
+        *self.epochs.entry(page).or_insert(next)
     }
 
     pub(super) fn attach_kv(&mut self, kv: Arc<dyn KvAccess>) {
         self.kv = Some(kv);
     }
 
-    fn mint<T: Send + 'static>(&mut self, v: T) -> Result<Resource<T>, String> {
+    fn mint<T: Send + 'static>(&mut self, v: T) -> Result<Resource<T>, KvAccessError> {
         if self.handles >= MAX_HANDLES {
-            return Err(format!("more than {MAX_HANDLES} live handles; drop some first"));
+            return Err(KvAccessError::TooManyHandles(MAX_HANDLES));
         }
-        let r = self.table.push(v).map_err(|e| e.to_string())?;
+        let r = self.table.push(v).map_err(|_| KvAccessError::TableFull)?;
         self.handles += 1;
         Ok(r)
     }
@@ -224,27 +224,19 @@ impl kv::Host for PluginHost {
     }
 }
 
-fn no_such_handle() -> String {
-    "no such handle".into()
-}
-
-fn timed_out() -> String {
-    "the engine did not answer within the call's time limit".into()
-}
-
 impl kv::HostKvPage for PluginHost {
     async fn info(&mut self, page: Resource<KvPage>) -> Result<kv::PageInfo, String> {
         self.debt += FUEL_PER_HOST_CALL;
         // Only handles this store minted resolve; wasmtime refuses a forged or stale index
         // before this runs.
-        let entry = self.table.get(&page).map_err(|_| no_such_handle())?.entry;
-        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
-        let info = tokio::time::timeout(self.budget(), kv.info(entry))
+        let handle = self.table.get(&page).map_err(|_| KvAccessError::NoSuchHandle)?.handle;
+        let kv = self.kv.clone().ok_or(KvAccessError::NoSuchHandle)?;
+        let info = tokio::time::timeout(self.budget(), kv.info(handle))
             .await
-            .map_err(|_| timed_out())??;
+            .map_err(|_| KvAccessError::TimedOut)??;
         Ok(kv::PageInfo {
             written: info.written,
-            epoch: self.relative_epoch(entry),
+            epoch: self.relative_epoch(handle),
             checksum: info.checksum,
         })
     }
@@ -259,37 +251,37 @@ impl kv::HostKvPage for PluginHost {
 impl kv::HostSequence for PluginHost {
     async fn pages(&mut self, seq: Resource<Sequence>) -> Result<Vec<Resource<KvPage>>, String> {
         self.debt += FUEL_PER_HOST_CALL;
-        self.table.get(&seq).map_err(|_| no_such_handle())?;
-        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
-        let entries = tokio::time::timeout(self.budget(), kv.pages())
+        self.table.get(&seq).map_err(|_| KvAccessError::NoSuchHandle)?;
+        let kv = self.kv.clone().ok_or(KvAccessError::NoSuchHandle)?;
+        let handles = tokio::time::timeout(self.budget(), kv.pages())
             .await
-            .map_err(|_| timed_out())?
-            .ok_or_else(|| "the sequence holds no KV pages now (it has ended)".to_string())?;
-        self.debt += FUEL_PER_PAGE * entries.len() as u64;
-        let mut out = Vec::with_capacity(entries.len());
-        for entry in entries {
-            out.push(self.mint(KvPage { entry })?);
+            .map_err(|_| KvAccessError::TimedOut)?
+            .ok_or(KvAccessError::NoPages)?;
+        self.debt += FUEL_PER_PAGE * handles.len() as u64;
+        let mut out = Vec::with_capacity(handles.len());
+        for handle in handles {
+            out.push(self.mint(KvPage { handle })?);
         }
         Ok(out)
     }
 
     async fn pin_prefix(&mut self, seq: Resource<Sequence>, tokens: u32) -> Result<u32, String> {
         self.debt += FUEL_PER_HOST_CALL;
-        self.table.get(&seq).map_err(|_| no_such_handle())?;
-        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
+        self.table.get(&seq).map_err(|_| KvAccessError::NoSuchHandle)?;
+        let kv = self.kv.clone().ok_or(KvAccessError::NoSuchHandle)?;
         let pinned = tokio::time::timeout(self.budget(), kv.pin(tokens as usize))
             .await
-            .map_err(|_| timed_out())??;
+            .map_err(|_| KvAccessError::TimedOut)??;
         Ok(u32::try_from(pinned).unwrap_or(u32::MAX))
     }
 
     async fn unpin_prefix(&mut self, seq: Resource<Sequence>) -> Result<u32, String> {
         self.debt += FUEL_PER_HOST_CALL;
-        self.table.get(&seq).map_err(|_| no_such_handle())?;
-        let kv = self.kv.clone().ok_or_else(no_such_handle)?;
+        self.table.get(&seq).map_err(|_| KvAccessError::NoSuchHandle)?;
+        let kv = self.kv.clone().ok_or(KvAccessError::NoSuchHandle)?;
         let pages = tokio::time::timeout(self.budget(), kv.unpin())
             .await
-            .map_err(|_| timed_out())??;
+            .map_err(|_| KvAccessError::TimedOut)??;
         Ok(u32::try_from(pages).unwrap_or(u32::MAX))
     }
 

@@ -36,7 +36,7 @@ use wasmtime::{
 };
 
 use crate::tokenizer::Tokenizer;
-pub use access::{BoxFuture, KvAccess};
+pub use access::{BoxFuture, KvAccess, KvAccessError};
 pub use bindings::warden::plugin::types::{
     Capabilities, Chunk, Input, Message, PluginError as GuestError, Request, Sampling, Token, TokenAction,
 };

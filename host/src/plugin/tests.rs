@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::kv::PageHandle;
 
 fn runtime() -> &'static Runtime {
     static RT: OnceLock<Runtime> = OnceLock::new();
@@ -384,28 +385,41 @@ async fn postprocess_output_is_bounded_by_its_input() {
 /// tenants used them many times.
 struct ChurnedKv;
 
+/// The pages [`ChurnedKv`] shows: (page, pool epoch).
+const CHURNED: [(u32, u32); 2] = [(5, 7_741), (9, 120_003)];
+
 impl KvAccess for ChurnedKv {
     fn started(&self) -> bool {
         true
     }
-    fn pages(&self) -> BoxFuture<Option<Vec<warden_kernels::tag::PageEntry>>> {
-        use warden_kernels::tag::PageEntry;
-        Box::pin(async { Some(vec![PageEntry::own(5, 7_741), PageEntry::own(9, 120_003)]) })
+    fn pages(&self) -> BoxFuture<Option<Vec<PageHandle>>> {
+        Box::pin(async {
+            Some(
+                CHURNED
+                    .iter()
+                    .map(|&(page, epoch)| PageHandle::for_test(page, epoch))
+                    .collect(),
+            )
+        })
     }
-    fn info(&self, entry: warden_kernels::tag::PageEntry) -> BoxFuture<Result<crate::kv::PageInfo, String>> {
+    fn info(&self, h: PageHandle) -> BoxFuture<Result<crate::kv::PageInfo, KvAccessError>> {
+        let (_, epoch) = CHURNED
+            .into_iter()
+            .find(|&(page, epoch)| PageHandle::for_test(page, epoch) == h)
+            .expect("a page this fake showed");
         Box::pin(async move {
             Ok(crate::kv::PageInfo {
                 written: 16,
-                epoch: entry.epoch,
+                epoch,
                 checksum: 1,
             })
         })
     }
-    fn pin(&self, _: usize) -> BoxFuture<Result<usize, String>> {
-        Box::pin(async { Err("no".into()) })
+    fn pin(&self, _: usize) -> BoxFuture<Result<usize, KvAccessError>> {
+        Box::pin(async { Err(KvAccessError::Remote("no".into())) })
     }
-    fn unpin(&self) -> BoxFuture<Result<usize, String>> {
-        Box::pin(async { Err("no".into()) })
+    fn unpin(&self) -> BoxFuture<Result<usize, KvAccessError>> {
+        Box::pin(async { Err(KvAccessError::Remote("no".into())) })
     }
 }
 

@@ -25,15 +25,14 @@ use crate::engine::request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
 use crate::engine::{Engine, EngineConfig, EngineError, Event, TenantSettings, TokenLogprobs};
-use crate::kv::{KvError, PageInfo};
+use crate::kv::{KvError, PageHandle, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
-use crate::plugin::{BoxFuture, KvAccess, PluginFailure};
+use crate::plugin::{BoxFuture, KvAccess, KvAccessError, PluginFailure};
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
 use crate::transfer::wire::Frame;
 use ends::{Ends, Received};
-use warden_kernels::tag::PageEntry;
 
 /// What a request's channel receives.
 #[derive(Debug)]
@@ -130,16 +129,16 @@ pub enum KvQuery {
         /// The asking tenant.
         owner: TenantId,
         /// Where the answer goes.
-        reply: oneshot::Sender<Option<Vec<PageEntry>>>,
+        reply: oneshot::Sender<Option<Vec<PageHandle>>>,
     },
-    /// What `owner` may learn of page `entry`.
+    /// What `owner` may learn of page `page`.
     Info {
         /// The asking tenant.
         owner: TenantId,
         /// The page and the epoch the tenant was shown.
-        entry: PageEntry,
+        page: PageHandle,
         /// Where the answer goes.
-        reply: oneshot::Sender<Result<PageInfo, String>>,
+        reply: oneshot::Sender<Result<PageInfo, KvAccessError>>,
     },
     /// Pin request `id`'s first `tokens` tokens in `owner`'s prefix cache.
     Pin {
@@ -150,7 +149,7 @@ pub enum KvQuery {
         /// Tokens to pin.
         tokens: usize,
         /// The tokens pinned.
-        reply: oneshot::Sender<Result<usize, String>>,
+        reply: oneshot::Sender<Result<usize, KvAccessError>>,
     },
     /// Unpin the pinned prefixes within request `id`'s cached prefix.
     Unpin {
@@ -159,7 +158,7 @@ pub enum KvQuery {
         /// The asking tenant.
         owner: TenantId,
         /// The pages unpinned.
-        reply: oneshot::Sender<Result<usize, String>>,
+        reply: oneshot::Sender<Result<usize, KvAccessError>>,
     },
 }
 
@@ -501,19 +500,19 @@ impl EngineKv {
     /// request's id and a reply channel. An ended or not yet admitted request is answered here.
     fn ask_own<T: Send + 'static>(
         &self,
-        ask: impl FnOnce(RequestId, oneshot::Sender<Result<T, String>>) -> KvQuery,
-    ) -> BoxFuture<Result<T, String>> {
+        ask: impl FnOnce(RequestId, oneshot::Sender<Result<T, KvAccessError>>) -> KvQuery,
+    ) -> BoxFuture<Result<T, KvAccessError>> {
         if self.slot.ended.load(Ordering::SeqCst) {
-            return Box::pin(async { Err("the request has ended; its pages are gone".to_string()) });
+            return Box::pin(async { Err(KvAccessError::Ended) });
         }
         let Some(&id) = self.slot.id.get() else {
-            return Box::pin(async { Err("the request has no sequence yet".to_string()) });
+            return Box::pin(async { Err(KvAccessError::NotStarted) });
         };
         let (reply, rx) = oneshot::channel();
         if !self.ask(ask(id, reply)) {
-            return Box::pin(async { Err("the engine's queue is full; retry".to_string()) });
+            return Box::pin(async { Err(KvAccessError::Busy) });
         }
-        Box::pin(async move { rx.await.unwrap_or_else(|_| Err("the engine stopped".into())) })
+        Box::pin(async move { rx.await.unwrap_or(Err(KvAccessError::Stopped)) })
     }
 }
 
@@ -522,7 +521,7 @@ impl KvAccess for EngineKv {
         self.slot.id.get().is_some()
     }
 
-    fn pages(&self) -> BoxFuture<Option<Vec<PageEntry>>> {
+    fn pages(&self) -> BoxFuture<Option<Vec<PageHandle>>> {
         let (reply, rx) = oneshot::channel();
         // An ended request has no pages: answered here, without the engine thread.
         let live = !self.slot.ended.load(Ordering::SeqCst);
@@ -537,12 +536,12 @@ impl KvAccess for EngineKv {
         Box::pin(async move { if asked { rx.await.ok().flatten() } else { None } })
     }
 
-    fn info(&self, entry: PageEntry) -> BoxFuture<Result<PageInfo, String>> {
+    fn info(&self, page: PageHandle) -> BoxFuture<Result<PageInfo, KvAccessError>> {
         let owner = self.owner;
-        self.ask_own(|_, reply| KvQuery::Info { owner, entry, reply })
+        self.ask_own(|_, reply| KvQuery::Info { owner, page, reply })
     }
 
-    fn pin(&self, tokens: usize) -> BoxFuture<Result<usize, String>> {
+    fn pin(&self, tokens: usize) -> BoxFuture<Result<usize, KvAccessError>> {
         let owner = self.owner;
         self.ask_own(|id, reply| KvQuery::Pin {
             id,
@@ -552,7 +551,7 @@ impl KvAccess for EngineKv {
         })
     }
 
-    fn unpin(&self) -> BoxFuture<Result<usize, String>> {
+    fn unpin(&self) -> BoxFuture<Result<usize, KvAccessError>> {
         let owner = self.owner;
         self.ask_own(|id, reply| KvQuery::Unpin { id, owner, reply })
     }
@@ -756,8 +755,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                 KvQuery::Pages { id, owner, reply } => {
                     let _ = reply.send(engine.kv_pages(id, owner));
                 }
-                KvQuery::Info { owner, entry, reply } => {
-                    let _ = reply.send(engine.kv_inspect(owner, entry).map_err(|e| e.to_string()));
+                KvQuery::Info { owner, page, reply } => {
+                    let _ = reply.send(engine.kv_inspect(owner, page).map_err(Into::into));
                 }
                 KvQuery::Pin {
                     id,
@@ -765,10 +764,10 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     tokens,
                     reply,
                 } => {
-                    let _ = reply.send(engine.kv_pin(id, owner, tokens).map_err(|e| e.to_string()));
+                    let _ = reply.send(engine.kv_pin(id, owner, tokens).map_err(Into::into));
                 }
                 KvQuery::Unpin { id, owner, reply } => {
-                    let _ = reply.send(engine.kv_unpin(id, owner).map_err(|e| e.to_string()));
+                    let _ = reply.send(engine.kv_unpin(id, owner).map_err(Into::into));
                 }
             }
         }

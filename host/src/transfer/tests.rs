@@ -170,8 +170,8 @@ fn a_transfer_moves_every_page_exactly_and_marks_it_written_only_at_the_end() {
     ] {
         let mut dst = receiver();
         transfer(&src, &mut dst, lim, Fault::None).unwrap_or_else(|e| panic!("{lim:?}: {e:?}"));
-        let theirs = src.table(SeqId(SRC_SEQ)).unwrap().1.to_vec();
-        let ours = dst.table(SeqId(DST_SEQ)).unwrap().1.to_vec();
+        let theirs = src.handles(SeqId(SRC_SEQ)).unwrap().1;
+        let ours = dst.handles(SeqId(DST_SEQ)).unwrap().1;
         assert_eq!(ours.len(), TOKENS.div_ceil(4), "exactly the pages the prompt needs");
         for (a, b) in theirs.iter().zip(&ours) {
             let (x, y) = (src.inspect(OWNER, *a).unwrap(), dst.inspect(OWNER, *b).unwrap());
