@@ -105,9 +105,9 @@ impl Health {
         let node = &self.nodes[i];
         let verdict = match tokio::time::timeout(PROBE_TIMEOUT, link::call(node.addr, &Msg::Describe)).await {
             Err(_) => Err("it did not answer in time".to_string()),
-            Ok(Err(e)) => Err(e),
+            Ok(Err(e)) => Err(e.to_string()),
             Ok(Ok(Msg::Info(info))) if info.role != node.role => Err(format!("it is now a {} node", info.role)),
-            Ok(Ok(Msg::Info(info))) => agreed.check(&info, node.addr),
+            Ok(Ok(Msg::Info(info))) => agreed.check(&info, node.addr).map_err(|e| e.to_string()),
             Ok(Ok(_)) => Err("it answered Describe with something else".to_string()),
         };
         match verdict {

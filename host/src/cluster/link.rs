@@ -363,17 +363,70 @@ pub async fn connect(addr: SocketAddr) -> std::io::Result<(OwnedReadHalf, OwnedW
     Ok((r, w))
 }
 
+/// Why an exchange with a node failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The node could not be reached.
+    #[error("connecting to {addr}: {source}")]
+    Connect {
+        /// The node.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The question could not be written.
+    #[error("writing to {addr}: {source}")]
+    Write {
+        /// The node.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The node answered with an error message.
+    #[error("{addr} refused: {message}")]
+    Refused {
+        /// The node.
+        addr: SocketAddr,
+        /// What it said.
+        message: String,
+    },
+    /// The node answered with a transfer frame, not a message.
+    #[error("{0} answered with a transfer frame")]
+    Frame(SocketAddr),
+    /// The node closed the connection before answering.
+    #[error("{0} closed the connection without an answer")]
+    Closed(SocketAddr),
+    /// The answer could not be read.
+    #[error("{addr}: {source}")]
+    Read {
+        /// The node.
+        addr: SocketAddr,
+        /// Why.
+        source: LinkError,
+    },
+}
+
+/// Opens a connection to the node at `addr` and sends `m` on it.
+pub async fn open(addr: SocketAddr, m: &Msg) -> Result<(OwnedReadHalf, OwnedWriteHalf), CallError> {
+    let (r, mut w) = connect(addr)
+        .await
+        .map_err(|source| CallError::Connect { addr, source })?;
+    send(&mut w, m)
+        .await
+        .map_err(|source| CallError::Write { addr, source })?;
+    Ok((r, w))
+}
+
 /// One control exchange with a node: connect, send `m`, read its one answer.
-pub async fn call(addr: SocketAddr, m: &Msg) -> Result<Msg, String> {
-    let (r, mut w) = connect(addr).await.map_err(|e| format!("connecting to {addr}: {e}"))?;
-    send(&mut w, m).await.map_err(|e| format!("writing to {addr}: {e}"))?;
+pub async fn call(addr: SocketAddr, m: &Msg) -> Result<Msg, CallError> {
+    let (r, _w) = open(addr, m).await?;
     let mut r = BufReader::new(r);
     match read(&mut r, 0).await {
-        Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(format!("{addr} refused: {message}")),
+        Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(CallError::Refused { addr, message }),
         Ok(Some(Packet::Msg(m))) => Ok(m),
-        Ok(Some(Packet::Frame(_))) => Err(format!("{addr} answered with a transfer frame")),
-        Ok(None) => Err(format!("{addr} closed the connection without an answer")),
-        Err(e) => Err(format!("{addr}: {e}")),
+        Ok(Some(Packet::Frame(_))) => Err(CallError::Frame(addr)),
+        Ok(None) => Err(CallError::Closed(addr)),
+        Err(source) => Err(CallError::Read { addr, source }),
     }
 }
 

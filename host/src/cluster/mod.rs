@@ -106,18 +106,30 @@ pub struct Agreement {
 
 impl Agreement {
     /// Whether `node` at `addr` serves what was agreed; if not, what differs.
-    pub fn check(&self, node: &NodeInfo, addr: std::net::SocketAddr) -> Result<(), String> {
+    pub fn check(&self, node: &NodeInfo, addr: std::net::SocketAddr) -> Result<(), Disagreement> {
         if *self == node.agreement() {
             return Ok(());
         }
-        Err(format!(
-            "{} but the cluster agreed on sha256 {}, page size {}, max context {}",
-            node.describe(addr),
-            &self.digest[..self.digest.len().min(12)],
-            self.page_size,
-            self.max_context
-        ))
+        Err(Disagreement {
+            node: node.describe(addr),
+            agreed: self.clone(),
+        })
     }
+}
+
+/// A node that serves something other than what its cluster agreed on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{node} but the cluster agreed on sha256 {}, page size {}, max context {}",
+    &agreed.digest[..agreed.digest.len().min(12)],
+    agreed.page_size,
+    agreed.max_context
+)]
+pub struct Disagreement {
+    /// The node, as [`NodeInfo::describe`] says it.
+    pub node: String,
+    /// What the cluster agreed on.
+    pub agreed: Agreement,
 }
 
 /// SHA-256 of a file, hex: how nodes show they serve the same model.
@@ -177,7 +189,7 @@ mod tests {
                 ..node.clone()
             },
         ] {
-            let e = agreed.check(&changed, addr).expect_err("a disagreement");
+            let e = agreed.check(&changed, addr).expect_err("a disagreement").to_string();
             assert!(
                 e.contains("127.0.0.1:9") && e.contains("agreed on sha256 ababab"),
                 "{e}"

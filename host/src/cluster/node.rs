@@ -17,8 +17,8 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use super::NodeInfo;
-use super::link::{self, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet};
+use super::link::{self, CallError, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet};
+use super::{Disagreement, NodeInfo};
 use crate::config::Role;
 use crate::config::ServeConfig;
 use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usage};
@@ -169,7 +169,12 @@ async fn connection(node: Arc<Node>, tcp: TcpStream) {
             Msg::Applied { error: None }
         }
         (Role::Prefill, Msg::PublicPrefixes { prefixes }) => Msg::Applied {
-            error: node.engine.set_public_prefixes(prefixes).await.err(),
+            error: node
+                .engine
+                .set_public_prefixes(prefixes)
+                .await
+                .err()
+                .map(|e| e.to_string()),
         },
         (_, Msg::Forget { owner }) => {
             node.engine.forget_tenant(owner).await;
@@ -221,7 +226,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
         return refuse(&mut w, format!("prefill node {} is not a loopback address", d.prefill)).await;
     }
     if let Err(why) = agrees(node, &d, &w) {
-        return refuse(&mut w, why).await;
+        return refuse(&mut w, why.to_string()).await;
     }
     let owner = d.req.owner;
     // What crosses the link is checked again, against this node's model and pool.
@@ -289,7 +294,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                             idle.as_mut().reset(tokio::time::Instant::now() + TRANSFER_IDLE);
                             up = Some(u);
                         }
-                        Err(why) => node.engine.transfer_failed(id, why).await,
+                        Err(why) => node.engine.transfer_failed(id, format!("the prefill node: {why}")).await,
                     }
                 }
             }
@@ -317,7 +322,8 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                                 sent.err().map(|e| format!("answering the prefill node: {e}"))
                             }
                             Err(why) => {
-                                let _ = link::send_frame(&mut u.w, &Frame::Abort { seq: u.seq, reason: why }).await;
+                                let reason = why.to_string();
+                                let _ = link::send_frame(&mut u.w, &Frame::Abort { seq: u.seq, reason }).await;
                                 up = None;
                                 None
                             }
@@ -376,13 +382,8 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
 }
 
 /// Asks the dispatch's prefill node for the prompt's KV.
-async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, String> {
-    let (r, mut w) = link::connect(d.prefill)
-        .await
-        .map_err(|e| format!("connecting to the prefill node {}: {e}", d.prefill))?;
-    link::send(&mut w, &Msg::Prefill(Box::new(d.clone())))
-        .await
-        .map_err(|e| format!("writing to the prefill node {}: {e}", d.prefill))?;
+async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, CallError> {
+    let (r, w) = link::open(d.prefill, &Msg::Prefill(Box::new(d.clone()))).await?;
     // A batch holds at most `pages_per_batch` pages: anything larger is refused unread.
     let pages = d.limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
     let limit = pages * (node.page_bytes + 64) + 1024;
@@ -450,7 +451,7 @@ fn ask_kv(
 
 /// Whether this node serves what the request's cluster agreed on (a node restarted with another
 /// model, page size or context refuses work until the router's probe takes it out).
-fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), String> {
+fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), Disagreement> {
     let addr = w
         .local_addr()
         .unwrap_or_else(|_| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
@@ -462,7 +463,7 @@ fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), String> {
 async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWriteHalf) {
     let refused = |reason: String| Frame::Abort { seq: 0, reason };
     if let Err(why) = agrees(node, &d, &w) {
-        let _ = link::send_frame(&mut w, &refused(why)).await;
+        let _ = link::send_frame(&mut w, &refused(why.to_string())).await;
         return;
     }
     let (frames_tx, mut frames) = mpsc::unbounded_channel();

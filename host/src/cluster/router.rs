@@ -26,7 +26,9 @@ use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Us
 use crate::kv::{PageHandle, PageInfo};
 use crate::metrics::Metrics;
 use crate::plugin::KvAccessError;
-use crate::runner::{Busy, END_STOP, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label};
+use crate::runner::{
+    Busy, END_STOP, EngineCallError, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label,
+};
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
 
@@ -285,7 +287,7 @@ impl Router {
                 Ok(Msg::Applied { error: None }) => {}
                 Ok(Msg::Applied { error: Some(e) }) => errors.push(format!("{addr}: {e}")),
                 Ok(_) => errors.push(format!("{addr}: an answer that is not one")),
-                Err(e) => errors.push(e),
+                Err(e) => errors.push(e.to_string()),
             }
         }
         errors
@@ -323,13 +325,13 @@ impl EngineHandle for RouterEngine {
     }
 
     /// Makes `prefixes` the public prefixes on every prefill node (where prompts are computed).
-    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>> {
+    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), EngineCallError>> {
         Box::pin(async move {
             let errors = Router::broadcast(&self.0.prefill, Msg::PublicPrefixes { prefixes }).await;
             if errors.is_empty() {
                 Ok(())
             } else {
-                Err(errors.join("; "))
+                Err(EngineCallError::Nodes(errors))
             }
         })
     }

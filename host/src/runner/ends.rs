@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
+use super::EngineCallError;
 use crate::engine::Engine;
 use crate::engine::request::RequestId;
 use crate::tenant::TenantId;
@@ -201,9 +202,14 @@ impl Ends {
     /// A frame of `id`'s incoming transfer: verified and written, answering what to send back
     /// (`Begin` needs no answer). An error has failed the request, and says what to tell the
     /// prefill node.
-    pub fn receive(&mut self, engine: &mut Engine, id: RequestId, frame: Frame) -> Result<Option<Received>, String> {
+    pub fn receive(
+        &mut self,
+        engine: &mut Engine,
+        id: RequestId,
+        frame: Frame,
+    ) -> Result<Option<Received>, EngineCallError> {
         let Some(r) = self.receiving.get_mut(&id) else {
-            return Err("the request has ended".into());
+            return Err(EngineCallError::Ended);
         };
         let step = match (&mut r.inbound, frame) {
             (_, Frame::Abort { reason, .. }) => Err(TransferError::Aborted(reason)),
@@ -226,9 +232,8 @@ impl Ends {
                 Ok(Some(Received { ack, complete: true }))
             }
             Err(e) => {
-                let why = e.to_string();
-                self.fail_receiving(engine, id, why.clone());
-                Err(why)
+                self.fail_receiving(engine, id, e.to_string());
+                Err(e.into())
             }
         }
     }

@@ -118,6 +118,26 @@ pub struct Job {
     pub grant: Option<Arc<dyn UsageMeter>>,
 }
 
+/// Why a call on the engine (its thread, or a cluster's nodes) gave no result.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineCallError {
+    /// The engine stopped before answering.
+    #[error("the engine stopped")]
+    Stopped,
+    /// The request the call was about has ended.
+    #[error("the request has ended")]
+    Ended,
+    /// An incoming transfer failed (the request has ended with it).
+    #[error(transparent)]
+    Transfer(#[from] crate::transfer::TransferError),
+    /// The pool refused.
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    /// What a cluster's nodes said, one message for each node that refused.
+    #[error("{}", .0.join("; "))]
+    Nodes(Vec<String>),
+}
+
 /// A question a plugin asks about its own request's KV, answered on the engine thread between
 /// steps, with the tag checks of the pool.
 #[derive(Debug)]
@@ -192,7 +212,11 @@ enum Cmd {
     /// Decode node: open the decode half of a disaggregated request.
     Open(Box<Job>, Instant, Opening),
     /// Decode node: a frame of request `id`'s incoming transfer.
-    Frame(RequestId, Frame, oneshot::Sender<Result<Option<Received>, String>>),
+    Frame(
+        RequestId,
+        Frame,
+        oneshot::Sender<Result<Option<Received>, EngineCallError>>,
+    ),
     /// Decode node: request `id`'s transfer broke off.
     TransferFailed(RequestId, String),
     /// Prefill node: compute a prompt and send its KV.
@@ -277,7 +301,7 @@ pub trait EngineHandle: Send + Sync {
     fn set_tenant(&self, owner: TenantId, settings: TenantSettings, generation: u64) -> EngineFuture<'_, ()>;
 
     /// Makes `prefixes` the public prefixes (see [`Engine::set_public_prefixes`]).
-    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>>;
+    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), EngineCallError>>;
 
     /// Drops tenant `owner`'s prefix cache, pinned prefixes included (the tenant was deleted).
     fn forget_tenant(&self, owner: TenantId) -> EngineFuture<'_, ()>;
@@ -375,10 +399,10 @@ impl LocalEngine {
 
     /// Decode node: a frame of request `id`'s incoming transfer, verified and written on the
     /// engine thread; the answer to send back, or why the request failed.
-    pub async fn transfer_frame(&self, id: RequestId, frame: Frame) -> Result<Option<Received>, String> {
+    pub async fn transfer_frame(&self, id: RequestId, frame: Frame) -> Result<Option<Received>, EngineCallError> {
         self.call(|reply| Cmd::Frame(id, frame, reply))
             .await
-            .unwrap_or_else(|| Err("the engine stopped".into()))
+            .unwrap_or(Err(EngineCallError::Stopped))
     }
 
     /// Decode node: request `id`'s transfer broke off; it ends with `why`.
@@ -432,11 +456,11 @@ impl EngineHandle for LocalEngine {
     }
 
     /// The engine computes what is new between two steps.
-    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), String>> {
+    fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), EngineCallError>> {
         Box::pin(async move {
             match self.call(|done| Cmd::PublicPrefixes(prefixes, done)).await {
-                Some(r) => r.map_err(|e| e.to_string()),
-                None => Err("the engine thread is gone".into()),
+                Some(r) => r.map_err(Into::into),
+                None => Err(EngineCallError::Stopped),
             }
         })
     }
