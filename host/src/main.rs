@@ -340,7 +340,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             config: path,
             insecure_http,
             role,
-        } => serve(config(path.as_deref())?, ServeOptions { insecure_http, role }),
+        } => Ok(serve(config(path.as_deref())?, ServeOptions { insecure_http, role })?),
         Command::Tenant { op, store } => {
             let op = match op {
                 TenantOp::Create { name } => Op::TenantCreate(name),

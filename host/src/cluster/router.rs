@@ -13,12 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::bail;
 use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::NodeInfo;
 use super::health::Health;
-use super::link::{self, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
+use super::link::{self, CallError, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
 use crate::config::ClusterConfig;
 use crate::config::Role;
 use crate::engine::TenantSettings;
@@ -54,13 +53,62 @@ pub struct Router {
     faults: HashMap<String, super::link::Fault>,
 }
 
+/// Why a router could not form its cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    /// The configuration names no prefill or no decode node.
+    #[error("a router needs at least one prefill and one decode node: set cluster.prefill and cluster.decode")]
+    NoNodes,
+    /// A node has another role than the configuration gives it.
+    #[error("{addr} is configured as a {configured} node but is a {actual} node")]
+    WrongRole {
+        /// The node.
+        addr: SocketAddr,
+        /// Its role in the configuration.
+        configured: Role,
+        /// The role it says it has.
+        actual: Role,
+    },
+    /// The nodes serve another model file than the router's.
+    #[error(
+        "{node} serves another model file than the router's (sha256 {digest} here): every node and the router serve the same model"
+    )]
+    OtherModel {
+        /// The node, described.
+        node: String,
+        /// The start of the router's model digest.
+        digest: String,
+    },
+    /// Two nodes disagree on model, page size or max context.
+    #[error(
+        "the nodes disagree: {first} but {other}; the router serves only when every node agrees on model, page size and max context"
+    )]
+    Disagree {
+        /// The first node, described.
+        first: String,
+        /// The node that differs, described.
+        other: String,
+    },
+    /// Something that is not a warden node answered.
+    #[error("{0} answered Describe with something else: is it a warden node?")]
+    NotANode(SocketAddr),
+    /// A node did not answer in time.
+    #[error("node {addr} did not answer before cluster.connect_timeout_s")]
+    NoAnswer {
+        /// The node.
+        addr: SocketAddr,
+        /// The last failure.
+        source: CallError,
+    },
+}
+
 impl Router {
     /// Asks every node in `cluster` what it serves, waiting up to `cluster.connect_timeout_s`
     /// for each; refuses when a node has the wrong role, or when the nodes (and the router's own
     /// model file, `digest`) disagree on the model, the page size or the maximum context.
-    pub async fn connect(cluster: &ClusterConfig, digest: &str, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+    pub async fn connect(cluster: &ClusterConfig, digest: &str, metrics: Arc<Metrics>) -> Result<Self, ConnectError> {
         if cluster.prefill.is_empty() || cluster.decode.is_empty() {
-            bail!("a router needs at least one prefill and one decode node: set cluster.prefill and cluster.decode");
+            return Err(ConnectError::NoNodes);
         }
         let deadline = Instant::now() + Duration::from_secs(cluster.connect_timeout_s);
         let nodes = cluster
@@ -73,26 +121,28 @@ impl Router {
         for &(addr, role) in &nodes {
             let info = describe_node(addr, deadline).await?;
             if info.role != role {
-                bail!("{addr} is configured as a {role} node but is a {} node", info.role);
+                return Err(ConnectError::WrongRole {
+                    addr,
+                    configured: role,
+                    actual: info.role,
+                });
             }
             println!("cluster: {}", info.describe(addr));
             infos.push((addr, info));
         }
         let (first_addr, first) = infos[0].clone();
         if first.digest != digest {
-            bail!(
-                "{} serves another model file than the router's (sha256 {} here): every node and the router serve the same model",
-                first.describe(first_addr),
-                &digest[..digest.len().min(12)]
-            );
+            return Err(ConnectError::OtherModel {
+                node: first.describe(first_addr),
+                digest: digest[..digest.len().min(12)].to_string(),
+            });
         }
         for (addr, info) in &infos[1..] {
             if info.agreement() != first.agreement() {
-                bail!(
-                    "the nodes disagree: {} but {}; the router serves only when every node agrees on model, page size and max context",
-                    first.describe(first_addr),
-                    info.describe(*addr)
-                );
+                return Err(ConnectError::Disagree {
+                    first: first.describe(first_addr),
+                    other: info.describe(*addr),
+                });
             }
         }
         let smallest = NodeInfo {
@@ -397,18 +447,18 @@ impl EngineHandle for RouterEngine {
 }
 
 /// Asks `addr` what it serves, retrying until `deadline` (nodes may still be loading).
-async fn describe_node(addr: SocketAddr, deadline: Instant) -> anyhow::Result<NodeInfo> {
+async fn describe_node(addr: SocketAddr, deadline: Instant) -> Result<NodeInfo, ConnectError> {
     let mut said = false;
     loop {
         match link::call(addr, &Msg::Describe).await {
             Ok(Msg::Info(info)) => return Ok(info),
-            Ok(_) => bail!("{addr} answered Describe with something else: is it a warden node?"),
-            Err(e) => {
+            Ok(_) => return Err(ConnectError::NotANode(addr)),
+            Err(source) => {
                 if Instant::now() >= deadline {
-                    bail!("node {addr} did not answer before cluster.connect_timeout_s: {e}");
+                    return Err(ConnectError::NoAnswer { addr, source });
                 }
                 if !said {
-                    println!("cluster: waiting for node {addr} ({e})");
+                    println!("cluster: waiting for node {addr} ({source})");
                     said = true;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
-use super::EngineCallError;
+use super::error::EngineCallError;
 use crate::engine::Engine;
 use crate::engine::request::RequestId;
 use crate::tenant::TenantId;

@@ -1,6 +1,6 @@
 //! The engine thread: owns the [`Engine`], takes jobs from a bounded queue, steps, and sends each
 //! request's tokens to its own channel. On a prefill or decode node it also holds the ends of KV
-//! transfers ([`ends`]); on a router the "engine" is the cluster's
+//! transfers ([`ends`]), and says why a call on it gave no result ([`EngineCallError`]); on a router the "engine" is the cluster's
 //! ([`crate::cluster::router`]), behind the same [`EngineHandle`].
 //!
 //! A job's channel is its lifeline: when the client goes away its receiver is dropped, and the
@@ -9,6 +9,9 @@
 //! receives more messages than its `max_tokens` plus one.
 
 pub mod ends;
+mod error;
+
+pub use error::EngineCallError;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -116,26 +119,6 @@ pub struct Job {
     pub policy_generation: u64,
     /// The request's hold on its tenant's quotas; each choice records its usage in it.
     pub grant: Option<Arc<dyn UsageMeter>>,
-}
-
-/// Why a call on the engine (its thread, or a cluster's nodes) gave no result.
-#[derive(Debug, Clone, thiserror::Error)]
-pub enum EngineCallError {
-    /// The engine stopped before answering.
-    #[error("the engine stopped")]
-    Stopped,
-    /// The request the call was about has ended.
-    #[error("the request has ended")]
-    Ended,
-    /// An incoming transfer failed (the request has ended with it).
-    #[error(transparent)]
-    Transfer(#[from] crate::transfer::TransferError),
-    /// The pool refused.
-    #[error(transparent)]
-    Kv(#[from] KvError),
-    /// What a cluster's nodes said, one message for each node that refused.
-    #[error("{}", .0.join("; "))]
-    Nodes(Vec<String>),
 }
 
 /// A question a plugin asks about its own request's KV, answered on the engine thread between

@@ -1,14 +1,15 @@
 //! The serve layer's one error type: [`ApiError`], what every failure reaches a client as
 //! (`{"error": {"message", "type", "code", "param"}}` with its HTTP status), lifted with `From`
 //! from each domain's own error: validation ([`InvalidParam`]), admission ([`RejectReason`]),
-//! an aborted request ([`AbortReason`]), a plugin ([`PluginFailure`]), the quotas
-//! ([`QuotaError`]) and the store ([`StoreError`]). Each mapping to a status is written here once.
+//! an aborted request ([`AbortReason`]), a plugin ([`PluginFailure`]), the plugin registry
+//! ([`PluginError`]), the quotas ([`QuotaError`]) and the store ([`StoreError`]). Each mapping to a status is written here once.
 
 use std::time::Duration;
 
 use hyper::StatusCode;
 use serde_json::{Value, json};
 
+use super::plugins::registry::PluginError;
 use super::quota::QuotaError;
 use super::store::StoreError;
 use crate::engine::request::{AbortReason, InvalidParam, RejectReason};
@@ -157,5 +158,41 @@ impl From<QuotaError> for ApiError {
             .retry_after()
             .map(|d: Duration| d.as_secs_f64().ceil().max(1.0) as u64);
         a
+    }
+}
+
+/// The registry's refusals. A store failure here is the server's (500), whatever its kind.
+impl From<PluginError> for ApiError {
+    fn from(e: PluginError) -> Self {
+        let message = e.to_string();
+        let (status, code, param, retry_after) = match e {
+            PluginError::Store(_) => (StatusCode::INTERNAL_SERVER_ERROR, "store_error", None, None),
+            PluginError::NotFound(_) => (StatusCode::NOT_FOUND, "plugin_not_found", Some("plugin"), None),
+            PluginError::Inactive(_) => (StatusCode::CONFLICT, "plugin_inactive", Some("plugin"), None),
+            PluginError::VersionNotFound { .. } => (StatusCode::NOT_FOUND, "version_not_found", None, None),
+            PluginError::BadName(_) => return ApiError::field("name", message),
+            PluginError::ConfigNotText(_) => return ApiError::field("config", message),
+            PluginError::ComponentTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "component_too_large", None, None),
+            PluginError::ConfigTooLarge { .. } => (StatusCode::PAYLOAD_TOO_LARGE, "config_too_large", None, None),
+            PluginError::TooMany { .. } => (StatusCode::CONFLICT, "too_many_plugins", None, None),
+            PluginError::UploadRate { retry_after, .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "upload_rate_limit",
+                None,
+                Some(retry_after),
+            ),
+            PluginError::Instances { .. } => (StatusCode::TOO_MANY_REQUESTS, "plugin_instances_limit", None, Some(1)),
+            PluginError::NothingToRollBack(_) => (StatusCode::CONFLICT, "nothing_to_roll_back", None, None),
+            PluginError::VersionActive { .. } => (StatusCode::CONFLICT, "version_active", None, None),
+            PluginError::Rejected(f) => (StatusCode::BAD_REQUEST, f.code(), None, None),
+            PluginError::Failed(f) => return ApiError::from(&f),
+        };
+        ApiError {
+            status,
+            code,
+            message,
+            param: param.map(Into::into),
+            retry_after,
+        }
     }
 }

@@ -4,15 +4,83 @@
 //! directly; while `warden serve` runs, they go through its admin API, found through
 //! `data_dir/server.json` and authenticated with `data_dir/admin-token`.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Context, bail};
 use hyper::Method;
+use serde::Serialize;
 use serde_json::{Value, json};
 
-use super::client::Client;
+use super::client::{Client, ClientError};
+use super::error::ApiError;
+use super::plugins::SetupError;
+use super::plugins::registry::PluginError;
 use super::store::{Store, StoreError};
 use super::{ServerInfo, admin_token_path, server_info_path};
+use crate::gguf::GgufError;
+use crate::tokenizer::TokenizerError;
+
+/// Why a management command failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ManageError {
+    /// The store refused.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The plugin registry refused: its message and code, as the API would say them.
+    #[error("{message} ({code})")]
+    Plugin {
+        /// The API's error code.
+        code: &'static str,
+        /// What was wrong.
+        message: String,
+    },
+    /// The running server refused: its message.
+    #[error("{0}")]
+    Server(String),
+    /// A server holds the store but left no `server.json` to reach it by.
+    #[error("the store is in use, but {} is missing", .0.display())]
+    NoServer(PathBuf, #[source] std::io::Error),
+    /// A file could not be read.
+    #[error("reading {}", .0.display())]
+    Read(PathBuf, #[source] std::io::Error),
+    /// `server.json` is not what a server writes.
+    #[error("reading {}", .0.display())]
+    ServerInfo(PathBuf, #[source] serde_json::Error),
+    /// The model file (whose tokenizer plugins import) could not be read.
+    #[error("reading {}", .0.display())]
+    Model(PathBuf, #[source] GgufError),
+    /// The model's tokenizer could not be built.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// The plugin service could not start.
+    #[error(transparent)]
+    Setup(#[from] SetupError),
+    /// The call to the running server failed.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// No runtime for the call.
+    #[error("starting a runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The answer could not be written as JSON.
+    #[error("writing the answer as JSON")]
+    Json(#[from] serde_json::Error),
+}
+
+impl From<PluginError> for ManageError {
+    fn from(e: PluginError) -> Self {
+        let a = ApiError::from(e);
+        ManageError::Plugin {
+            code: a.code,
+            message: a.message,
+        }
+    }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, ManageError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(ManageError::Runtime)
+}
 
 /// One management operation.
 #[derive(Debug, Clone)]
@@ -32,7 +100,7 @@ pub enum Op {
 }
 
 /// Runs `op` against the store in `data_dir`; returns what to print.
-pub fn run(data_dir: &Path, op: Op) -> anyhow::Result<String> {
+pub fn run(data_dir: &Path, op: Op) -> Result<String, ManageError> {
     match Store::open(data_dir) {
         Ok(store) => direct(&store, op),
         Err(StoreError::Locked(_)) => via_server(data_dir, op),
@@ -40,7 +108,7 @@ pub fn run(data_dir: &Path, op: Op) -> anyhow::Result<String> {
     }
 }
 
-fn direct(s: &Store, op: Op) -> anyhow::Result<String> {
+fn direct(s: &Store, op: Op) -> Result<String, ManageError> {
     Ok(match op {
         Op::TenantCreate(n) => {
             let t = s.create_tenant(&n)?;
@@ -99,26 +167,25 @@ fn key_lines(v: &Value) -> String {
 }
 
 /// One call to a running server's admin API; the reply's JSON, or its error message.
-fn admin_call(data_dir: &Path, method: Method, path: &str, body: Option<Vec<u8>>) -> anyhow::Result<Value> {
+fn admin_call(data_dir: &Path, method: Method, path: &str, body: Option<Vec<u8>>) -> Result<Value, ManageError> {
     let info_path = server_info_path(data_dir);
-    let info: ServerInfo = serde_json::from_slice(
-        &std::fs::read(&info_path)
-            .with_context(|| format!("the store is in use, but {} is missing", info_path.display()))?,
-    )
-    .with_context(|| format!("reading {}", info_path.display()))?;
+    let bytes = std::fs::read(&info_path).map_err(|e| ManageError::NoServer(info_path.clone(), e))?;
+    let info: ServerInfo = serde_json::from_slice(&bytes).map_err(|e| ManageError::ServerInfo(info_path, e))?;
     let token_path = admin_token_path(data_dir);
-    let token = std::fs::read_to_string(&token_path).with_context(|| format!("reading {}", token_path.display()))?;
+    let token = std::fs::read_to_string(&token_path).map_err(|e| ManageError::Read(token_path, e))?;
     let client = Client::new(&info.url, info.cert.as_deref())?;
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let reply = rt.block_on(client.request(method, path, Some(token.trim()), body))?;
+    let reply = runtime()?.block_on(client.request(method, path, Some(token.trim()), body))?;
     let v = reply.json()?;
     if reply.status >= 400 {
-        bail!("{}", v["error"]["message"].as_str().unwrap_or(&reply.text()));
+        let text = reply.text();
+        return Err(ManageError::Server(
+            v["error"]["message"].as_str().unwrap_or(&text).to_string(),
+        ));
     }
     Ok(v)
 }
 
-fn via_server(data_dir: &Path, op: Op) -> anyhow::Result<String> {
+fn via_server(data_dir: &Path, op: Op) -> Result<String, ManageError> {
     let (method, path, body) = match &op {
         Op::TenantCreate(n) => (Method::POST, "/admin/v1/tenants".to_string(), Some(json!({"name": n}))),
         Op::TenantList => (Method::GET, "/admin/v1/tenants".into(), None),
@@ -199,36 +266,43 @@ pub enum PluginOp {
 }
 
 /// Runs a plugin operation for `tenant` against the store of `cfg`; returns the resulting JSON.
-pub fn plugin(cfg: &crate::config::ServeConfig, data_dir: &Path, tenant: &str, op: PluginOp) -> anyhow::Result<String> {
-    let read = |f: &Path| std::fs::read(f).with_context(|| format!("reading {}", f.display()));
+pub fn plugin(
+    cfg: &crate::config::ServeConfig,
+    data_dir: &Path,
+    tenant: &str,
+    op: PluginOp,
+) -> Result<String, ManageError> {
+    let read = |f: &Path| std::fs::read(f).map_err(|e| ManageError::Read(f.to_path_buf(), e));
+    fn answer<T: Serialize>(r: Result<T, PluginError>) -> Result<Value, ManageError> {
+        Ok(serde_json::to_value(r?)?)
+    }
     let v = match Store::open(data_dir) {
         Ok(store) => {
             let t = store
                 .tenant(tenant)?
                 .ok_or_else(|| StoreError::NoTenant(tenant.into()))?;
-            let g = crate::gguf::Gguf::open(&cfg.model).with_context(|| format!("reading {}", cfg.model.display()))?;
+            let g = crate::gguf::Gguf::open(&cfg.model).map_err(|e| ManageError::Model(cfg.model.clone(), e))?;
             let tokenizer = std::sync::Arc::new(crate::tokenizer::Tokenizer::from_gguf(&g)?);
             let compiler = super::plugins::compiler()?;
             let p = super::plugins::Plugins::new(store.clone(), cfg.plugins.clone(), data_dir, tokenizer, &compiler)?;
             let r = match op {
                 PluginOp::Upload { name, file, activate } => {
                     let bytes = read(&file)?;
-                    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
                     // The operator's own upload: the default policy's rate, in a fresh process.
-                    rt.block_on(p.upload(&t, &crate::policy::Policy::default(), &name, bytes, activate))
+                    answer(runtime()?.block_on(p.upload(&t, &crate::policy::Policy::default(), &name, bytes, activate)))
                 }
-                PluginOp::List => p.list(&t),
-                PluginOp::Show(n) => p.get(&t, &n),
-                PluginOp::Activate { name, version } => p.activate(&t, &name, &version),
-                PluginOp::Rollback(n) => p.rollback(&t, &n),
-                PluginOp::Delete(n) => p.delete(&t, &n),
-                PluginOp::DeleteVersion { name, version } => p.delete_version(&t, &name, &version),
-                PluginOp::Config { name, file } => p.set_config(&t, &name, &read(&file)?),
-                PluginOp::Default(n) => p.set_default(&t, &n),
-                PluginOp::ClearDefault(n) => p.clear_default(&t, &n),
+                PluginOp::List => answer(p.list(&t)),
+                PluginOp::Show(n) => answer(p.get(&t, &n)),
+                PluginOp::Activate { name, version } => answer(p.activate(&t, &name, &version)),
+                PluginOp::Rollback(n) => answer(p.rollback(&t, &n)),
+                PluginOp::Delete(n) => answer(p.delete(&t, &n)),
+                PluginOp::DeleteVersion { name, version } => answer(p.delete_version(&t, &name, &version)),
+                PluginOp::Config { name, file } => answer(p.set_config(&t, &name, &read(&file)?)),
+                PluginOp::Default(n) => answer(p.set_default(&t, &n)),
+                PluginOp::ClearDefault(n) => answer(p.clear_default(&t, &n)),
             };
             store.flush()?;
-            r.map_err(|e| anyhow::anyhow!("{} ({})", e.message, e.code))?
+            r?
         }
         Err(StoreError::Locked(_)) => {
             let base = format!("/admin/v1/tenants/{tenant}/plugins");

@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::{Deserialize, Serialize};
@@ -37,10 +36,51 @@ use crate::config::ServeConfig;
 use crate::loaded::{LoadedModel, model_id};
 use crate::metrics::Metrics;
 use crate::net::{accept, shutdown_signal};
-use crate::runner::EngineHandle;
+use crate::policy::PolicyError;
+use crate::runner::{EngineCallError, EngineHandle};
 use openai::RequestLimits;
+use plugins::SetupError;
 use state::State;
-use store::Store;
+use store::{Store, StoreError};
+use tls::TlsError;
+
+/// Why the server could not start, or stopped on an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The store (tenants, keys, plugins, usage) failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The policies do not load.
+    #[error("loading the tenants' policies (see `policies` in the config)")]
+    Policies(#[source] PolicyError),
+    /// The policies' public prefixes could not be computed.
+    #[error("computing the public prefixes of the policies (public_prefixes in default.toml)")]
+    PublicPrefixes(#[source] EngineCallError),
+    /// The plugin service could not start.
+    #[error(transparent)]
+    Plugins(#[from] SetupError),
+    /// The TLS certificate or key could not be read or made.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    /// A file or socket operation failed.
+    #[error("{what}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+    /// `server.json` could not be written (a certificate path that is not UTF-8).
+    #[error("describing the server in server.json")]
+    ServerInfo(#[source] serde_json::Error),
+}
+
+impl ServeError {
+    fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let what = what.into();
+        move |source| ServeError::Io { what, source }
+    }
+}
 
 /// What a running server writes to `data_dir/server.json`, so the CLI can reach its admin API
 /// while it holds the store.
@@ -88,7 +128,7 @@ pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 
 /// Runs the API in front of `parts.engine` until SIGTERM or SIGINT, then shuts down gracefully.
 /// `insecure_http` serves plain HTTP instead of HTTPS.
-pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> anyhow::Result<()> {
+pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), ServeError> {
     let Parts {
         loaded,
         engine,
@@ -109,7 +149,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> anyhow::Res
     let tokenize: quota::Tokenize = Arc::new(move |text: &str| tk.encode(text, true));
     let quotas = Arc::new(
         quota::Quotas::new(cfg.policies.clone(), bounds, tokenize, usage::UsageBook::open(&store)?)
-            .context("loading the tenants' policies (see `policies` in the config)")?,
+            .map_err(ServeError::Policies)?,
     );
     let set = quotas.set();
     rt.block_on(async {
@@ -121,8 +161,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> anyhow::Res
         engine
             .set_public_prefixes(set.public_prefixes())
             .await
-            .map_err(|e| anyhow::anyhow!(e))
-            .context("computing the public prefixes of the policies (public_prefixes in default.toml)")
+            .map_err(ServeError::PublicPrefixes)
     })?;
     println!(
         "policies from {}: version {}",
@@ -174,7 +213,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> anyhow::Res
 
 /// With an empty store: tenant `default` and its key (printed once). Always: an admin token in
 /// `data_dir/admin-token` (mode 0600), made anew if the file is missing or stale.
-fn first_start(store: &Store, data_dir: &Path) -> anyhow::Result<()> {
+fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
     if store.is_new()? {
         store.create_tenant("default")?;
         let (_, key) = store.create_key("default")?;
@@ -189,7 +228,7 @@ fn first_start(store: &Store, data_dir: &Path) -> anyhow::Result<()> {
     if !valid {
         let token = store.new_admin_token()?;
         tls::write_private(&path, format!("{token}\n").as_bytes())
-            .with_context(|| format!("writing {}", path.display()))?;
+            .map_err(ServeError::io(format!("writing {}", path.display())))?;
     }
     println!("admin token in {}", path.display());
     Ok(())
@@ -267,19 +306,23 @@ async fn watch_policies(state: Arc<State>) {
     }
 }
 
-async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()> {
+async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeError> {
     let cfg = state.cfg.clone();
     let listener = TcpListener::bind(cfg.listen)
         .await
-        .with_context(|| format!("listening on {}", cfg.listen))?;
-    let addr: SocketAddr = listener.local_addr()?;
+        .map_err(ServeError::io(format!("listening on {}", cfg.listen)))?;
+    let addr: SocketAddr = listener
+        .local_addr()
+        .map_err(ServeError::io("the listening socket's address"))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let info = ServerInfo {
         url: format!("{scheme}://{addr}"),
         cert: tls.as_ref().map(|t| t.cert_path.clone()),
         pid: std::process::id(),
     };
-    std::fs::write(server_info_path(&cfg.data_dir), serde_json::to_vec_pretty(&info)?)?;
+    let info_path = server_info_path(&cfg.data_dir);
+    let described = serde_json::to_vec_pretty(&info).map_err(ServeError::ServerInfo)?;
+    std::fs::write(&info_path, described).map_err(ServeError::io(format!("writing {}", info_path.display())))?;
     println!("serving {} on {}", state.model_id, info.url);
     state
         .metrics
@@ -306,7 +349,11 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> anyhow::Result<()
     tokio::pin!(signal);
     loop {
         let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => p?,
+            // The semaphore is never closed: a permit always comes.
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
             _ = &mut signal => break,
         };
         let Some((tcp, _)) = accept(&listener, signal.as_mut()).await else {

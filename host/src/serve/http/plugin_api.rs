@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use serde::Deserialize;
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
 
 use super::body::{read_body, read_body_up_to};
-use super::reply::{Body, json_response, method_not_allowed};
+use super::reply::{Body, json_response, method_not_allowed, serialized};
 use crate::serve::error::ApiError;
 use crate::serve::openai::parse_body;
 use crate::serve::state::State;
@@ -40,11 +40,13 @@ pub(super) async fn route(
     let p = &state.plugins;
     let path = req.uri().path().to_string();
     let not_allowed = || method_not_allowed(method, &path);
-    let ok = |v: Value| Ok(json_response(StatusCode::OK, &v));
+    fn ok<T: Serialize, E: Into<ApiError>>(r: Result<T, E>) -> Result<Response<Body>, ApiError> {
+        Ok(serialized(StatusCode::OK, &r.map_err(Into::into)?))
+    }
     match (rest, method) {
-        ([], &Method::GET) => ok(p.list(t)?),
+        ([], &Method::GET) => ok(p.list(t)),
         ([], _) => Err(not_allowed()),
-        ([name], &Method::GET) => ok(p.get(t, name)?),
+        ([name], &Method::GET) => ok(p.get(t, name)),
         ([name], &Method::PUT) => {
             let activate = !no_activate(&req);
             let name = name.to_string();
@@ -56,34 +58,33 @@ pub(super) async fn route(
             };
             let bytes = read_body_up_to(state, req, max, "component_too_large").await?;
             let v = p.upload(t, &policy, &name, bytes.to_vec(), activate).await?;
-            let status = if v["new"].as_bool() == Some(true) {
-                StatusCode::CREATED
-            } else {
-                StatusCode::OK
-            };
-            Ok(json_response(status, &v))
+            let status = if v.new { StatusCode::CREATED } else { StatusCode::OK };
+            Ok(serialized(status, &v))
         }
-        ([name], &Method::DELETE) => ok(p.delete(t, name)?),
+        ([name], &Method::DELETE) => ok(p.delete(t, name)),
         ([name, "logs"], &Method::GET) => {
             p.get(t, name)?;
-            ok(json!({"data": p.logs().tail(t.id, name, 200)}))
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"data": p.logs().tail(t.id, name, 200)}),
+            ))
         }
         ([_], _) => Err(not_allowed()),
         ([name, "activate"], &Method::POST) => {
             let name = name.to_string();
             let body = read_body(state, req).await?;
             let a: Activate = parse_body(&body, 4, &["version"])?;
-            ok(p.activate(t, &name, &a.version)?)
+            ok(p.activate(t, &name, &a.version))
         }
-        ([name, "rollback"], &Method::POST) => ok(p.rollback(t, name)?),
+        ([name, "rollback"], &Method::POST) => ok(p.rollback(t, name)),
         ([name, "config"], &Method::PUT) => {
             let name = name.to_string();
             let body = read_body_up_to(state, req, p.max_config_bytes(), "config_too_large").await?;
-            ok(p.set_config(t, &name, &body)?)
+            ok(p.set_config(t, &name, &body))
         }
-        ([name, "default"], &Method::PUT) => ok(p.set_default(t, name)?),
-        ([name, "default"], &Method::DELETE) => ok(p.clear_default(t, name)?),
-        ([name, "versions", v], &Method::DELETE) => ok(p.delete_version(t, name, v)?),
+        ([name, "default"], &Method::PUT) => ok(p.set_default(t, name)),
+        ([name, "default"], &Method::DELETE) => ok(p.clear_default(t, name)),
+        ([name, "versions", v], &Method::DELETE) => ok(p.delete_version(t, name, v)),
         ([_, "activate" | "rollback" | "config" | "default" | "logs"], _) | ([_, "versions", _], _) => {
             Err(not_allowed())
         }

@@ -5,6 +5,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::header::{CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Response, StatusCode};
+use serde::Serialize;
 use serde_json::Value;
 
 use crate::serve::error::ApiError;
@@ -22,6 +23,18 @@ pub(super) fn full(status: StatusCode, content_type: &'static str, body: impl In
 
 pub(super) fn json_response(status: StatusCode, v: &Value) -> Response<Body> {
     full(status, "application/json", v.to_string())
+}
+
+/// `v` (a domain type that serializes as its API shape) as a JSON response.
+pub(super) fn serialized<T: Serialize>(status: StatusCode, v: &T) -> Response<Body> {
+    match serde_json::to_string(v) {
+        Ok(body) => full(status, "application/json", body),
+        Err(e) => error_response(&ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            format!("the reply could not be written as JSON: {e}"),
+        )),
+    }
 }
 
 pub(super) fn error_response(e: &ApiError) -> Response<Body> {

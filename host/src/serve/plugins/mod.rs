@@ -9,17 +9,14 @@
 pub mod artefacts;
 pub mod logs;
 pub mod pipeline;
+pub mod registry;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hyper::StatusCode;
-use serde_json::{Value, json};
-
-use super::error::ApiError;
-use super::store::records::{self, PluginRecord, version_of};
+use super::store::records::{PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
 use crate::plugin::compile::{CompileLimits, compile_isolated};
@@ -30,6 +27,7 @@ use crate::tenant::valid_tenant_name;
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
 use logs::TenantLogs;
+use registry::{DefaultPlugin, Deleted, PluginError, PluginList, PluginView, Uploaded};
 
 /// Compiled plugins kept in memory; beyond this, one is dropped per compile.
 const COMPILED_CACHE: usize = 256;
@@ -111,37 +109,6 @@ impl Drop for Share {
     }
 }
 
-fn store_error(e: StoreError) -> ApiError {
-    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store_error", e.to_string())
-}
-
-fn not_found(name: &str) -> ApiError {
-    ApiError {
-        status: StatusCode::NOT_FOUND,
-        code: "plugin_not_found",
-        message: format!("no plugin {name:?}"),
-        param: Some("plugin".into()),
-        retry_after: None,
-    }
-}
-
-fn version_json(rec: &PluginRecord, v: &records::Version) -> Value {
-    json!({
-        "version": v.sha256, "size": v.size, "uploaded": v.uploaded,
-        "active": rec.active.as_deref() == Some(v.sha256.as_str()),
-    })
-}
-
-fn record_json(rec: &PluginRecord, default: bool) -> Value {
-    json!({
-        "name": rec.name,
-        "active": rec.active,
-        "default": default,
-        "versions": rec.versions.iter().map(|v| version_json(rec, v)).collect::<Vec<_>>(),
-        "config_bytes": rec.config.len(),
-    })
-}
-
 impl Plugins {
     /// The service over `store`, caching compiled artefacts in `data_dir/plugin-cache`, writing
     /// the tenants' plugin logs to `data_dir/plugin-logs`, and compiling with `compiler` (the
@@ -207,7 +174,7 @@ impl Plugins {
     /// `tenant_instances`) for one request, until the returned share is dropped. Over its share,
     /// the tenant's request gets 429: one tenant's requests cannot take the instances others
     /// need.
-    pub fn take_instances(&self, t: &Tenant, policy: &crate::policy::Policy, n: usize) -> Result<Share, ApiError> {
+    pub fn take_instances(&self, t: &Tenant, policy: &crate::policy::Policy, n: usize) -> Result<Share, PluginError> {
         // Never more than the whole pool.
         let cap = policy
             .plugin_instances
@@ -216,15 +183,11 @@ impl Plugins {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
         let now = held.get(&t.id).copied().unwrap_or(0);
         if now + n > cap {
-            return Err(ApiError {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                code: "plugin_instances_limit",
-                message: format!(
-                    "tenant {:?}'s requests hold {now} plugin instances and this one needs {n}; its share is {cap}",
-                    t.name
-                ),
-                param: None,
-                retry_after: Some(1),
+            return Err(PluginError::Instances {
+                tenant: t.name.clone(),
+                held: now,
+                needed: n,
+                share: cap,
             });
         }
         held.insert(t.id, now + n);
@@ -259,16 +222,15 @@ impl Plugins {
         self.write.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn record(&self, t: &Tenant, name: &str) -> Result<PluginRecord, ApiError> {
+    fn record(&self, t: &Tenant, name: &str) -> Result<PluginRecord, PluginError> {
         self.store
             .plugins()
-            .get(t.id, name)
-            .map_err(store_error)?
-            .ok_or_else(|| not_found(name))
+            .get(t.id, name)?
+            .ok_or_else(|| PluginError::NotFound(name.into()))
     }
 
-    fn is_default(&self, t: &Tenant, name: &str) -> Result<bool, ApiError> {
-        Ok(self.store.plugins().default(t.id).map_err(store_error)?.as_deref() == Some(name))
+    fn is_default(&self, t: &Tenant, name: &str) -> Result<bool, PluginError> {
+        Ok(self.store.plugins().default(t.id)?.as_deref() == Some(name))
     }
 
     fn cached(&self, tenant: TenantId, sha: &str) -> Option<Plugin> {
@@ -310,7 +272,7 @@ impl Plugins {
 
     /// Takes one of tenant `t`'s uploads per minute (its policy's, else the server's), or says
     /// when it may upload again.
-    fn take_upload(&self, t: &Tenant, policy: &crate::policy::Policy) -> Result<(), ApiError> {
+    fn take_upload(&self, t: &Tenant, policy: &crate::policy::Policy) -> Result<(), PluginError> {
         let per_minute = policy.plugin_uploads_per_minute.unwrap_or(self.cfg.uploads_per_minute);
         let now = std::time::Instant::now();
         let mut uploads = self.uploads.lock().unwrap_or_else(|p| p.into_inner());
@@ -321,15 +283,10 @@ impl Plugins {
                 Denied::RetryAfter(d) => d.as_secs().max(1),
                 Denied::TooLarge { .. } => 60,
             };
-            ApiError {
-                status: StatusCode::TOO_MANY_REQUESTS,
-                code: "upload_rate_limit",
-                message: format!(
-                    "tenant {:?} may upload {per_minute} new plugin versions a minute; retry in {after} s",
-                    t.name
-                ),
-                param: None,
-                retry_after: Some(after),
+            PluginError::UploadRate {
+                tenant: t.name.clone(),
+                per_minute,
+                retry_after: after,
             }
         })
     }
@@ -372,22 +329,22 @@ impl Plugins {
         name: &str,
         bytes: Vec<u8>,
         activate: bool,
-    ) -> Result<Value, ApiError> {
+    ) -> Result<Uploaded, PluginError> {
         if !valid_tenant_name(name) {
-            return Err(ApiError::field(
-                "name",
-                format!(
-                    "invalid plugin name {name:?}: use 1 to 63 characters, lowercase letters, digits, '-' and '_', starting with a letter or digit"
-                ),
-            ));
+            return Err(PluginError::BadName(name.into()));
         }
         if bytes.len() > self.cfg.max_component_bytes {
-            return Err(too_large(bytes.len(), self.cfg.max_component_bytes));
+            return Err(PluginError::ComponentTooLarge {
+                got: bytes.len(),
+                limit: self.cfg.max_component_bytes,
+            });
         }
-        let existing = self.store.plugins().get(t.id, name).map_err(store_error)?;
-        if existing.is_none() && self.store.plugins().list(t.id).map_err(store_error)?.len() >= self.cfg.max_per_tenant
-        {
-            return Err(too_many(t, self.cfg.max_per_tenant));
+        let existing = self.store.plugins().get(t.id, name)?;
+        if existing.is_none() && self.store.plugins().list(t.id)?.len() >= self.cfg.max_per_tenant {
+            return Err(PluginError::TooMany {
+                tenant: t.name.clone(),
+                max: self.cfg.max_per_tenant,
+            });
         }
         let (version, sha) = version_of(&bytes);
         let config = existing.as_ref().map(|r| r.config.clone()).unwrap_or_default();
@@ -396,20 +353,23 @@ impl Plugins {
             .is_some_and(|r| r.versions.iter().any(|v| v.sha256 == version.sha256));
         if !known {
             self.take_upload(t, policy)?;
-            let plugin = self.compile(bytes.clone()).await.map_err(|e| upload_error(&e))?;
+            let plugin = self.compile(bytes.clone()).await.map_err(PluginError::Rejected)?;
             self.smoke(&plugin, &config).await.map_err(|e| match e {
-                PluginFailure::Busy | PluginFailure::OverLimits(_) => ApiError::from(&e),
-                e => upload_error(&PluginFailure::Invalid(format!("the upload check failed: {e}"))),
+                PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
+                e => PluginError::Rejected(PluginFailure::Invalid(format!("the upload check failed: {e}"))),
             })?;
-            self.store.plugins().put_blob(t.id, &sha, &bytes).map_err(store_error)?;
+            self.store.plugins().put_blob(t.id, &sha, &bytes)?;
             self.artefacts.save(t.id, &version.sha256, &plugin);
             self.remember(t.id, &version.sha256, &plugin);
         }
         let _g = self.lock();
-        let current = self.store.plugins().get(t.id, name).map_err(store_error)?;
+        let current = self.store.plugins().get(t.id, name)?;
         // Checked again under the lock: another upload may have added a plugin meanwhile.
-        if current.is_none() && self.store.plugins().list(t.id).map_err(store_error)?.len() >= self.cfg.max_per_tenant {
-            return Err(too_many(t, self.cfg.max_per_tenant));
+        if current.is_none() && self.store.plugins().list(t.id)?.len() >= self.cfg.max_per_tenant {
+            return Err(PluginError::TooMany {
+                tenant: t.name.clone(),
+                max: self.cfg.max_per_tenant,
+            });
         }
         let mut rec = current.unwrap_or_else(|| PluginRecord {
             name: name.into(),
@@ -435,152 +395,142 @@ impl Plugins {
             };
             let old = rec.versions.remove(i);
             rec.history.retain(|h| *h != old.sha256);
-            self.store
-                .plugins()
-                .remove_blob(t.id, &old.sha256)
-                .map_err(store_error)?;
+            self.store.plugins().remove_blob(t.id, &old.sha256)?;
             self.forget(t.id, &old.sha256);
         }
-        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        self.store.plugins().put(t.id, &rec)?;
         let default = self.is_default(t, name)?;
-        Ok(json!({"plugin": record_json(&rec, default), "version": version.sha256, "new": !known}))
+        Ok(Uploaded {
+            plugin: PluginView::of(&rec, default),
+            version: version.sha256,
+            new: !known,
+        })
     }
 
     /// The tenant's plugins.
-    pub fn list(&self, t: &Tenant) -> Result<Value, ApiError> {
-        let default = self.store.plugins().default(t.id).map_err(store_error)?;
-        let recs = self.store.plugins().list(t.id).map_err(store_error)?;
-        Ok(
-            json!({"data": recs.iter().map(|r| record_json(r, default.as_deref() == Some(r.name.as_str()))).collect::<Vec<_>>()}),
-        )
+    pub fn list(&self, t: &Tenant) -> Result<PluginList, PluginError> {
+        let default = self.store.plugins().default(t.id)?;
+        let recs = self.store.plugins().list(t.id)?;
+        Ok(PluginList {
+            data: recs
+                .iter()
+                .map(|r| PluginView::of(r, default.as_deref() == Some(r.name.as_str())))
+                .collect(),
+        })
     }
 
     /// One plugin.
-    pub fn get(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+    pub fn get(&self, t: &Tenant, name: &str) -> Result<PluginView, PluginError> {
         let rec = self.record(t, name)?;
-        Ok(record_json(&rec, self.is_default(t, name)?))
+        Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
     /// Makes `version` (a SHA-256 or an unambiguous prefix of at least 8 digits) the active one.
-    pub fn activate(&self, t: &Tenant, name: &str, version: &str) -> Result<Value, ApiError> {
+    pub fn activate(&self, t: &Tenant, name: &str, version: &str) -> Result<PluginView, PluginError> {
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
         let sha = version_id(&rec, version)?;
         set_active(&mut rec, &sha);
-        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
-        Ok(record_json(&rec, self.is_default(t, name)?))
+        self.store.plugins().put(t.id, &rec)?;
+        Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
     /// Returns to the version active before the current one.
-    pub fn rollback(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+    pub fn rollback(&self, t: &Tenant, name: &str) -> Result<PluginView, PluginError> {
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
         let Some(prev) = rec.history.pop() else {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "nothing_to_roll_back",
-                format!("plugin {name:?} has no earlier active version"),
-            ));
+            return Err(PluginError::NothingToRollBack(name.into()));
         };
         rec.active = Some(prev);
-        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
-        Ok(record_json(&rec, self.is_default(t, name)?))
+        self.store.plugins().put(t.id, &rec)?;
+        Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
     /// Deletes plugin `name` and all its versions (and clears it as the default).
-    pub fn delete(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+    pub fn delete(&self, t: &Tenant, name: &str) -> Result<Deleted, PluginError> {
         let _g = self.lock();
         let rec = self.record(t, name)?;
-        self.store.plugins().remove(t.id, &rec).map_err(store_error)?;
+        self.store.plugins().remove(t.id, &rec)?;
         for v in &rec.versions {
             self.forget(t.id, &v.sha256);
         }
-        Ok(json!({"deleted": name, "versions": rec.versions.len()}))
+        Ok(Deleted {
+            deleted: name.into(),
+            versions: rec.versions.len(),
+        })
     }
 
     /// Deletes one version that is not active.
-    pub fn delete_version(&self, t: &Tenant, name: &str, version: &str) -> Result<Value, ApiError> {
+    pub fn delete_version(&self, t: &Tenant, name: &str, version: &str) -> Result<PluginView, PluginError> {
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
         let sha = version_id(&rec, version)?;
         if rec.active.as_deref() == Some(sha.as_str()) {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "version_active",
-                format!("version {sha} of plugin {name:?} is active; activate another first"),
-            ));
+            return Err(PluginError::VersionActive {
+                name: name.into(),
+                version: sha,
+            });
         }
         rec.versions.retain(|v| v.sha256 != sha);
         rec.history.retain(|h| *h != sha);
-        self.store.plugins().remove_blob(t.id, &sha).map_err(store_error)?;
-        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
+        self.store.plugins().remove_blob(t.id, &sha)?;
+        self.store.plugins().put(t.id, &rec)?;
         self.forget(t.id, &sha);
-        Ok(record_json(&rec, self.is_default(t, name)?))
+        Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
     /// Sets the configuration every version of `name` gets.
-    pub fn set_config(&self, t: &Tenant, name: &str, config: &[u8]) -> Result<Value, ApiError> {
+    pub fn set_config(&self, t: &Tenant, name: &str, config: &[u8]) -> Result<PluginView, PluginError> {
         if config.len() > self.cfg.max_config_bytes {
-            return Err(ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "config_too_large",
-                format!(
-                    "the plugin config is {} bytes, more than the limit of {}",
-                    config.len(),
-                    self.cfg.max_config_bytes
-                ),
-            ));
+            return Err(PluginError::ConfigTooLarge {
+                got: config.len(),
+                limit: self.cfg.max_config_bytes,
+            });
         }
-        let config = std::str::from_utf8(config)
-            .map_err(|e| ApiError::field("config", format!("the plugin config must be UTF-8 text: {e}")))?;
+        let config = std::str::from_utf8(config).map_err(PluginError::ConfigNotText)?;
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
         rec.config = config.into();
-        self.store.plugins().put(t.id, &rec).map_err(store_error)?;
-        Ok(record_json(&rec, self.is_default(t, name)?))
+        self.store.plugins().put(t.id, &rec)?;
+        Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
     /// Makes `name` the tenant's default plugin: requests that name none run it.
-    pub fn set_default(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+    pub fn set_default(&self, t: &Tenant, name: &str) -> Result<DefaultPlugin, PluginError> {
         let _g = self.lock();
         self.record(t, name)?;
-        self.store
-            .plugins()
-            .set_default(t.id, Some(name))
-            .map_err(store_error)?;
-        Ok(json!({"default": name}))
+        self.store.plugins().set_default(t.id, Some(name))?;
+        Ok(DefaultPlugin {
+            default: Some(name.into()),
+        })
     }
 
     /// Stops `name` being the tenant's default plugin (if it is).
-    pub fn clear_default(&self, t: &Tenant, name: &str) -> Result<Value, ApiError> {
+    pub fn clear_default(&self, t: &Tenant, name: &str) -> Result<DefaultPlugin, PluginError> {
         let _g = self.lock();
         self.record(t, name)?;
         if self.is_default(t, name)? {
-            self.store.plugins().set_default(t.id, None).map_err(store_error)?;
+            self.store.plugins().set_default(t.id, None)?;
         }
-        let now = self.store.plugins().default(t.id).map_err(store_error)?;
-        Ok(json!({"default": now}))
+        Ok(DefaultPlugin {
+            default: self.store.plugins().default(t.id)?,
+        })
     }
 
     /// The plugin a request of `t` runs: the one it names, else the tenant's default, else none.
-    pub fn chosen(&self, t: &Tenant, requested: Option<&str>) -> Result<Option<String>, ApiError> {
+    pub fn chosen(&self, t: &Tenant, requested: Option<&str>) -> Result<Option<String>, PluginError> {
         match requested {
             Some(n) => Ok(Some(n.to_string())),
-            None => self.store.plugins().default(t.id).map_err(store_error),
+            None => Ok(self.store.plugins().default(t.id)?),
         }
     }
 
     /// Plugin `name` of `t`, compiled and ready to instantiate.
-    pub async fn resolve(&self, t: &Tenant, name: String) -> Result<Resolved, ApiError> {
+    pub async fn resolve(&self, t: &Tenant, name: String) -> Result<Resolved, PluginError> {
         let rec = self.record(t, &name)?;
         let Some(version) = rec.active.clone() else {
-            return Err(ApiError {
-                status: StatusCode::CONFLICT,
-                code: "plugin_inactive",
-                message: format!("plugin {name:?} has no active version; activate one"),
-                param: Some("plugin".into()),
-                retry_after: None,
-            });
+            return Err(PluginError::Inactive(name));
         };
         let plugin = match self.cached(t.id, &version) {
             Some(p) => p,
@@ -591,10 +541,9 @@ impl Plugins {
                         let bytes = self
                             .store
                             .plugins()
-                            .blob(t.id, &version)
-                            .map_err(store_error)?
-                            .ok_or_else(|| store_error(StoreError::Corrupt(format!("plugin {name} {version}"))))?;
-                        let p = self.compile(bytes.to_vec()).await.map_err(|e| ApiError::from(&e))?;
+                            .blob(t.id, &version)?
+                            .ok_or_else(|| StoreError::Corrupt(format!("plugin {name} {version}")))?;
+                        let p = self.compile(bytes.to_vec()).await.map_err(PluginError::Failed)?;
                         self.artefacts.save(t.id, &version, &p);
                         p
                     }
@@ -632,40 +581,12 @@ fn set_active(rec: &mut PluginRecord, sha: &str) {
     }
 }
 
-fn too_many(t: &Tenant, max: usize) -> ApiError {
-    ApiError::new(
-        StatusCode::CONFLICT,
-        "too_many_plugins",
-        format!(
-            "tenant {:?} has {max} plugins, the most allowed; delete one first",
-            t.name
-        ),
-    )
-}
-
-fn too_large(got: usize, limit: usize) -> ApiError {
-    ApiError::new(
-        StatusCode::PAYLOAD_TOO_LARGE,
-        "component_too_large",
-        format!("the component is {got} bytes, more than the limit of {limit}"),
-    )
-}
-
-fn upload_error(f: &PluginFailure) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, f.code(), f.to_string())
-}
-
 /// The full id of `rec`'s version `v` (an id or an unambiguous prefix).
-fn version_id(rec: &PluginRecord, v: &str) -> Result<String, ApiError> {
+fn version_id(rec: &PluginRecord, v: &str) -> Result<String, PluginError> {
     rec.find(v)
         .map(|x| x.sha256.clone())
-        .ok_or_else(|| version_not_found(&rec.name, v))
-}
-
-fn version_not_found(name: &str, v: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "version_not_found",
-        format!("plugin {name:?} has no version {v:?} (give its SHA-256, or at least 8 unambiguous leading digits)"),
-    )
+        .ok_or_else(|| PluginError::VersionNotFound {
+            name: rec.name.clone(),
+            version: v.into(),
+        })
 }
