@@ -10,9 +10,16 @@
 //! `Engine::retire`, which closes its KV state (pages return to the pool once unreferenced) and
 //! emits exactly one [`Event::Done`]. Rejected requests never get here: [`Engine::submit`] returns
 //! them before anything is allocated.
+//!
+//! Beside this file: `schedule` (step planning and admission order, pure), `cost` (the step-cost
+//! model), `prefix` (the prefix cache's uses beyond admission: shared first pages, plugins' pins,
+//! public prefixes), `disagg` (the prefill and decode halves of a disaggregated request),
+//! `request` and `field` (validated requests and their errors), `sampling` and `text`.
 
 mod cost;
+mod disagg;
 pub mod field;
+mod prefix;
 pub mod request;
 pub mod sampling;
 mod schedule;
@@ -24,11 +31,11 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use warden_kernels::tag::{Owner, TagCheck};
+use warden_kernels::tag::TagCheck;
 
 use crate::tenant::TenantId;
 
-use crate::kv::{KvCounters, KvError, KvPool, PageHandle, PageInfo};
+use crate::kv::{KvCounters, KvError, KvPool};
 use crate::model::{Forward, Model, Scratch, StepError, StepSeq};
 use cost::{CostModel, Work};
 use request::{
@@ -375,35 +382,6 @@ impl Engine {
         self.pool.counters()
     }
 
-    /// The page table of request `id`, if it is open and `owner`'s.
-    pub fn kv_pages(&self, id: RequestId, owner: TenantId) -> Option<Vec<PageHandle>> {
-        let (o, pages) = self.pool.handles(id.seq()).ok()?;
-        (o == Owner::from(owner)).then_some(pages)
-    }
-
-    /// What holder `owner` may learn of page `h` (after its tag check).
-    pub fn kv_inspect(&self, owner: TenantId, h: PageHandle) -> Result<PageInfo, KvError> {
-        self.pool.inspect(owner, h)
-    }
-
-    /// Pins the first `tokens` tokens of request `id` (if it is open and `owner`'s) in the
-    /// owner's prefix cache, in whole computed pages; returns the tokens pinned.
-    pub fn kv_pin(&mut self, id: RequestId, owner: TenantId, tokens: usize) -> Result<usize, KvError> {
-        self.owned(id, owner)?;
-        let limit = self
-            .tenants
-            .get(&owner)
-            .map_or(self.cfg.max_pinned_pages, |k| k.max_pinned_pages);
-        self.pool.pin_prefix(id.seq(), tokens, limit)
-    }
-
-    /// Unpins the pinned prefixes within request `id`'s cached prefix (if it is open and
-    /// `owner`'s); returns the pages unpinned.
-    pub fn kv_unpin(&mut self, id: RequestId, owner: TenantId) -> Result<usize, KvError> {
-        self.owned(id, owner)?;
-        self.pool.unpin_prefix(id.seq())
-    }
-
     /// Forgets tenant `owner` (it was deleted): everything it has in the prefix cache, its page
     /// cap and floor, its settings and its counter.
     pub fn forget_owner(&mut self, owner: TenantId) {
@@ -432,78 +410,6 @@ impl Engine {
         self.tenants.insert(owner, settings);
     }
 
-    /// Makes `prefixes` the server's public prefixes: token sequences a policy marks public
-    /// (invariant 5 allows sharing KV across tenants only so). The engine computes each one's
-    /// whole pages itself, under [`Owner::PUBLIC`], and pins them (within the server's pin
-    /// ceiling); a request of a tenant whose settings allow public prefixes and whose prompt
-    /// begins with one adopts those pages read-only instead of computing them. Prefixes dropped
-    /// from the list leave the cache (sequences using their pages keep them). Blocks for the
-    /// prefill of what is new; a list equal to the current one does nothing. On an error the
-    /// prefixes before the failing one stay in force.
-    pub fn set_public_prefixes(&mut self, prefixes: &[Vec<u32>]) -> Result<(), KvError> {
-        if self.public_prefixes == prefixes {
-            return Ok(());
-        }
-        self.pool.forget_owner(Owner::PUBLIC);
-        self.public_prefixes.clear();
-        if prefixes.is_empty() {
-            return Ok(());
-        }
-        if !self.cfg.prefix_cache {
-            return Err(KvError::PublicWithoutCache);
-        }
-        for tokens in prefixes {
-            let whole = tokens.len() / self.cfg.page_size * self.cfg.page_size;
-            if whole == 0 {
-                return Err(KvError::PublicPrefixTooShort {
-                    tokens: tokens.len(),
-                    page_size: self.cfg.page_size,
-                });
-            }
-            let tokens = &tokens[..whole];
-            let id = self.next_id;
-            self.next_id = self.next_id.next();
-            let from = self
-                .pool
-                .open(id.seq(), Owner::PUBLIC, self.pool.pages_for(whole), tokens)?;
-            let filled = self.fill_public(id, tokens, from);
-            self.pool.close(id.seq())?;
-            filled?;
-            self.public_prefixes.push(tokens.to_vec());
-        }
-        Ok(())
-    }
-
-    /// Computes `tokens[from..]` into public sequence `id`, caches and pins its pages.
-    fn fill_public(&mut self, id: RequestId, tokens: &[u32], from: usize) -> Result<(), KvError> {
-        let mut at = from;
-        while at < tokens.len() {
-            let n = (tokens.len() - at).min(self.cfg.max_batch_tokens);
-            self.pool.ensure(id.seq(), at + n)?;
-            self.pool.commit_slots(id.seq(), at + n)?;
-            let seqs = [StepSeq {
-                seq: id.seq(),
-                tokens: &tokens[at..at + n],
-                pos0: at,
-                want_logits: false,
-            }];
-            for r in self
-                .model
-                .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch)
-            {
-                match r {
-                    Ok(_) => {}
-                    Err(StepError::Kv(e)) => return Err(e),
-                    Err(StepError::Isolation(v)) => return Err(v.into()),
-                }
-            }
-            at += n;
-        }
-        self.pool.cache_computed(id.seq(), tokens)?;
-        self.pool.pin_prefix(id.seq(), tokens.len(), usize::MAX)?;
-        Ok(())
-    }
-
     /// Tenant `owner`'s virtual counter.
     fn served(&self, owner: TenantId) -> f64 {
         self.served.get(&owner).copied().unwrap_or(0.0)
@@ -528,21 +434,6 @@ impl Engine {
         self.waiting.iter().chain(&self.running).any(|s| s.owner == owner)
     }
 
-    /// Whether `owner`'s requests use the prefix cache.
-    fn prefix_cache_for(&self, owner: TenantId) -> bool {
-        self.cfg.prefix_cache && self.tenants.get(&owner).is_none_or(|k| k.prefix_cache)
-    }
-
-    fn owned(&self, id: RequestId, owner: TenantId) -> Result<(), KvError> {
-        if !self.prefix_cache_for(owner) {
-            return Err(KvError::PrefixCacheOff);
-        }
-        match self.pool.table(id.seq()) {
-            Ok((o, _)) if o == Owner::from(owner) => Ok(()),
-            _ => Err(KvError::NoSuchSequence(id.seq())),
-        }
-    }
-
     /// The KV pool (tests and the admin API set budgets through it).
     pub fn pool_mut(&mut self) -> &mut KvPool {
         &mut self.pool
@@ -560,18 +451,6 @@ impl Engine {
     /// Requests waiting plus running.
     pub fn pending(&self) -> usize {
         self.waiting.len() + self.running.len()
-    }
-
-    /// Pages that may be pinned, by tenants and public prefixes together: all but one request
-    /// of the maximum context.
-    pub fn pinnable_pages(&self) -> usize {
-        Self::pinnable(&self.pool, &self.cfg)
-    }
-
-    fn pinnable(pool: &KvPool, cfg: &EngineConfig) -> usize {
-        pool.counters()
-            .pages_total
-            .saturating_sub(pool.pages_for(cfg.max_context))
     }
 
     /// The KV pool, for reading (a transfer's sender exports from it).
@@ -598,67 +477,6 @@ impl Engine {
     pub fn submit(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
         self.admit(&req)?;
         self.enqueue(req, Role::Whole)
-    }
-
-    /// Submits the prefill half of a disaggregated request: it is admitted and scheduled like
-    /// any other, computes its prompt but the last token, and ends with [`Event::Prefilled`],
-    /// keeping its pages (readable through [`Engine::pool`] and its id) until
-    /// [`Engine::release_prefilled`].
-    pub fn submit_prefill(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
-        self.admit(&req)?;
-        self.enqueue(req, Role::PrefillOnly)
-    }
-
-    /// Lets a prefill-only request's pages go once its transfer was acknowledged, or abandoned.
-    /// Returns whether it was held.
-    pub fn release_prefilled(&mut self, id: RequestId) -> bool {
-        match self.held.remove(&id) {
-            Some(_) => {
-                let _ = self.pool.close(id.seq());
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Opens the decode half of a disaggregated request: admitted like [`submit`](Self::submit)
-    /// and queued with the others; when its turn comes and the pool has its pages, they open
-    /// (no prefill runs) and [`Event::Opened`] says its prompt's KV may arrive (through
-    /// [`Engine::pool_mut`] and its id, with [`crate::transfer::Inbound`]). It is scheduled once
-    /// [`finish_transfer`](Self::finish_transfer) says the KV arrived whole, or ends with
-    /// [`fail_transfer`](Self::fail_transfer)'s error.
-    pub fn open_transfer(&mut self, req: ValidRequest) -> Result<RequestId, Rejected> {
-        self.admit(&req)?;
-        self.enqueue(req, Role::DecodeOnly)
-    }
-
-    /// The prompt's KV of transferred request `id` arrived and was verified up to `tokens`
-    /// positions (the prompt but its last token): it joins the queue, computes its last prompt
-    /// token and decodes. A count that is not that ends it with its error instead.
-    pub fn finish_transfer(&mut self, id: RequestId, tokens: usize) -> bool {
-        let Some(mut s) = self.receiving.remove(&id) else {
-            return false;
-        };
-        if tokens + 1 != s.prompt_len {
-            let why = format!("{tokens} positions arrived for a prompt of {}", s.prompt_len);
-            self.retire(s, Outcome::Aborted(AbortReason::Transfer(why)));
-            return true;
-        }
-        s.computed = tokens;
-        self.waiting.push_front(s);
-        true
-    }
-
-    /// Transferred request `id`'s KV did not arrive whole: it ends with `why`, and its pages go
-    /// back.
-    pub fn fail_transfer(&mut self, id: RequestId, why: String) -> bool {
-        match self.receiving.remove(&id) {
-            Some(s) => {
-                self.retire(s, Outcome::Aborted(AbortReason::Transfer(why)));
-                true
-            }
-            None => false,
-        }
     }
 
     /// Admission of a validated request: what needs the engine's state, its tenant's KV budget
@@ -887,22 +705,6 @@ impl Engine {
         schedule::next_to_admit(waiting, &counter, &|o| running.get(&o).copied().unwrap_or(0))
     }
 
-    /// Whether `s` should wait for a running sequence of its owner whose prompt begins with the
-    /// same page of tokens and is still being computed (the choices of an `n` > 1 request, or a
-    /// burst of requests with one system prompt): once it is, `s` adopts those pages from the
-    /// prefix cache instead of computing them a second time. The wait is bounded by that one
-    /// prefill, and other requests are admitted past `s` meanwhile.
-    fn follows_a_prefill(&self, s: &Seq) -> bool {
-        let ps = self.cfg.page_size;
-        if !self.prefix_cache_for(s.owner) || s.prompt_len <= ps {
-            return false;
-        }
-        let first = &s.tokens[..ps];
-        self.running
-            .iter()
-            .any(|r| r.owner == s.owner && r.computed < r.prompt_len && r.tokens.get(..ps) == Some(first))
-    }
-
     /// Plans a step over the running set (see [`schedule::Planner::plan`]). Returns (running
     /// index, new tokens).
     fn plan(&self) -> Vec<(usize, usize)> {
@@ -1023,22 +825,6 @@ impl Engine {
         }
         self.hold_prefilled();
         std::mem::take(&mut self.events)
-    }
-
-    /// Moves prefill-only sequences that computed their part out of the running set: their
-    /// pages stay open for the transfer, and [`Event::Prefilled`] says so.
-    fn hold_prefilled(&mut self) {
-        for i in (0..self.running.len()).rev() {
-            let s = &self.running[i];
-            if s.role == Role::PrefillOnly && s.computed >= s.target() {
-                let seq = self.running.swap_remove(i);
-                self.events.push(Event::Prefilled {
-                    id: seq.id,
-                    tokens: seq.computed,
-                });
-                self.held.insert(seq.id, seq);
-            }
-        }
     }
 
     /// Appends a sampled token to a sequence and emits its text; returns how the sequence ends,

@@ -1,6 +1,7 @@
-//! Tenant plugins in the server: upload validation, versions and activation ([`records`]),
-//! compiled artefacts in memory and on disk ([`artefacts`]), resolving the plugin a request
-//! runs, and running its hooks on the request and its output ([`pipeline`]).
+//! Tenant plugins in the server: upload validation, versions and activation (stored as
+//! [`crate::serve::store::records`]; what the registry answers and why it refuses, in
+//! [`registry`]), compiled artefacts in memory and on disk ([`artefacts`]), resolving the plugin
+//! a request runs, and running its hooks on the request and its output ([`pipeline`]).
 //!
 //! Everything is scoped by the tenant's id: a tenant names only its own plugins, and a compiled
 //! plugin is cached under (tenant, SHA-256), so even identical bytes uploaded by two tenants
