@@ -417,3 +417,59 @@ fn test_and_bench_switches_are_features_default_builds_lack() {
         wrong.join("\n")
     );
 }
+
+/// Whether `code` names a `Result` whose error is a bare `String` (`Result<T, String>`, at any
+/// nesting of `T`).
+fn string_errors(code: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for (at, _) in code.match_indices("Result<") {
+        let rest = &code[at + "Result<".len()..];
+        let mut depth = 0i32;
+        let mut last_comma = None;
+        for (i, c) in rest.char_indices() {
+            match c {
+                '<' | '(' | '[' => depth += 1,
+                ')' | ']' => depth -= 1,
+                '>' if depth == 0 => {
+                    if let Some(k) = last_comma
+                        && rest[k + 1..i].trim() == "String"
+                    {
+                        found.push(format!("Result<{}>", &rest[..i]));
+                    }
+                    break;
+                }
+                '>' => depth -= 1,
+                ',' if depth == 0 => last_comma = Some(i),
+                _ => {}
+            }
+        }
+    }
+    found
+}
+
+/// The WIT world's host functions return `result<_, string>`: their Rust signatures are the
+/// bindings', and convert a typed error at the boundary.
+const WIT_HOST_IMPLS: &[&str] = &["plugin/host.rs"];
+
+/// The library says why something failed with a type: no `anyhow` (the binary's alone) and no
+/// `Result<_, String>`.
+#[test]
+fn the_library_says_why_with_types_not_strings() {
+    assert_eq!(
+        string_errors("fn f() -> Result<Vec<(u8, u8)>, String>; fn g() -> Result<(), String>"),
+        vec!["Result<Vec<(u8, u8)>, String>", "Result<(), String>"]
+    );
+    assert!(string_errors("fn f() -> Result<String, Error>; Result<Option<String>, E>").is_empty());
+    let mut wrong = Vec::new();
+    for f in files() {
+        if f.code.contains("anyhow") {
+            wrong.push(format!("{} uses anyhow", f.rel));
+        }
+        if !WIT_HOST_IMPLS.contains(&f.rel.as_str()) {
+            for r in string_errors(&f.code) {
+                wrong.push(format!("{} returns {r}", f.rel));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "untyped errors in the library:\n{}", wrong.join("\n"));
+}
