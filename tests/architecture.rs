@@ -1,5 +1,6 @@
 //! The code's shape, checked: the library's layers import one way only, no two of its files
-//! import each other, and what exists for tests and benchmarks only stays out of default builds.
+//! import each other, what exists for tests and benchmarks only stays out of default builds, and
+//! failures are typed (no `anyhow`, no `Result<_, String>` in the library).
 //!
 //! The layer check reads every file under `host/src`, takes the module paths each names in code (`crate::…`,
 //! `super::…` and its own submodules; comments, test-only files and `#[cfg(test)]` blocks left
