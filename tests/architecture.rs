@@ -427,8 +427,13 @@ fn string_errors(code: &str) -> Vec<String> {
         let rest = &code[at + "Result<".len()..];
         let mut depth = 0i32;
         let mut last_comma = None;
+        let mut prev = ' ';
         for (i, c) in rest.char_indices() {
+            let arrow = prev == '-';
+            prev = c;
             match c {
+                // The `>` of a `->` closes nothing.
+                '>' if arrow => {}
                 '<' | '(' | '[' => depth += 1,
                 ')' | ']' => depth -= 1,
                 '>' if depth == 0 => {
@@ -457,8 +462,8 @@ const WIT_HOST_IMPLS: &[&str] = &["plugin/host.rs"];
 #[test]
 fn the_library_says_why_with_types_not_strings() {
     assert_eq!(
-        string_errors("fn f() -> Result<Vec<(u8, u8)>, String>; fn g() -> Result<(), String>"),
-        vec!["Result<Vec<(u8, u8)>, String>", "Result<(), String>"]
+        string_errors("fn f() -> Result<Vec<(u8, u8)>, String>; Result<Box<dyn Fn() -> u8>, String>"),
+        vec!["Result<Vec<(u8, u8)>, String>", "Result<Box<dyn Fn() -> u8>, String>"]
     );
     assert!(string_errors("fn f() -> Result<String, Error>; Result<Option<String>, E>").is_empty());
     let mut wrong = Vec::new();

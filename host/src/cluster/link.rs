@@ -367,20 +367,21 @@ pub async fn connect(addr: SocketAddr) -> std::io::Result<(OwnedReadHalf, OwnedW
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     /// The node could not be reached.
-    #[error("connecting to {addr}: {source}")]
+    #[error("connecting to {addr}: {cause}")]
     Connect {
         /// The node.
         addr: SocketAddr,
-        /// Why.
-        source: std::io::Error,
+        /// Why (in the message, not a separate source: health reports and broadcasts show
+        /// the message alone).
+        cause: std::io::Error,
     },
     /// The question could not be written.
-    #[error("writing to {addr}: {source}")]
+    #[error("writing to {addr}: {cause}")]
     Write {
         /// The node.
         addr: SocketAddr,
         /// Why.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The node answered with an error message.
     #[error("{addr} refused: {message}")]
@@ -397,12 +398,12 @@ pub enum CallError {
     #[error("{0} closed the connection without an answer")]
     Closed(SocketAddr),
     /// The answer could not be read.
-    #[error("{addr}: {source}")]
+    #[error("{addr}: {cause}")]
     Read {
         /// The node.
         addr: SocketAddr,
         /// Why.
-        source: LinkError,
+        cause: LinkError,
     },
 }
 
@@ -410,10 +411,10 @@ pub enum CallError {
 pub async fn open(addr: SocketAddr, m: &Msg) -> Result<(OwnedReadHalf, OwnedWriteHalf), CallError> {
     let (r, mut w) = connect(addr)
         .await
-        .map_err(|source| CallError::Connect { addr, source })?;
+        .map_err(|cause| CallError::Connect { addr, cause })?;
     send(&mut w, m)
         .await
-        .map_err(|source| CallError::Write { addr, source })?;
+        .map_err(|cause| CallError::Write { addr, cause })?;
     Ok((r, w))
 }
 
@@ -426,7 +427,7 @@ pub async fn call(addr: SocketAddr, m: &Msg) -> Result<Msg, CallError> {
         Ok(Some(Packet::Msg(m))) => Ok(m),
         Ok(Some(Packet::Frame(_))) => Err(CallError::Frame(addr)),
         Ok(None) => Err(CallError::Closed(addr)),
-        Err(source) => Err(CallError::Read { addr, source }),
+        Err(cause) => Err(CallError::Read { addr, cause }),
     }
 }
 
@@ -474,7 +475,7 @@ mod tests {
         assert!(matches!(read(&mut r, 0).await, Err(LinkError::Io(_))));
     }
 
-    /// The KV questions' wire shape is the protocol's (version 1): a page handle is an object of
+    /// The KV questions' wire shape is the protocol's ([`VERSION`]): a page handle is an object of
     /// page, epoch and public; an error is its message, and arrives as a remote error.
     #[test]
     fn kv_calls_keep_their_wire_shape() {

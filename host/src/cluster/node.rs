@@ -319,7 +319,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                             idle.as_mut().reset(tokio::time::Instant::now() + TRANSFER_IDLE);
                             up = Some(u);
                         }
-                        Err(why) => node.engine.transfer_failed(id, format!("the prefill node: {why}")).await,
+                        Err(e) => node.engine.transfer_failed(id, unreachable_prefill(e)).await,
                     }
                 }
             }
@@ -403,6 +403,15 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                 }
             }
         }
+    }
+}
+
+/// Why a decode node's request could not reach its prefill node, as the request ends with it.
+fn unreachable_prefill(e: CallError) -> String {
+    match e {
+        CallError::Connect { addr, cause } => format!("connecting to the prefill node {addr}: {cause}"),
+        CallError::Write { addr, cause } => format!("writing to the prefill node {addr}: {cause}"),
+        e => format!("the prefill node: {e}"),
     }
 }
 

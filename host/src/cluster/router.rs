@@ -98,7 +98,8 @@ pub enum ConnectError {
         /// The node.
         addr: SocketAddr,
         /// The last failure.
-        source: CallError,
+        #[source]
+        last: CallError,
     },
 }
 
@@ -453,12 +454,12 @@ async fn describe_node(addr: SocketAddr, deadline: Instant) -> Result<NodeInfo, 
         match link::call(addr, &Msg::Describe).await {
             Ok(Msg::Info(info)) => return Ok(info),
             Ok(_) => return Err(ConnectError::NotANode(addr)),
-            Err(source) => {
+            Err(last) => {
                 if Instant::now() >= deadline {
-                    return Err(ConnectError::NoAnswer { addr, source });
+                    return Err(ConnectError::NoAnswer { addr, last });
                 }
                 if !said {
-                    println!("cluster: waiting for node {addr} ({source})");
+                    println!("cluster: waiting for node {addr} ({last})");
                     said = true;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;

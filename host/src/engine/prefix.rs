@@ -13,8 +13,8 @@ use crate::tenant::TenantId;
 impl Engine {
     /// The page table of request `id`, if it is open and `owner`'s.
     pub fn kv_pages(&self, id: RequestId, owner: TenantId) -> Option<Vec<PageHandle>> {
-        let (o, pages) = self.pool.handles(id.seq()).ok()?;
-        (o == Owner::from(owner)).then_some(pages)
+        let (o, _) = self.pool.table(id.seq()).ok()?;
+        (o == Owner::from(owner)).then(|| self.pool.handles(id.seq()).ok().map(|(_, h)| h))?
     }
 
     /// What holder `owner` may learn of page `h` (after its tag check).

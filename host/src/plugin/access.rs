@@ -61,7 +61,7 @@ pub enum KvAccessError {
     #[error("more than {0} live handles; drop some first")]
     TooManyHandles(usize),
     /// The instance's resource table has no room for another handle.
-    #[error("the instance's resource table is full")]
+    #[error("resource table has no free keys")]
     TableFull,
     /// The pool refused: a failed tag check, or a pin past a limit.
     #[error(transparent)]

@@ -157,7 +157,7 @@ impl PluginHost {
         self.debt
     }
 
-    /// The epoch the guest sees for `entry`: relative to this instance, never the pool's.
+    /// The epoch the guest sees for `page`: relative to this instance, never the pool's.
     fn relative_epoch(&mut self, page: PageHandle) -> u32 {
         let next = self.epochs.len() as u32 + 1;
         *self.epochs.entry(page).or_insert(next)

@@ -8,6 +8,9 @@ pub enum EngineCallError {
     /// The engine stopped before answering.
     #[error("the engine stopped")]
     Stopped,
+    /// The engine thread is gone (a call on it found no one to answer).
+    #[error("the engine thread is gone")]
+    Gone,
     /// The request the call was about has ended.
     #[error("the request has ended")]
     Ended,

@@ -443,7 +443,7 @@ impl EngineHandle for LocalEngine {
         Box::pin(async move {
             match self.call(|done| Cmd::PublicPrefixes(prefixes, done)).await {
                 Some(r) => r.map_err(Into::into),
-                None => Err(EngineCallError::Stopped),
+                None => Err(EngineCallError::Gone),
             }
         })
     }

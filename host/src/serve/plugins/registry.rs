@@ -93,7 +93,7 @@ pub struct DefaultPlugin {
 #[derive(Debug, thiserror::Error)]
 pub enum PluginError {
     /// The store failed.
-    #[error("{0}")]
+    #[error(transparent)]
     Store(#[from] StoreError),
     /// The tenant has no plugin of that name.
     #[error("no plugin {0:?}")]
