@@ -4,45 +4,37 @@
 
 use std::sync::Arc;
 
-use crate::cluster::node::NodeError;
 use crate::cluster::router::{ConnectError, Router, RouterEngine};
 use crate::config::{Role, ServeConfig};
 use crate::loaded::{LoadError, LoadedModel};
 use crate::metrics::Metrics;
-use crate::runner::{EngineHandle, LocalEngine, StartError, start_engine};
+use crate::runner::{EngineHandle, LocalEngine, StartError, StartupError, start_engine};
 use crate::serve::{Parts, ServeError, runtime};
 
 /// Why `warden serve` could not start, or stopped on an error.
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
-    /// The model file does not load.
+    /// The model, the engine or a step on the way (on any role).
     #[error(transparent)]
-    Load(#[from] LoadError),
-    /// The engine does not start.
-    #[error(transparent)]
-    Start(#[from] StartError),
-    /// A prefill or decode node failed.
-    #[error(transparent)]
-    Node(#[from] NodeError),
+    Startup(#[from] StartupError),
     /// A router could not form its cluster.
     #[error(transparent)]
     Router(#[from] ConnectError),
     /// The API server failed.
     #[error(transparent)]
     Serve(#[from] ServeError),
-    /// A file or thread operation failed.
-    #[error("{what}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// Why it failed.
-        source: std::io::Error,
-    },
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> BootError {
-    let what = what.into();
-    move |source| BootError::Io { what, source }
+impl From<LoadError> for BootError {
+    fn from(e: LoadError) -> Self {
+        StartupError::from(e).into()
+    }
+}
+
+impl From<StartError> for BootError {
+    fn from(e: StartError) -> Self {
+        StartupError::from(e).into()
+    }
 }
 
 /// Options from the command line.
@@ -60,22 +52,22 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> Result<(), BootError> {
     if matches!(opts.role, Role::Prefill | Role::Decode) {
         return Ok(crate::cluster::node::serve_node(cfg, opts.role)?);
     }
-    std::fs::create_dir_all(&cfg.data_dir).map_err(io(format!("creating {}", cfg.data_dir.display())))?;
+    std::fs::create_dir_all(&cfg.data_dir).map_err(StartupError::io(format!("creating {}", cfg.data_dir.display())))?;
     // The model and the engine first: a bad model or pool setting fails before any state changes.
     let loaded = LoadedModel::open(&cfg.model)?;
-    let rt = runtime().map_err(io("starting the server's runtime"))?;
+    let rt = runtime().map_err(StartupError::io("starting the server's runtime"))?;
     let metrics = Arc::new(Metrics::default());
     // This process's engine, or (on a router) the cluster's nodes, once they agree.
     let engine: Arc<dyn EngineHandle> = match opts.role {
         Role::Router => {
-            let digest =
-                crate::cluster::file_digest(&cfg.model).map_err(io(format!("reading {}", cfg.model.display())))?;
+            let digest = crate::cluster::file_digest(&cfg.model)
+                .map_err(StartupError::io(format!("reading {}", cfg.model.display())))?;
             let router = rt.block_on(Router::connect(&cfg.cluster, &digest, metrics.clone()))?;
             Arc::new(RouterEngine(Arc::new(router)))
         }
         _ => Arc::new(
             LocalEngine::start(start_engine(&cfg, &loaded)?, cfg.limits.queue, metrics.clone())
-                .map_err(io("starting the engine thread"))?,
+                .map_err(StartupError::io("starting the engine thread"))?,
         ),
     };
     let parts = Parts {

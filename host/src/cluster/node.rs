@@ -22,11 +22,11 @@ use crate::config::Role;
 use crate::config::ServeConfig;
 use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usage};
 use crate::kv::KvPool;
-use crate::loaded::{LoadError, LoadedModel};
+use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
 use crate::plugin::KvAccessError;
 use crate::runner::{
-    EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, StartError, Update, start_engine,
+    EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, StartupError, Update, start_engine,
 };
 use crate::tenant::TenantId;
 use crate::transfer::MAX_PAGES_PER_BATCH;
@@ -48,35 +48,12 @@ struct Node {
     queue: usize,
 }
 
-/// Why a node could not start, or stopped on an error.
-#[derive(Debug, thiserror::Error)]
-pub enum NodeError {
-    /// The model file does not load.
-    #[error(transparent)]
-    Load(#[from] LoadError),
-    /// The engine does not start (the pool, the configuration).
-    #[error(transparent)]
-    Start(#[from] StartError),
-    /// A file or socket operation failed.
-    #[error("{what}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// Why it failed.
-        source: std::io::Error,
-    },
-}
-
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> NodeError {
-    let what = what.into();
-    move |source| NodeError::Io { what, source }
-}
-
 /// Runs a prefill or decode node until SIGTERM or SIGINT.
-pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), NodeError> {
+pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
     let loaded = LoadedModel::open(&cfg.model)?;
     let engine = start_engine(&cfg, &loaded)?;
-    let digest = super::file_digest(&cfg.model).map_err(io(format!("reading {}", cfg.model.display())))?;
+    let digest =
+        super::file_digest(&cfg.model).map_err(StartupError::io(format!("reading {}", cfg.model.display())))?;
     let limits = engine.limits();
     let info = NodeInfo {
         role,
@@ -91,8 +68,8 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), NodeError> {
     };
     let page_bytes = KvPool::page_bytes(engine.pool().shape(), engine.pool().n_layers());
     let metrics = Arc::new(Metrics::default());
-    let handle =
-        LocalEngine::start(engine, cfg.limits.queue, metrics.clone()).map_err(io("starting the engine thread"))?;
+    let handle = LocalEngine::start(engine, cfg.limits.queue, metrics.clone())
+        .map_err(StartupError::io("starting the engine thread"))?;
     let node = Arc::new(Node {
         info,
         metrics,
@@ -105,15 +82,20 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), NodeError> {
         .enable_all()
         .thread_name("warden-node")
         .build()
-        .map_err(io("starting the node's runtime"))?;
+        .map_err(StartupError::io("starting the node's runtime"))?;
     rt.block_on(run(node, cfg))
 }
 
-async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), NodeError> {
+async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     let listener = TcpListener::bind(cfg.cluster.listen)
         .await
-        .map_err(io(format!("listening on {} (cluster.listen)", cfg.cluster.listen)))?;
-    let addr = listener.local_addr().map_err(io("the listening socket's address"))?;
+        .map_err(StartupError::io(format!(
+            "listening on {} (cluster.listen)",
+            cfg.cluster.listen
+        )))?;
+    let addr = listener
+        .local_addr()
+        .map_err(StartupError::io("the listening socket's address"))?;
     println!(
         "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {})",
         node.info.role, node.info.model, node.info.pages, node.info.page_size, node.info.max_context

@@ -124,6 +124,15 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Submits [`Op::Submit`]'s request: its id, if the engine admitted it.
+fn submit(e: &mut Engine, owner: u64, prompt: usize, max_tokens: usize, salt: u32) -> Option<RequestId> {
+    let tokens: Vec<u32> = (0..prompt).map(|i| 5 + ((i as u32 + salt) % 6)).collect();
+    GenerateRequest::greedy(tenant(owner), tokens, max_tokens)
+        .validate(&e.limits())
+        .and_then(|r| e.submit(r))
+        .ok()
+}
+
 /// Each tenant's page cap, fixed for a run (a reload changes weights and floors).
 const CAPS: [Option<usize>; 3] = [None, Some(16), Some(24)];
 
@@ -171,11 +180,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Submit { owner, prompt, max_tokens, salt } => {
-                    let tokens: Vec<u32> = (0..prompt).map(|i| 5 + ((i as u32 + salt) % 6)).collect();
-                    let r = GenerateRequest::greedy(tenant(owner), tokens, max_tokens)
-                        .validate(&e.limits())
-                        .and_then(|r| e.submit(r));
-                    if let Ok(id) = r {
+                    if let Some(id) = submit(&mut e, owner, prompt, max_tokens, salt) {
                         admitted.push((id, max_tokens));
                     }
                 }
@@ -261,13 +266,7 @@ proptest! {
         for op in ops {
             match op {
                 Op::Submit { owner, prompt, max_tokens, salt } => {
-                    let tokens: Vec<u32> = (0..prompt).map(|i| 5 + ((i as u32 + salt) % 6)).collect();
-                    let r = GenerateRequest::greedy(tenant(owner), tokens, max_tokens)
-                        .validate(&e.limits())
-                        .and_then(|r| e.submit(r));
-                    if let Ok(id) = r {
-                        admitted.push(id);
-                    }
+                    admitted.extend(submit(&mut e, owner, prompt, max_tokens, salt));
                 }
                 Op::Cancel(n) if !admitted.is_empty() => {
                     e.cancel(admitted[n % admitted.len()]);

@@ -1,6 +1,41 @@
-//! Why a call on the engine gave no result.
+//! Why a call on the engine gave no result, and why a process could not start one.
 
+use crate::engine::EngineError;
 use crate::kv::KvError;
+use crate::loaded::LoadError;
+
+/// The engine the configuration describes could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("starting the engine (see [kv] and [limits] in the config)")]
+pub struct StartError(#[source] pub EngineError);
+
+/// Why a process could not start serving: its model, its engine, or a file, socket or thread
+/// step on the way (what every role's start shares).
+#[derive(Debug, thiserror::Error)]
+pub enum StartupError {
+    /// The model file does not load.
+    #[error(transparent)]
+    Load(#[from] LoadError),
+    /// The engine does not start (the pool, the configuration).
+    #[error(transparent)]
+    Start(#[from] StartError),
+    /// A file, socket or thread operation failed.
+    #[error("{what}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Why it failed.
+        source: std::io::Error,
+    },
+}
+
+impl StartupError {
+    /// For `map_err`: an I/O failure while doing `what`.
+    pub fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
+        let what = what.into();
+        move |source| StartupError::Io { what, source }
+    }
+}
 
 /// Why a call on the engine (its thread, or a cluster's nodes) gave no result.
 #[derive(Debug, Clone, thiserror::Error)]

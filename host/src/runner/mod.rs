@@ -11,7 +11,7 @@
 pub mod ends;
 mod error;
 
-pub use error::EngineCallError;
+pub use error::{EngineCallError, StartError, StartupError};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -27,7 +27,7 @@ use crate::config::ServeConfig;
 use crate::engine::request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
-use crate::engine::{Engine, EngineConfig, EngineError, Event, TenantSettings, TokenLogprobs};
+use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, PageHandle, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
@@ -247,11 +247,6 @@ impl SeqSlot {
 /// The queue is full: the caller answers 503.
 #[derive(Debug)]
 pub struct Busy;
-
-/// The engine the configuration describes could not start.
-#[derive(Debug, thiserror::Error)]
-#[error("starting the engine (see [kv] and [limits] in the config)")]
-pub struct StartError(#[source] pub EngineError);
 
 /// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
 /// context (invariant 4) or a setting is impossible.
