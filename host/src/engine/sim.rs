@@ -285,3 +285,28 @@ proptest! {
         }
     }
 }
+
+/// The VTC's lift: a tenant that was idle starts at the lowest counter of the active ones, so
+/// idling banks no credit against tenants that kept the engine busy; on an idle engine, at the
+/// highest counter, so what others were served while nobody contended counts against no one.
+#[test]
+fn an_idle_tenant_arrives_at_the_active_tenants_counter() {
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    let busy = submit(&mut e, 1, 20, 20, 0).expect("admitted");
+    for _ in 0..4 {
+        e.step();
+    }
+    let served = e.served(tenant(1));
+    assert!(served > 20.0, "tenant 1 was served its prompt and more: {served}");
+    assert_eq!(e.served(tenant(2)), 0.0);
+    submit(&mut e, 2, 8, 4, 1).expect("admitted");
+    assert_eq!(e.served(tenant(2)), served, "lifted to the active tenant's counter");
+    // Everyone done: a third tenant arriving starts at the highest counter.
+    e.cancel(busy);
+    while e.has_work() {
+        e.step();
+    }
+    let highest = e.served(tenant(1)).max(e.served(tenant(2)));
+    submit(&mut e, 3, 8, 4, 2).expect("admitted");
+    assert_eq!(e.served(tenant(3)), highest, "on an idle engine, the highest counter");
+}
