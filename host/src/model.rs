@@ -8,6 +8,7 @@
 //! attention reads them through its page table with tag checks; a sequence whose check fails gets
 //! its violation and no logits, and the others in the batch are unaffected.
 
+use std::collections::HashSet;
 use std::path::Path;
 
 use warden_kernels::attention::{AttnSeq, AttnShape};
@@ -17,7 +18,7 @@ use warden_kernels::quant::{GgmlType, dequantize};
 use warden_kernels::tag::{IsolationViolation, Owner, TagCheck};
 use warden_kernels::{Backend, CpuBackend};
 
-use crate::gguf::{Gguf, GgufError};
+use crate::gguf::{Gguf, GgufError, Value};
 use crate::kv::{KvError, KvPool, SeqId};
 
 /// Errors loading a model.
@@ -68,6 +69,51 @@ pub struct LlamaConfig {
     pub tied_embeddings: bool,
 }
 
+/// The `llama.*` metadata keys [`LlamaConfig::from_gguf`] reads.
+const LLAMA_KEYS: &[&str] = &[
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.layer_norm_rms_epsilon",
+    "rope.dimension_count",
+    "rope.freq_base",
+    "vocab_size",
+];
+
+/// Refuses a `llama.*` key that changes the computation and that this loader does not implement
+/// (rope scaling, sliding windows, soft-capping, experts, other head widths...): running the file
+/// without it would compute something else than the file describes. Keys that only restate what
+/// the loader does anyway are accepted.
+fn check_llama_keys(g: &Gguf, head_dim: usize) -> Result<(), ModelError> {
+    for (key, v) in g.metadata() {
+        let Some(rest) = key.strip_prefix("llama.") else {
+            continue;
+        };
+        let restates = match rest {
+            _ if LLAMA_KEYS.contains(&rest) => true,
+            // Linear scaling by a factor of 1 is none; any other factor is refused below, on its
+            // own key, whatever the type says (llama.cpp applies a factor when no type is given).
+            "rope.scaling.type" => matches!(v, Value::String(t) if t == "none" || t == "linear"),
+            "rope.scaling.factor" => matches!(v.as_f64(), Some(f) if f == 0.0 || f == 1.0),
+            // Read only by the scaling types refused above.
+            "rope.scaling.original_context_length" => true,
+            "attention.key_length" | "attention.value_length" => v.as_u64() == Some(head_dim as u64),
+            "expert_count" | "expert_used_count" => v.as_u64() == Some(0),
+            _ => false,
+        };
+        if !restates {
+            return Err(ModelError::Unsupported(format!(
+                "metadata key {key:?} (a {}) changes the computation, and Warden's llama does not implement it",
+                v.type_name()
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl LlamaConfig {
     fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
         let arch = g.get_str("general.architecture")?;
@@ -104,6 +150,7 @@ impl LlamaConfig {
                 "rope dimension {rope_dim} for heads of {head_dim}"
             )));
         }
+        check_llama_keys(g, head_dim)?;
         let (embd, _) = g.tensor_data("token_embd.weight")?;
         let vocab = match g.get("llama.vocab_size") {
             Some(_) => u("vocab_size")?,
@@ -295,6 +342,39 @@ fn matrix(g: &Gguf, names: &[(&str, usize)], cols: usize) -> Result<QMatrix, Mod
     })
 }
 
+/// Each block's tensors, as `blk.{l}.{name}.weight`.
+const BLOCK_TENSORS: &[&str] = &[
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+];
+
+/// Refuses a file carrying a tensor the forward pass would not read (a Llama 3 `rope_freqs`,
+/// attention biases, q/k norms, a block past `block_count`...): ignoring it would compute
+/// something else than the file describes.
+fn check_tensors(g: &Gguf, cfg: &LlamaConfig) -> Result<(), ModelError> {
+    let mut read: HashSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    for l in 0..cfg.n_layers {
+        read.extend(BLOCK_TENSORS.iter().map(|t| format!("blk.{l}.{t}.weight")));
+    }
+    match g.tensors().iter().find(|t| !read.contains(&t.name)) {
+        Some(t) => Err(ModelError::BadTensor {
+            name: t.name.clone(),
+            why: "is not part of the llama architecture as Warden runs it; running without it would compute something else than the file describes".into(),
+        }),
+        None => Ok(()),
+    }
+}
+
 impl Model {
     /// Loads a llama-architecture GGUF model from `path`.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, ModelError> {
@@ -304,6 +384,7 @@ impl Model {
     /// Builds the model from a parsed GGUF file.
     pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
         let cfg = LlamaConfig::from_gguf(g)?;
+        check_tensors(g, &cfg)?;
         let (dim, kvd, ffn) = (cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim);
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
@@ -485,5 +566,96 @@ impl Model {
             }
         }
         results.into_iter().zip(logits_of).map(|(r, l)| r.map(|()| l)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::writer::GgufWriter;
+
+    /// A llama of one block, 32 wide (2 heads of 16, one KV head), F32 weights of zeros: what
+    /// the loader checks is the file's shape, not its values. `extra` adds keys or tensors.
+    fn tiny(extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
+        let (dim, kvd, ffn, vocab) = (32u64, 16u64, 64u64, 32u64);
+        let f32s = |dims: &[u64]| vec![0u8; dims.iter().product::<u64>() as usize * 4];
+        let mut w = GgufWriter::default()
+            .kv("general.architecture", Value::String("llama".into()))
+            .kv("llama.block_count", Value::U32(1))
+            .kv("llama.context_length", Value::U32(64))
+            .kv("llama.embedding_length", Value::U32(dim as u32))
+            .kv("llama.feed_forward_length", Value::U32(ffn as u32))
+            .kv("llama.attention.head_count", Value::U32(2))
+            .kv("llama.attention.head_count_kv", Value::U32(1));
+        let shapes: [(&str, Vec<u64>); 12] = [
+            ("token_embd.weight", vec![dim, vocab]),
+            ("output_norm.weight", vec![dim]),
+            ("blk.0.attn_norm.weight", vec![dim]),
+            ("blk.0.attn_q.weight", vec![dim, dim]),
+            ("blk.0.attn_k.weight", vec![dim, kvd]),
+            ("blk.0.attn_v.weight", vec![dim, kvd]),
+            ("blk.0.attn_output.weight", vec![dim, dim]),
+            ("blk.0.ffn_norm.weight", vec![dim]),
+            ("blk.0.ffn_gate.weight", vec![dim, ffn]),
+            ("blk.0.ffn_up.weight", vec![dim, ffn]),
+            ("blk.0.ffn_down.weight", vec![ffn, dim]),
+            ("output.weight", vec![dim, vocab]),
+        ];
+        for (name, dims) in shapes {
+            let data = f32s(&dims);
+            w = w.tensor(name, &dims, 0, data);
+        }
+        let g = Gguf::from_bytes(extra(w).build())?;
+        Model::from_gguf(&g)
+    }
+
+    fn refusal(extra: impl FnOnce(GgufWriter) -> GgufWriter) -> String {
+        match tiny(extra) {
+            Ok(_) => panic!("a half-understood file loaded"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn a_file_is_understood_whole_or_refused_naming_what_is_not() {
+        tiny(|w| w).expect("the plain llama loads");
+        // Keys that restate what the loader does anyway.
+        tiny(|w| {
+            w.kv("llama.rope.scaling.type", Value::String("none".into()))
+                .kv("llama.rope.scaling.factor", Value::F32(1.0))
+                .kv("llama.attention.key_length", Value::U32(16))
+                .kv("llama.expert_count", Value::U32(0))
+        })
+        .expect("neutral keys load");
+        // A Llama 3.1 file: its rope frequencies are a tensor.
+        let e = refusal(|w| w.tensor("rope_freqs.weight", &[8], 0, vec![0; 32]));
+        assert!(
+            e.contains("\"rope_freqs.weight\"") && e.contains("not part of the llama"),
+            "{e}"
+        );
+        // Tensors of other architectures: attention biases, q/k norms, a block past block_count.
+        for t in [
+            "blk.0.attn_q.bias",
+            "blk.0.attn_q_norm.weight",
+            "blk.1.attn_norm.weight",
+        ] {
+            let e = refusal(|w| w.tensor(t, &[32], 0, vec![0; 128]));
+            assert!(e.contains(&format!("{t:?}")), "{e}");
+        }
+        // Keys that change the computation.
+        for (key, v) in [
+            ("llama.rope.scaling.type", Value::String("llama3".into())),
+            ("llama.rope.scaling.factor", Value::F32(8.0)),
+            ("llama.attention.sliding_window", Value::U32(4096)),
+            ("llama.attn_logit_softcapping", Value::F32(50.0)),
+            ("llama.expert_count", Value::U32(8)),
+            ("llama.attention.key_length", Value::U32(32)),
+        ] {
+            let e = refusal(|w| w.kv(key, v));
+            assert!(
+                e.contains(&format!("{key:?}")) && e.contains("changes the computation"),
+                "{e}"
+            );
+        }
     }
 }
