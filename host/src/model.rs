@@ -574,11 +574,22 @@ mod tests {
     use super::*;
     use crate::gguf::writer::GgufWriter;
 
-    /// A llama of one block, 32 wide (2 heads of 16, one KV head), F32 weights of zeros: what
-    /// the loader checks is the file's shape, not its values. `extra` adds keys or tensors.
-    fn tiny(extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
-        let (dim, kvd, ffn, vocab) = (32u64, 16u64, 64u64, 32u64);
-        let f32s = |dims: &[u64]| vec![0u8; dims.iter().product::<u64>() as usize * 4];
+    /// A llama of one block `dim` wide (2 heads, one KV head) with a feed-forward of `ffn`, F32
+    /// weights drawn from `seed`. `extra` adds keys or tensors.
+    fn llama(dim: u64, ffn: u64, seed: u64, extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
+        let (kvd, vocab) = (dim / 2, 32u64);
+        let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        let mut f32s = |dims: &[u64]| -> Vec<u8> {
+            let n = dims.iter().product::<u64>() as usize;
+            (0..n)
+                .flat_map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (((state >> 40) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes()
+                })
+                .collect()
+        };
         let mut w = GgufWriter::default()
             .kv("general.architecture", Value::String("llama".into()))
             .kv("llama.block_count", Value::U32(1))
@@ -607,6 +618,10 @@ mod tests {
         }
         let g = Gguf::from_bytes(extra(w).build())?;
         Model::from_gguf(&g)
+    }
+
+    fn tiny(extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
+        llama(32, 64, 1, extra)
     }
 
     fn refusal(extra: impl FnOnce(GgufWriter) -> GgufWriter) -> String {
@@ -657,5 +672,64 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// Float rows of any length (llama.cpp runs them): a model 48 wide (heads of 24) with a
+    /// feed-forward of 40 generates, and a prompt's logits do not depend on what else shares
+    /// its step.
+    #[test]
+    fn float_weights_of_any_width_run() {
+        use std::sync::Arc;
+
+        use crate::engine::request::{GenerateRequest, Outcome};
+        use crate::engine::{Engine, EngineConfig, Event};
+        use crate::testutil::{IdDetok, tenant};
+        let model = Arc::new(llama(48, 40, 7, |w| w).expect("a 48-wide F32 llama loads"));
+        let mut cfg = EngineConfig::for_model(&model);
+        cfg.kv_memory_bytes = 1 << 20;
+        cfg.step_target = None;
+        let mut e = Engine::new(model, Arc::new(IdDetok), cfg).expect("engine starts");
+        let run = |e: &mut Engine, prompts: &[Vec<u32>]| -> Vec<Vec<u32>> {
+            let ids: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let mut r = GenerateRequest::greedy(tenant(1), p.clone(), 6);
+                    r.ignore_eos = true;
+                    r.logprobs = Some(2);
+                    e.submit(r.validate(&e.limits()).expect("valid")).expect("admitted")
+                })
+                .collect();
+            let mut out = vec![Vec::new(); ids.len()];
+            while e.has_work() {
+                for ev in e.step() {
+                    match ev {
+                        Event::Token {
+                            id, token, logprobs, ..
+                        } => {
+                            let lp = logprobs.expect("asked for");
+                            assert!(
+                                lp.logprob.is_finite() && lp.top.iter().all(|(_, l)| l.is_finite()),
+                                "logits are numbers: {lp:?}"
+                            );
+                            out[ids.iter().position(|&i| i == id).expect("ours")].push(token)
+                        }
+                        Event::Done { outcome, .. } => {
+                            assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}")
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            out
+        };
+        let alone = run(&mut e, &[vec![5, 9, 11, 3]]);
+        assert_eq!(alone[0].len(), 6);
+        assert!(
+            alone[0].iter().any(|&t| t != alone[0][0]),
+            "not one token over and over: {alone:?}"
+        );
+        assert!(alone[0].iter().all(|&t| t < 32));
+        let together = run(&mut e, &[vec![7, 8], vec![5, 9, 11, 3], vec![1; 20]]);
+        assert_eq!(together[1], alone[0], "batched as alone");
     }
 }

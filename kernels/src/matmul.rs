@@ -74,8 +74,9 @@ pub struct QMatrix {
 /// Errors building a [`QMatrix`].
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum MatrixError {
-    /// The column count is not a multiple of the 32-element block.
-    #[error("matrix row length {cols} is not a multiple of {QK}")]
+    /// The column count is zero, or (for block-quantized rows) not a multiple of the 32-element
+    /// block.
+    #[error("matrix row length {cols} is not a positive multiple of {QK}, as quantized rows need")]
     BadCols {
         /// Columns given.
         cols: usize,
@@ -106,7 +107,9 @@ impl QMatrix {
     /// Repacks several matrices with the same row length into one, their rows stacked in order
     /// (e.g. Q, K and V projections), so one call computes all of them.
     pub fn concat(parts: &[(GgmlType, usize, &[u8])], cols: usize) -> Result<Self, MatrixError> {
-        if cols == 0 || !cols.is_multiple_of(QK) {
+        // Float rows may have any length; block-quantized rows are whole blocks.
+        let blocked = parts.iter().any(|p| p.0.block_elems() > 1);
+        if cols == 0 || (blocked && !cols.is_multiple_of(QK)) {
             return Err(MatrixError::BadCols { cols });
         }
         for &(ty, rows, data) in parts {
@@ -420,21 +423,33 @@ impl QActs {
     }
 
     /// Quantizes `x` (`tokens × cols`, row-major) as llama.cpp's Q8_1: `d = max|x|/127`,
-    /// `q = round(x/d)`. Rows are split over the rayon pool when there are many.
+    /// `q = round(x/d)`. Rows are split over the rayon pool when there are many. Rows that are
+    /// not whole blocks (`cols` not a multiple of 32) only float matrices can meet: they are
+    /// kept as they are, not quantized.
     ///
     /// # Panics
-    /// If `cols` is not a positive multiple of 32 or `x.len()` is not a multiple of `cols`.
+    /// If `cols` is 0 or `x.len()` is not a multiple of `cols`, or if rows that are not whole
+    /// blocks come with [`drop_inputs`](Self::drop_inputs) set.
     pub fn quantize(&mut self, x: &[f32], cols: usize) {
         self.quantize_with(x, cols, true)
     }
 
     fn quantize_with(&mut self, x: &[f32], cols: usize, simd: bool) {
-        assert!(
-            cols > 0 && cols.is_multiple_of(QK) && x.len().is_multiple_of(cols),
-            "activation shape"
-        );
+        assert!(cols > 0 && x.len().is_multiple_of(cols), "activation shape");
         self.tokens = x.len() / cols;
         self.cols = cols;
+        if !cols.is_multiple_of(QK) {
+            assert!(
+                !self.drop_inputs,
+                "rows of {cols} meet only float matrices, which need the inputs"
+            );
+            self.d.clear();
+            self.s.clear();
+            self.q.clear();
+            self.x.clear();
+            self.x.extend_from_slice(x);
+            return;
+        }
         let nblocks = x.len() / QK;
         self.d.resize(nblocks, 0.0);
         self.s.resize(nblocks, 0.0);
@@ -1060,6 +1075,12 @@ mod tests {
             check(ty, 48, 96, 5, 1);
             check(ty, 17, 32, 1, 2); // a partial row tile
         }
+        // Float rows of any length, on every kernel (the activations stay unquantized).
+        for ty in [GgmlType::F16, GgmlType::F32, GgmlType::BF16] {
+            for cols in [1, 7, 172] {
+                check(ty, 9, cols, 3, 4);
+            }
+        }
     }
 
     #[test]
@@ -1109,6 +1130,17 @@ mod tests {
         assert_eq!(
             QMatrix::from_ggml(GgmlType::Q4_1, 2, 33, &[]).err(),
             Some(MatrixError::BadCols { cols: 33 })
+        );
+        assert_eq!(
+            QMatrix::from_ggml(GgmlType::F32, 2, 0, &[]).err(),
+            Some(MatrixError::BadCols { cols: 0 })
+        );
+        // Quantized rows stacked with float ones are still whole blocks.
+        let f = random_weights(GgmlType::F32, 1, 40, 1);
+        let q = random_weights(GgmlType::Q8_0, 1, 32, 1);
+        assert_eq!(
+            QMatrix::concat(&[(GgmlType::F32, 1, &f), (GgmlType::Q8_0, 1, &q)], 40).err(),
+            Some(MatrixError::BadCols { cols: 40 })
         );
         assert!(matches!(
             QMatrix::from_ggml(GgmlType::Q4_1, 2, 32, &[0; 10]),
