@@ -571,24 +571,32 @@ impl Model {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use crate::gguf::writer::GgufWriter;
+    use std::sync::Arc;
 
-    /// A llama of one block `dim` wide (2 heads, one KV head) with a feed-forward of `ffn`, F32
-    /// weights drawn from `seed`. `extra` adds keys or tensors.
-    fn llama(dim: u64, ffn: u64, seed: u64, extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
+    use super::*;
+    use crate::engine::request::{GenerateRequest, Outcome};
+    use crate::engine::{Engine, EngineConfig, Event};
+    use crate::gguf::writer::GgufWriter;
+    use crate::testutil::{IdDetok, tenant};
+
+    /// A llama of one block `dim` wide (2 heads, one KV head) with a feed-forward of `ffn`,
+    /// weights drawn from `seed`: each matrix of the type `ty` names for it (norms are F32), or,
+    /// with `dequantized`, the same values written as F32. `extra` adds keys or tensors.
+    fn llama_of(
+        dim: u64,
+        ffn: u64,
+        seed: u64,
+        ty: &dyn Fn(&str) -> GgmlType,
+        dequantized: bool,
+        extra: impl FnOnce(GgufWriter) -> GgufWriter,
+    ) -> Result<Model, ModelError> {
         let (kvd, vocab) = (dim / 2, 32u64);
         let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-        let mut f32s = |dims: &[u64]| -> Vec<u8> {
-            let n = dims.iter().product::<u64>() as usize;
-            (0..n)
-                .flat_map(|_| {
-                    state = state
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    (((state >> 40) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes()
-                })
-                .collect()
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            state >> 40
         };
         let mut w = GgufWriter::default()
             .kv("general.architecture", Value::String("llama".into()))
@@ -613,11 +621,46 @@ mod tests {
             ("output.weight", vec![dim, vocab]),
         ];
         for (name, dims) in shapes {
-            let data = f32s(&dims);
-            w = w.tensor(name, &dims, 0, data);
+            let n = dims.iter().product::<u64>() as usize;
+            let t = if dims.len() == 1 { GgmlType::F32 } else { ty(name) };
+            let mut data: Vec<u8> = if t == GgmlType::F32 {
+                (0..n)
+                    .flat_map(|_| ((next() % 2001) as f32 / 1000.0 - 1.0).to_le_bytes())
+                    .collect()
+            } else {
+                (0..t.bytes_for(n as u64).expect("whole blocks"))
+                    .map(|_| next() as u8)
+                    .collect()
+            };
+            // Finite, modest f16 scales where each block keeps them.
+            let scales: &[usize] = match t {
+                GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+                GgmlType::Q6_K => &[208],
+                GgmlType::Q5_0 => &[0],
+                _ => &[],
+            };
+            if !scales.is_empty() {
+                for block in data.chunks_exact_mut(t.block_bytes()) {
+                    for &at in scales {
+                        let v = half::f16::from_f32(((next() % 2001) as f32 / 1000.0 - 1.0) * 0.05);
+                        block[at..at + 2].copy_from_slice(&v.to_le_bytes());
+                    }
+                }
+            }
+            w = if dequantized && t != GgmlType::F32 {
+                let mut f = vec![0f32; n];
+                dequantize(t, &data, &mut f);
+                w.tensor(name, &dims, 0, f.iter().flat_map(|v| v.to_le_bytes()).collect())
+            } else {
+                w.tensor(name, &dims, t.id(), data)
+            };
         }
         let g = Gguf::from_bytes(extra(w).build())?;
         Model::from_gguf(&g)
+    }
+
+    fn llama(dim: u64, ffn: u64, seed: u64, extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
+        llama_of(dim, ffn, seed, &|_| GgmlType::F32, false, extra)
     }
 
     fn tiny(extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
@@ -674,54 +717,55 @@ mod tests {
         }
     }
 
+    fn engine(model: Model) -> Engine {
+        let model = Arc::new(model);
+        let mut cfg = EngineConfig::for_model(&model);
+        cfg.kv_memory_bytes = 1 << 20;
+        cfg.step_target = None;
+        Engine::new(model, Arc::new(IdDetok), cfg).expect("engine starts")
+    }
+
+    /// Greedy tokens (6 each) for `prompts` submitted together, checking every logprob is a number.
+    fn run(e: &mut Engine, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+        let ids: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let mut r = GenerateRequest::greedy(tenant(1), p.clone(), 6);
+                r.ignore_eos = true;
+                r.logprobs = Some(2);
+                e.submit(r.validate(&e.limits()).expect("valid")).expect("admitted")
+            })
+            .collect();
+        let mut out = vec![Vec::new(); ids.len()];
+        while e.has_work() {
+            for ev in e.step() {
+                match ev {
+                    Event::Token {
+                        id, token, logprobs, ..
+                    } => {
+                        let lp = logprobs.expect("asked for");
+                        assert!(
+                            lp.logprob.is_finite() && lp.top.iter().all(|(_, l)| l.is_finite()),
+                            "logits are numbers: {lp:?}"
+                        );
+                        out[ids.iter().position(|&i| i == id).expect("ours")].push(token)
+                    }
+                    Event::Done { outcome, .. } => {
+                        assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}")
+                    }
+                    _ => {}
+                }
+            }
+        }
+        out
+    }
+
     /// Float rows of any length (llama.cpp runs them): a model 48 wide (heads of 24) with a
     /// feed-forward of 40 generates, and a prompt's logits do not depend on what else shares
     /// its step.
     #[test]
     fn float_weights_of_any_width_run() {
-        use std::sync::Arc;
-
-        use crate::engine::request::{GenerateRequest, Outcome};
-        use crate::engine::{Engine, EngineConfig, Event};
-        use crate::testutil::{IdDetok, tenant};
-        let model = Arc::new(llama(48, 40, 7, |w| w).expect("a 48-wide F32 llama loads"));
-        let mut cfg = EngineConfig::for_model(&model);
-        cfg.kv_memory_bytes = 1 << 20;
-        cfg.step_target = None;
-        let mut e = Engine::new(model, Arc::new(IdDetok), cfg).expect("engine starts");
-        let run = |e: &mut Engine, prompts: &[Vec<u32>]| -> Vec<Vec<u32>> {
-            let ids: Vec<_> = prompts
-                .iter()
-                .map(|p| {
-                    let mut r = GenerateRequest::greedy(tenant(1), p.clone(), 6);
-                    r.ignore_eos = true;
-                    r.logprobs = Some(2);
-                    e.submit(r.validate(&e.limits()).expect("valid")).expect("admitted")
-                })
-                .collect();
-            let mut out = vec![Vec::new(); ids.len()];
-            while e.has_work() {
-                for ev in e.step() {
-                    match ev {
-                        Event::Token {
-                            id, token, logprobs, ..
-                        } => {
-                            let lp = logprobs.expect("asked for");
-                            assert!(
-                                lp.logprob.is_finite() && lp.top.iter().all(|(_, l)| l.is_finite()),
-                                "logits are numbers: {lp:?}"
-                            );
-                            out[ids.iter().position(|&i| i == id).expect("ours")].push(token)
-                        }
-                        Event::Done { outcome, .. } => {
-                            assert!(matches!(outcome, Outcome::Finished(_)), "{outcome:?}")
-                        }
-                        _ => {}
-                    }
-                }
-            }
-            out
-        };
+        let mut e = engine(llama(48, 40, 7, |w| w).expect("a 48-wide F32 llama loads"));
         let alone = run(&mut e, &[vec![5, 9, 11, 3]]);
         assert_eq!(alone[0].len(), 6);
         assert!(
@@ -731,5 +775,23 @@ mod tests {
         assert!(alone[0].iter().all(|&t| t < 32));
         let together = run(&mut e, &[vec![7, 8], vec![5, 9, 11, 3], vec![1; 20]]);
         assert_eq!(together[1], alone[0], "batched as alone");
+    }
+
+    /// A file mixing block types per tensor, as every `_K_M` file does (Q4_K, Q6_K for some
+    /// matrices, a Q5_0 embedding), loads and computes exactly what the same values stored as
+    /// F32 compute.
+    #[test]
+    fn a_file_mixing_k_quants_computes_what_its_values_do() {
+        let mix = |name: &str| match name {
+            "token_embd.weight" => GgmlType::Q5_0,
+            "blk.0.attn_v.weight" | "blk.0.ffn_down.weight" | "output.weight" => GgmlType::Q6_K,
+            _ => GgmlType::Q4_K,
+        };
+        let quantized = llama_of(256, 256, 3, &mix, false, |w| w).expect("a Q4_K_M-style file loads");
+        let twin = llama_of(256, 256, 3, &mix, true, |w| w).expect("its F32 twin loads");
+        let prompts = [vec![5, 9, 11, 3], vec![1; 12]];
+        let (a, b) = (run(&mut engine(quantized), &prompts), run(&mut engine(twin), &prompts));
+        assert_eq!(a, b);
+        assert!(a[0].iter().any(|&t| t != a[0][0]), "not one token over and over: {a:?}");
     }
 }
