@@ -342,6 +342,10 @@ fn matrix(g: &Gguf, names: &[(&str, usize)], cols: usize) -> Result<QMatrix, Mod
     })
 }
 
+/// Llama 3.1-style rope frequency factors, one per rotated pair (see
+/// [`Rope::with_freq_factors`]).
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// Each block's tensors, as `blk.{l}.{name}.weight`.
 const BLOCK_TENSORS: &[&str] = &[
     "attn_norm",
@@ -355,11 +359,11 @@ const BLOCK_TENSORS: &[&str] = &[
     "ffn_down",
 ];
 
-/// Refuses a file carrying a tensor the forward pass would not read (a Llama 3 `rope_freqs`,
-/// attention biases, q/k norms, a block past `block_count`...): ignoring it would compute
-/// something else than the file describes.
+/// Refuses a file carrying a tensor the forward pass would not read (attention biases, q/k
+/// norms, a block past `block_count`...): ignoring it would compute something else than the file
+/// describes.
 fn check_tensors(g: &Gguf, cfg: &LlamaConfig) -> Result<(), ModelError> {
-    let mut read: HashSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
+    let mut read: HashSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight", ROPE_FREQS]
         .into_iter()
         .map(String::from)
         .collect();
@@ -411,8 +415,21 @@ impl Model {
                     .iter()
                     .any(|m| m.needs_inputs())
             });
+        let rope = match g.tensor(ROPE_FREQS) {
+            None => Rope::new(cfg.head_dim, cfg.rope_dim, cfg.rope_base),
+            Some(_) => {
+                let factors = norm_weights(g, ROPE_FREQS, cfg.rope_dim / 2)?;
+                if let Some(f) = factors.iter().find(|f| !(f.is_finite() && **f > 0.0)) {
+                    return Err(ModelError::BadTensor {
+                        name: ROPE_FREQS.into(),
+                        why: format!("has factor {f}; rope frequency factors are positive"),
+                    });
+                }
+                Rope::with_freq_factors(cfg.head_dim, cfg.rope_dim, cfg.rope_base, &factors)
+            }
+        };
         Ok(Self {
-            rope: Rope::new(cfg.head_dim, cfg.rope_dim, cfg.rope_base),
+            rope,
             output,
             float_matrices,
             output_norm: norm_weights(g, "output_norm.weight", dim)?,
@@ -685,12 +702,14 @@ mod tests {
                 .kv("llama.expert_count", Value::U32(0))
         })
         .expect("neutral keys load");
-        // A Llama 3.1 file: its rope frequencies are a tensor.
+        // A Llama 3.1 file's rope frequency factors are read (one per rotated pair of the heads
+        // of 16), and refused when they cannot be.
+        let ones: Vec<u8> = [1f32; 8].iter().flat_map(|f| f.to_le_bytes()).collect();
+        tiny(|w| w.tensor("rope_freqs.weight", &[8], 0, ones)).expect("rope factors load");
+        let e = refusal(|w| w.tensor("rope_freqs.weight", &[4], 0, vec![0; 16]));
+        assert!(e.contains("\"rope_freqs.weight\"") && e.contains("expected 8"), "{e}");
         let e = refusal(|w| w.tensor("rope_freqs.weight", &[8], 0, vec![0; 32]));
-        assert!(
-            e.contains("\"rope_freqs.weight\"") && e.contains("not part of the llama"),
-            "{e}"
-        );
+        assert!(e.contains("factors are positive"), "{e}");
         // Tensors of other architectures: attention biases, q/k norms, a block past block_count.
         for t in [
             "blk.0.attn_q.bias",
@@ -698,7 +717,10 @@ mod tests {
             "blk.1.attn_norm.weight",
         ] {
             let e = refusal(|w| w.tensor(t, &[32], 0, vec![0; 128]));
-            assert!(e.contains(&format!("{t:?}")), "{e}");
+            assert!(
+                e.contains(&format!("{t:?}")) && e.contains("not part of the llama"),
+                "{e}"
+            );
         }
         // Keys that change the computation.
         for (key, v) in [
@@ -793,5 +815,33 @@ mod tests {
         let (a, b) = (run(&mut engine(quantized), &prompts), run(&mut engine(twin), &prompts));
         assert_eq!(a, b);
         assert!(a[0].iter().any(|&t| t != a[0][0]), "not one token over and over: {a:?}");
+    }
+
+    /// Rope frequency factors (a Llama 3.1-style `rope_freqs.weight`) reach the rotation:
+    /// factors of 1 change nothing, others change what the model computes.
+    #[test]
+    fn rope_frequency_factors_are_applied() {
+        let factors = |f: f32| -> Vec<u8> { [f; 8].iter().flat_map(|f| f.to_le_bytes()).collect() };
+        let prompts = [vec![5, 9, 11, 3, 7, 1, 12, 20]];
+        let plain = run(&mut engine(tiny(|w| w).expect("loads")), &prompts);
+        let ones = tiny(|w| w.tensor("rope_freqs.weight", &[8], 0, factors(1.0))).expect("loads");
+        assert_eq!(run(&mut engine(ones), &prompts), plain);
+        let scaled = tiny(|w| w.tensor("rope_freqs.weight", &[8], 0, factors(1e4))).expect("loads");
+        let (mut a, mut b) = (engine(tiny(|w| w).expect("loads")), engine(scaled));
+        let logits = |e: &mut Engine| -> Vec<f32> {
+            let mut r = GenerateRequest::greedy(tenant(1), prompts[0].clone(), 1);
+            r.logprobs = Some(5);
+            e.submit(r.validate(&e.limits()).expect("valid")).expect("admitted");
+            let mut top = Vec::new();
+            while e.has_work() {
+                for ev in e.step() {
+                    if let Event::Token { logprobs: Some(lp), .. } = ev {
+                        top = lp.top.iter().map(|&(_, l)| l).collect();
+                    }
+                }
+            }
+            top
+        };
+        assert_ne!(logits(&mut a), logits(&mut b), "the factors changed the rotation");
     }
 }

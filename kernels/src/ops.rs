@@ -211,6 +211,21 @@ impl Rope {
         Self { head_dim, inv_freq }
     }
 
+    /// As [`new`](Self::new), with each pair's frequency divided by its factor: llama.cpp's rope
+    /// frequency factors, which Llama 3.1-style files carry as `rope_freqs.weight` (their
+    /// long-context scaling, computed at conversion).
+    ///
+    /// # Panics
+    /// If there is not one factor per rotated pair.
+    pub fn with_freq_factors(head_dim: usize, rot_dim: usize, base: f32, factors: &[f32]) -> Self {
+        assert_eq!(factors.len(), rot_dim / 2, "one factor per rotated pair");
+        let mut r = Self::new(head_dim, rot_dim, base);
+        for (f, &ff) in r.inv_freq.iter_mut().zip(factors) {
+            *f /= ff;
+        }
+        r
+    }
+
     /// The cosines and sines for rows at `positions`, computed once per step and shared by every
     /// layer's queries and keys.
     pub fn table(&self, positions: &[u32]) -> RopeTable {
@@ -454,6 +469,29 @@ mod tests {
         let mut o = [0f32; 4];
         rms_norm(&x, &[1.0; 4], 0.0, &mut o);
         assert!((o[0] - 1.2).abs() < 1e-6 && (o[1] - 1.6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn frequency_factors_divide_each_pairs_angle() {
+        let factors = [1.0, 2.0, 8.0, 0.5];
+        let r = Rope::with_freq_factors(8, 8, 10_000.0, &factors);
+        let t = r.table(&[0, 3, 77]);
+        for (row, pos) in [0u32, 3, 77].into_iter().enumerate() {
+            for (i, ff) in factors.iter().enumerate() {
+                let angle = pos as f32 * 10_000f32.powf(-2.0 * i as f32 / 8.0) / ff;
+                let [c, s] = t.cs[row * 4 + i];
+                assert!(
+                    (c - angle.cos()).abs() < 1e-5 && (s - angle.sin()).abs() < 1e-5,
+                    "pos {pos} pair {i}"
+                );
+            }
+        }
+        // Factors of 1 are plain RoPE.
+        let plain = Rope::new(8, 8, 10_000.0).table(&[5]);
+        assert_eq!(
+            Rope::with_freq_factors(8, 8, 10_000.0, &[1.0; 4]).table(&[5]).cs,
+            plain.cs
+        );
     }
 
     #[test]

@@ -280,11 +280,7 @@ fn dequantize_q3_k(b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 108);
     let mut scales = [0i8; 16];
     for (i, s) in scales.iter_mut().enumerate() {
-        let low = if i < 8 {
-            packed[i] & 0x0f
-        } else {
-            packed[i - 8] >> 4
-        };
+        let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
         let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
         *s = (low | (high << 4)) as i8 - 32;
     }
