@@ -5,7 +5,7 @@
 //! K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), as llama.cpp's `ggml-common.h` lays them out. The SIMD
 //! kernels in [`crate::matmul`] repack blocks at load time; the functions here are the scalar
 //! reference that the kernels are tested against (and, for the K-quants, against the `gguf`
-//! Python package's dequantizer: `kernels/tests/kquant_vectors.rs`).
+//! Python package's dequantizer: `kernels/tests/dequant_vectors.rs`).
 
 use half::f16;
 
