@@ -37,7 +37,7 @@ use crate::loaded::{LoadedModel, model_id};
 use crate::metrics::Metrics;
 use crate::net::{accept, shutdown_signal};
 use crate::policy::PolicyError;
-use crate::runner::{EngineCallError, EngineHandle};
+use crate::runner::{EngineCallError, EngineHandle, StartupError};
 use openai::RequestLimits;
 use plugins::SetupError;
 use state::State;
@@ -63,23 +63,11 @@ pub enum ServeError {
     #[error(transparent)]
     Tls(#[from] TlsError),
     /// A file or socket operation failed.
-    #[error("{what}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// Why it failed.
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] StartupError),
     /// `server.json` could not be written (a certificate path that is not UTF-8).
     #[error("describing the server in server.json")]
     ServerInfo(#[source] serde_json::Error),
-}
-
-impl ServeError {
-    fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
-        let what = what.into();
-        move |source| ServeError::Io { what, source }
-    }
 }
 
 /// What a running server writes to `data_dir/server.json`, so the CLI can reach its admin API
@@ -228,7 +216,7 @@ fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
     if !valid {
         let token = store.new_admin_token()?;
         tls::write_private(&path, format!("{token}\n").as_bytes())
-            .map_err(ServeError::io(format!("writing {}", path.display())))?;
+            .map_err(StartupError::io(format!("writing {}", path.display())))?;
     }
     println!("admin token in {}", path.display());
     Ok(())
@@ -310,10 +298,10 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     let cfg = state.cfg.clone();
     let listener = TcpListener::bind(cfg.listen)
         .await
-        .map_err(ServeError::io(format!("listening on {}", cfg.listen)))?;
+        .map_err(StartupError::io(format!("listening on {}", cfg.listen)))?;
     let addr: SocketAddr = listener
         .local_addr()
-        .map_err(ServeError::io("the listening socket's address"))?;
+        .map_err(StartupError::io("the listening socket's address"))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     let info = ServerInfo {
         url: format!("{scheme}://{addr}"),
@@ -322,7 +310,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     };
     let info_path = server_info_path(&cfg.data_dir);
     let described = serde_json::to_vec_pretty(&info).map_err(ServeError::ServerInfo)?;
-    std::fs::write(&info_path, described).map_err(ServeError::io(format!("writing {}", info_path.display())))?;
+    std::fs::write(&info_path, described).map_err(StartupError::io(format!("writing {}", info_path.display())))?;
     println!("serving {} on {}", state.model_id, info.url);
     state
         .metrics
