@@ -12,7 +12,7 @@ use std::collections::HashSet;
 use std::path::Path;
 
 use warden_kernels::attention::{AttnSeq, AttnShape};
-use warden_kernels::matmul::{QActs, QMatrix};
+use warden_kernels::matmul::{ActNeeds, QActs, QMatrix};
 use warden_kernels::ops::Rope;
 use warden_kernels::quant::{GgmlType, dequantize};
 use warden_kernels::tag::{IsolationViolation, Owner, TagCheck};
@@ -212,8 +212,8 @@ pub struct Model {
     layers: Vec<Layer>,
     output_norm: Vec<f32>,
     output: QMatrix,
-    /// Whether any matrix has float weights (and so multiplies unquantized activations).
-    float_matrices: bool,
+    /// The forms of the activations the matrices read (every matrix meets the same buffer).
+    act_needs: ActNeeds,
     rope: Rope,
     backend: Box<dyn Backend>,
 }
@@ -409,12 +409,9 @@ impl Model {
             "output.weight"
         };
         let output = matrix(g, &[(out_name, cfg.vocab)], dim)?;
-        let float_matrices = output.needs_inputs()
-            || layers.iter().any(|l| {
-                [&l.wqkv, &l.wo, &l.w_gate_up, &l.w_down]
-                    .iter()
-                    .any(|m| m.needs_inputs())
-            });
+        let act_needs = layers.iter().fold(output.needs(), |n, l| {
+            n | l.wqkv.needs() | l.wo.needs() | l.w_gate_up.needs() | l.w_down.needs()
+        });
         let rope = match g.tensor(ROPE_FREQS) {
             None => Rope::new(cfg.head_dim, cfg.rope_dim, cfg.rope_base),
             Some(_) => {
@@ -431,7 +428,7 @@ impl Model {
         Ok(Self {
             rope,
             output,
-            float_matrices,
+            act_needs,
             output_norm: norm_weights(g, "output_norm.weight", dim)?,
             embd_type: embd_ty,
             embd: embd.to_vec(),
@@ -488,7 +485,7 @@ impl Model {
             embd.embed(be, tok.min(c.vocab as u32 - 1), &mut x[row * dim..(row + 1) * dim]);
         }
         let rope = be.rope_table(&self.rope, &positions);
-        s.acts.drop_inputs(!self.float_matrices);
+        s.acts.set_needs(self.act_needs);
         let shape = c.attn_shape(pool.shape().page_size);
         s.xn.resize(total * dim, 0.0);
         s.qkv.resize(total * qkv_w, 0.0);

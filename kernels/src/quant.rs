@@ -153,10 +153,6 @@ impl std::fmt::Display for GgmlType {
     }
 }
 
-fn f16_at(b: &[u8], i: usize) -> f32 {
-    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
-}
-
 /// Dequantizes `out.len()` elements of type `ty` from `src` (scalar reference).
 ///
 /// # Panics
@@ -216,93 +212,201 @@ pub fn dequantize(ty: GgmlType, src: &[u8], out: &mut [f32]) {
             }
         }
         GgmlType::Q5_0 | GgmlType::Q5_1 => {
-            let with_min = ty == GgmlType::Q5_1;
             for (o, b) in out.chunks_exact_mut(QK).zip(src.chunks_exact(ty.block_bytes())) {
-                let d = f16_at(b, 0);
-                let (m, at) = if with_min { (f16_at(b, 2), 4) } else { (0.0, 2) };
-                let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-                let qs = &b[at + 4..at + 4 + QK / 2];
-                for j in 0..QK / 2 {
-                    let h0 = (((qh >> j) << 4) & 0x10) as u8;
-                    let h1 = ((qh >> (j + 12)) & 0x10) as u8;
-                    let (x0, x1) = ((qs[j] & 0x0f) | h0, (qs[j] >> 4) | h1);
-                    if with_min {
-                        o[j] = x0 as f32 * d + m;
-                        o[j + QK / 2] = x1 as f32 * d + m;
-                    } else {
-                        o[j] = (x0 as i32 - 16) as f32 * d;
-                        o[j + QK / 2] = (x1 as i32 - 16) as f32 * d;
+                let blk = Q5Block::unpack(ty, b);
+                let d = blk.d.to_f32();
+                for (v, &q) in o.iter_mut().zip(&blk.q) {
+                    *v = match blk.m {
+                        Some(m) => q as f32 * d + m.to_f32(),
+                        None => (q as i32 - 16) as f32 * d,
+                    };
+                }
+            }
+        }
+        GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => {
+            for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(ty.block_bytes())) {
+                KBlock::unpack(ty, b).dequantize(o);
+            }
+        }
+    }
+}
+
+/// A Q5_0 or Q5_1 block with its 5-bit values gathered: element `j` is `d·(q[j] − 16)` (Q5_0)
+/// or `d·q[j] + m` (Q5_1).
+#[derive(Debug, Clone, Copy)]
+pub struct Q5Block {
+    /// Unsigned values, 0..=31, in element order.
+    pub q: [u8; QK],
+    /// Scale.
+    pub d: f16,
+    /// Minimum (Q5_1); Q5_0 has none and offsets by 16 instead.
+    pub m: Option<f16>,
+}
+
+impl Q5Block {
+    /// Gathers block `b` of type `ty` (Q5_0 or Q5_1): low nibbles from `qs`, fifth bits from the
+    /// 32-bit mask `qh` that precedes them.
+    ///
+    /// # Panics
+    /// If `ty` is neither, or `b` is shorter than a block.
+    pub fn unpack(ty: GgmlType, b: &[u8]) -> Self {
+        let (m, at) = match ty {
+            GgmlType::Q5_1 => (Some(f16::from_le_bytes([b[2], b[3]])), 4),
+            GgmlType::Q5_0 => (None, 2),
+            _ => panic!("{ty} is not a Q5 type"),
+        };
+        let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+        let qs = &b[at + 4..at + 4 + QK / 2];
+        let mut q = [0u8; QK];
+        for j in 0..QK / 2 {
+            let h0 = (((qh >> j) << 4) & 0x10) as u8;
+            let h1 = ((qh >> (j + 12)) & 0x10) as u8;
+            q[j] = (qs[j] & 0x0f) | h0;
+            q[j + QK / 2] = (qs[j] >> 4) | h1;
+        }
+        Self {
+            q,
+            d: f16::from_le_bytes([b[0], b[1]]),
+            m,
+        }
+    }
+}
+
+/// One K-quant super-block brought to a single form for every K type: element `i` of sub-block
+/// `j = i / sub` is `(d·sc[j])·(q[i] − off) − dmin·m[j]` with `q` unsigned. Q2_K, Q4_K and Q5_K
+/// have minimums (`off` = 0); Q3_K and Q6_K are symmetric, their values offset by `off` (4 and
+/// 32) and their minimums zero. The SIMD kernels repack this form; [`dequantize`] computes from
+/// it, so the fixture test of the dequantizer checks the unpacking too.
+#[derive(Debug, Clone, Copy)]
+pub struct KBlock {
+    /// Elements per sub-block: 16 (Q2_K, Q3_K, Q6_K) or 32 (Q4_K, Q5_K).
+    pub sub: usize,
+    /// Unsigned values in element order: 2 bits (Q2_K), 3 (Q3_K), 4 (Q4_K), 5 (Q5_K), 6 (Q6_K).
+    pub q: [u8; QK_K],
+    /// Sub-block scales (the first `QK_K / sub` are used).
+    pub sc: [i8; 16],
+    /// Sub-block minimums, as multiples of `dmin` (zero for the symmetric types).
+    pub m: [u8; 16],
+    /// Offset subtracted from every value: 0, 4 (Q3_K) or 32 (Q6_K).
+    pub off: u8,
+    /// Super-block scale.
+    pub d: f32,
+    /// Super-block scale of the minimums (zero for the symmetric types).
+    pub dmin: f32,
+}
+
+impl KBlock {
+    /// Unpacks super-block `b` of K-quant type `ty`.
+    ///
+    /// # Panics
+    /// If `ty` is not a K-quant type or `b` is shorter than its block.
+    pub fn unpack(ty: GgmlType, b: &[u8]) -> Self {
+        let mut k = KBlock {
+            sub: 16,
+            q: [0; QK_K],
+            sc: [0; 16],
+            m: [0; 16],
+            off: 0,
+            d: 0.0,
+            dmin: 0.0,
+        };
+        match ty {
+            // scales[16] qs[64] d dmin: each scale byte is a 4-bit scale (low) and 4-bit minimum
+            // (high); values are 2 bits, four to a byte, a 128-element half at a time.
+            GgmlType::Q2_K => {
+                let (scales, qs) = (&b[..16], &b[16..80]);
+                (k.d, k.dmin) = (f16_at(b, 80), f16_at(b, 82));
+                for (j, &s) in scales.iter().enumerate() {
+                    (k.sc[j], k.m[j]) = ((s & 0x0f) as i8, s >> 4);
+                }
+                for (i, q) in k.q.iter_mut().enumerate() {
+                    let (half, j, l) = (i / 128, (i % 128) / 32, i % 32);
+                    *q = (qs[half * 32 + l] >> (2 * j)) & 3;
+                }
+            }
+            // hmask[32] qs[64] scales[12] d: sixteen 6-bit scales packed in 12 bytes (offset by
+            // 32); values are 2 low bits from `qs` and a high bit from `hmask`; minus 4 when that
+            // bit is clear, so the unsigned value is `low + 4·bit` with offset 4.
+            GgmlType::Q3_K => {
+                let (hmask, qs, packed) = (&b[..32], &b[32..96], &b[96..108]);
+                k.d = f16_at(b, 108);
+                k.off = 4;
+                for (i, s) in k.sc.iter_mut().enumerate() {
+                    let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
+                    let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
+                    *s = (low | (high << 4)) as i8 - 32;
+                }
+                for (i, q) in k.q.iter_mut().enumerate() {
+                    let (half, j, l) = (i / 128, (i % 128) / 32, i % 32);
+                    let low = (qs[half * 32 + l] >> (2 * j)) & 3;
+                    let high = (hmask[l] >> (4 * half + j)) & 1;
+                    *q = low | (high << 2);
+                }
+            }
+            // d dmin scales[12] (qh[32]) qs[128]: eight sub-blocks of 32, each a 6-bit scale and
+            // minimum; a 64-element stretch takes the low nibbles of 32 bytes, then their high
+            // nibbles; Q5_K's fifth bits come two per `qh` byte per stretch.
+            GgmlType::Q4_K | GgmlType::Q5_K => {
+                (k.d, k.dmin) = (f16_at(b, 0), f16_at(b, 2));
+                k.sub = 32;
+                let scales = &b[4..16];
+                for j in 0..8 {
+                    let (sc, m) = scale_min_k4(j, scales);
+                    (k.sc[j], k.m[j]) = (sc as i8, m);
+                }
+                let (qh, qs) = if ty == GgmlType::Q5_K {
+                    (Some(&b[16..48]), &b[48..176])
+                } else {
+                    (None, &b[16..144])
+                };
+                for (i, q) in k.q.iter_mut().enumerate() {
+                    let (stretch, hi, l) = (i / 64, (i % 64) / 32, i % 32);
+                    let byte = qs[32 * stretch + l];
+                    *q = if hi == 1 { byte >> 4 } else { byte & 0x0f };
+                    if let Some(qh) = qh {
+                        *q |= ((qh[l] >> (2 * stretch + hi)) & 1) << 4;
                     }
                 }
             }
-        }
-        GgmlType::Q2_K => for_superblocks(ty, src, out, dequantize_q2_k),
-        GgmlType::Q3_K => for_superblocks(ty, src, out, dequantize_q3_k),
-        GgmlType::Q4_K => for_superblocks(ty, src, out, dequantize_q4_k),
-        GgmlType::Q5_K => for_superblocks(ty, src, out, dequantize_q5_k),
-        GgmlType::Q6_K => for_superblocks(ty, src, out, dequantize_q6_k),
-    }
-}
-
-fn for_superblocks(ty: GgmlType, src: &[u8], out: &mut [f32], f: fn(&[u8], &mut [f32])) {
-    for (o, b) in out.chunks_exact_mut(QK_K).zip(src.chunks_exact(ty.block_bytes())) {
-        f(b, o);
-    }
-}
-
-/// Q2_K: `scales[16] qs[64] d dmin`. Each scale byte is a sub-block's 4-bit scale (low) and
-/// 4-bit minimum (high); values are 2 bits, four to a byte, a 128-element half at a time.
-fn dequantize_q2_k(b: &[u8], y: &mut [f32]) {
-    let (scales, qs) = (&b[..16], &b[16..80]);
-    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-    let mut is = 0;
-    for (half, q) in qs.chunks_exact(32).enumerate() {
-        for j in 0..4 {
-            let shift = 2 * j;
-            for part in 0..2 {
-                let sc = scales[is];
-                is += 1;
-                let (dl, ml) = (d * (sc & 0x0f) as f32, dmin * (sc >> 4) as f32);
-                let at = half * 128 + j * 32 + part * 16;
-                for l in 0..16 {
-                    y[at + l] = dl * ((q[part * 16 + l] >> shift) & 3) as f32 - ml;
+            // ql[128] qh[64] scales[16] d: values are 4 low bits from `ql` and 2 high bits from
+            // `qh`, offset by 32, with a signed 8-bit scale per 16 elements; 128 at a time.
+            GgmlType::Q6_K => {
+                let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
+                k.d = f16_at(b, 208);
+                k.off = 32;
+                for (s, &v) in k.sc.iter_mut().zip(sc) {
+                    *s = v as i8;
+                }
+                for (i, q) in k.q.iter_mut().enumerate() {
+                    let (half, r, l) = (i / 128, (i % 128) / 32, i % 32);
+                    let (ql, qh) = (&ql[64 * half..], &qh[32 * half..]);
+                    // Stretches 0 and 1 take the low nibbles of the two 32-byte runs of `ql`,
+                    // stretches 2 and 3 their high nibbles.
+                    let byte = ql[l + 32 * (r % 2)];
+                    let low = if r < 2 { byte & 0x0f } else { byte >> 4 };
+                    *q = low | (((qh[l] >> (2 * r)) & 3) << 4);
                 }
             }
+            _ => panic!("{ty} is not a K-quant type"),
+        }
+        k
+    }
+
+    /// Writes the super-block's 256 values into `y`, each as `(d·sc)·(q − off) − dmin·m`: the
+    /// operations, in the order, that llama.cpp's dequantizers use.
+    pub fn dequantize(&self, y: &mut [f32]) {
+        for (i, v) in y[..QK_K].iter_mut().enumerate() {
+            let j = i / self.sub;
+            let dl = self.d * self.sc[j] as f32;
+            let q = (self.q[i] as i32 - self.off as i32) as f32;
+            // For the symmetric types this subtracts 0.0, which changes no value.
+            *v = dl * q - self.dmin * self.m[j] as f32;
         }
     }
 }
 
-/// Q3_K: `hmask[32] qs[64] scales[12] d`. Sixteen 6-bit scales packed in 12 bytes (offset by
-/// 32); values are 2 low bits from `qs` and a high bit from `hmask`, minus 4 when that bit is
-/// clear.
-fn dequantize_q3_k(b: &[u8], y: &mut [f32]) {
-    let (hmask, qs, packed) = (&b[..32], &b[32..96], &b[96..108]);
-    let d = f16_at(b, 108);
-    let mut scales = [0i8; 16];
-    for (i, s) in scales.iter_mut().enumerate() {
-        let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
-        let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
-        *s = (low | (high << 4)) as i8 - 32;
-    }
-    let mut is = 0;
-    let mut m = 1u8;
-    for (half, q) in qs.chunks_exact(32).enumerate() {
-        for j in 0..4 {
-            let shift = 2 * j;
-            for part in 0..2 {
-                let dl = d * scales[is] as f32;
-                is += 1;
-                let at = half * 128 + j * 32 + part * 16;
-                for l in 0..16 {
-                    let i = part * 16 + l;
-                    let low = ((q[i] >> shift) & 3) as i8;
-                    let v = low - if hmask[i] & m != 0 { 0 } else { 4 };
-                    y[at + l] = dl * v as f32;
-                }
-            }
-            m <<= 1;
-        }
-    }
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
 }
 
 /// The `j`th 6-bit scale and minimum of a Q4_K or Q5_K super-block's 12 packed bytes.
@@ -314,65 +418,6 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4),
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
-    }
-}
-
-/// Q4_K: `d dmin scales[12] qs[128]`: eight sub-blocks of 32, each a 6-bit scale and minimum;
-/// a 64-element stretch takes the low nibbles of 32 bytes, then their high nibbles.
-fn dequantize_q4_k(b: &[u8], y: &mut [f32]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let (scales, qs) = (&b[4..16], &b[16..144]);
-    for (k, q) in qs.chunks_exact(32).enumerate() {
-        let (sc1, m1) = scale_min_k4(2 * k, scales);
-        let (sc2, m2) = scale_min_k4(2 * k + 1, scales);
-        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
-        for l in 0..32 {
-            y[64 * k + l] = d1 * (q[l] & 0x0f) as f32 - m1;
-            y[64 * k + 32 + l] = d2 * (q[l] >> 4) as f32 - m2;
-        }
-    }
-}
-
-/// Q5_K: `d dmin scales[12] qh[32] qs[128]`: as Q4_K, with a fifth bit per value from `qh`
-/// (two bits of each `qh` byte per 64-element stretch).
-fn dequantize_q5_k(b: &[u8], y: &mut [f32]) {
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
-    for (k, ql) in qs.chunks_exact(32).enumerate() {
-        let (sc1, m1) = scale_min_k4(2 * k, scales);
-        let (sc2, m2) = scale_min_k4(2 * k + 1, scales);
-        let (d1, m1) = (d * sc1 as f32, dmin * m1 as f32);
-        let (d2, m2) = (d * sc2 as f32, dmin * m2 as f32);
-        let (u1, u2) = (1u8 << (2 * k), 2u8 << (2 * k));
-        for l in 0..32 {
-            let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
-            let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
-            y[64 * k + l] = d1 * ((ql[l] & 0x0f) + h1) as f32 - m1;
-            y[64 * k + 32 + l] = d2 * ((ql[l] >> 4) + h2) as f32 - m2;
-        }
-    }
-}
-
-/// Q6_K: `ql[128] qh[64] scales[16] d`: values are 4 low bits from `ql` and 2 high bits from
-/// `qh`, offset by 32, with a signed 8-bit scale per 16 elements; 128 elements at a time.
-fn dequantize_q6_k(b: &[u8], y: &mut [f32]) {
-    let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
-    let d = f16_at(b, 208);
-    for half in 0..2 {
-        let (ql, qh, sc) = (&ql[64 * half..], &qh[32 * half..], &sc[8 * half..]);
-        let y = &mut y[128 * half..];
-        for l in 0..32 {
-            let is = l / 16;
-            let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i8 - 32;
-            let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
-            let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
-            let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
-            y[l] = d * sc[is] as i8 as f32 * q1 as f32;
-            y[l + 32] = d * sc[is + 2] as i8 as f32 * q2 as f32;
-            y[l + 64] = d * sc[is + 4] as i8 as f32 * q3 as f32;
-            y[l + 96] = d * sc[is + 6] as i8 as f32 * q4 as f32;
-        }
     }
 }
 

@@ -1,0 +1,302 @@
+//! Activations as the matmul kernels read them: per-32 blocks (llama.cpp's Q8_1) for the block
+//! formats, per-256 super-blocks (llama.cpp's Q8_K) for the K-quants, and the f32 inputs
+//! themselves for float weights. Each form is made only when a matrix it meets needs it.
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::quant::{QK, QK_K};
+
+/// Which forms of the activations the matrices they meet read (see [`super::QMatrix::needs`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActNeeds {
+    /// The f32 inputs (float weights).
+    pub inputs: bool,
+    /// Per-32 blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 weights).
+    pub blocks: bool,
+    /// Per-256 super-blocks (K-quant weights).
+    pub superblocks: bool,
+}
+
+impl ActNeeds {
+    /// Every form.
+    pub const ALL: ActNeeds = ActNeeds {
+        inputs: true,
+        blocks: true,
+        superblocks: true,
+    };
+    /// No form.
+    pub const NONE: ActNeeds = ActNeeds {
+        inputs: false,
+        blocks: false,
+        superblocks: false,
+    };
+}
+
+impl std::ops::BitOr for ActNeeds {
+    type Output = ActNeeds;
+    fn bitor(self, o: ActNeeds) -> ActNeeds {
+        ActNeeds {
+            inputs: self.inputs || o.inputs,
+            blocks: self.blocks || o.blocks,
+            superblocks: self.superblocks || o.superblocks,
+        }
+    }
+}
+
+/// Activations quantized for the kernels, in the forms [`set_needs`](Self::set_needs) asks for
+/// (all of them unless told otherwise).
+#[derive(Debug, Clone)]
+pub struct QActs {
+    pub(super) tokens: usize,
+    pub(super) cols: usize,
+    needs: ActNeeds,
+    /// Forms the last [`quantize`](Self::quantize) made.
+    pub(super) has: ActNeeds,
+    /// Block scales, `tokens × cols/32`.
+    pub(super) d: Vec<f32>,
+    /// `d · Σ q` per block.
+    pub(super) s: Vec<f32>,
+    /// Quantized values, `tokens × cols`.
+    pub(super) q: Vec<i8>,
+    /// The inputs, `tokens × cols`.
+    pub(super) x: Vec<f32>,
+    /// Super-block scales, `tokens × cols/256`.
+    pub(super) kd: Vec<f32>,
+    /// Super-block values, `tokens × cols`.
+    pub(super) kq: Vec<i8>,
+    /// Sums of each 16 super-block values, 16 per super-block.
+    pub(super) kbs16: Vec<i16>,
+    /// Sums of each 32 super-block values, 8 per super-block.
+    pub(super) kbs32: Vec<i16>,
+}
+
+impl Default for QActs {
+    fn default() -> Self {
+        Self {
+            tokens: 0,
+            cols: 0,
+            needs: ActNeeds::ALL,
+            has: ActNeeds::NONE,
+            d: Vec::new(),
+            s: Vec::new(),
+            q: Vec::new(),
+            x: Vec::new(),
+            kd: Vec::new(),
+            kq: Vec::new(),
+            kbs16: Vec::new(),
+            kbs32: Vec::new(),
+        }
+    }
+}
+
+/// Fewest rows worth a parallel task.
+const MIN_ROWS: usize = 32;
+
+impl QActs {
+    /// An empty buffer; [`quantize`](Self::quantize) fills it, reusing its allocations.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Which forms to make: the union of what every matrix these activations meet needs. A
+    /// matrix given activations without its form panics.
+    pub fn set_needs(&mut self, needs: ActNeeds) {
+        self.needs = needs;
+    }
+
+    /// Tokens held.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// Quantizes `x` (`tokens × cols`, row-major) into the forms needed:
+    /// * per-32 blocks as llama.cpp's Q8_1: `d = max|x|/127`, `q = round(x/d)`;
+    /// * per-256 super-blocks as llama.cpp's Q8_K: `q = min(127, round(−127·x/max))` where
+    ///   `max` is the value of largest magnitude, `d = 1/(−127/max)`, with the sums of each 16
+    ///   and 32 values;
+    /// * the inputs, kept as they are.
+    ///
+    /// A form whose blocks do not divide `cols` is not made: no matrix of that form can have
+    /// rows of that length. Rows are split over the rayon pool when there are many.
+    ///
+    /// # Panics
+    /// If `cols` is 0 or `x.len()` is not a multiple of `cols`.
+    pub fn quantize(&mut self, x: &[f32], cols: usize) {
+        self.quantize_with(x, cols, true)
+    }
+
+    pub(super) fn quantize_with(&mut self, x: &[f32], cols: usize, simd: bool) {
+        assert!(cols > 0 && x.len().is_multiple_of(cols), "activation shape");
+        self.tokens = x.len() / cols;
+        self.cols = cols;
+        self.has = ActNeeds {
+            inputs: self.needs.inputs,
+            blocks: self.needs.blocks && cols.is_multiple_of(QK),
+            superblocks: self.needs.superblocks && cols.is_multiple_of(QK_K),
+        };
+        self.x.clear();
+        if self.has.inputs {
+            self.x.extend_from_slice(x);
+        }
+        let per = self.tokens.div_ceil(2 * rayon::current_num_threads()).max(MIN_ROWS);
+        if self.has.blocks {
+            let nblocks = x.len() / QK;
+            self.d.resize(nblocks, 0.0);
+            self.s.resize(nblocks, 0.0);
+            self.q.resize(x.len(), 0);
+            let bpr = cols / QK;
+            let run = |(((x, q), d), s): BlockChunk<'_>| {
+                #[cfg(target_arch = "x86_64")]
+                if simd && crate::ops::has_avx2() {
+                    // SAFETY: avx2 was detected at run time; the chunks hold the same blocks.
+                    unsafe { quantize_blocks_avx2(x, q, d, s) };
+                    return;
+                }
+                quantize_blocks(x, q, d, s);
+            };
+            if self.tokens < 2 * MIN_ROWS {
+                run((((x, &mut self.q[..]), &mut self.d[..]), &mut self.s[..]));
+            } else {
+                x.par_chunks(per * cols)
+                    .zip(self.q.par_chunks_mut(per * cols))
+                    .zip(self.d.par_chunks_mut(per * bpr))
+                    .zip(self.s.par_chunks_mut(per * bpr))
+                    .for_each(run);
+            }
+        }
+        if self.has.superblocks {
+            let nsb = x.len() / QK_K;
+            self.kd.resize(nsb, 0.0);
+            self.kq.resize(x.len(), 0);
+            self.kbs16.resize(nsb * 16, 0);
+            self.kbs32.resize(nsb * 8, 0);
+            let spr = cols / QK_K;
+            let run = |((((x, q), d), b16), b32): SuperChunk<'_>| quantize_superblocks(x, q, d, b16, b32);
+            if self.tokens < 2 * MIN_ROWS {
+                run((
+                    (((x, &mut self.kq[..]), &mut self.kd[..]), &mut self.kbs16[..]),
+                    &mut self.kbs32[..],
+                ));
+            } else {
+                x.par_chunks(per * cols)
+                    .zip(self.kq.par_chunks_mut(per * cols))
+                    .zip(self.kd.par_chunks_mut(per * spr))
+                    .zip(self.kbs16.par_chunks_mut(per * spr * 16))
+                    .zip(self.kbs32.par_chunks_mut(per * spr * 8))
+                    .for_each(run);
+            }
+        }
+    }
+
+    /// Whether the last quantization made `form`'s data for `cols`-wide rows; the kernels
+    /// assert it.
+    pub(super) fn check(&self, cols: usize, form: ActNeeds) {
+        assert_eq!(self.cols, cols, "activation width");
+        assert!(
+            (!form.inputs || self.has.inputs)
+                && (!form.blocks || self.has.blocks)
+                && (!form.superblocks || self.has.superblocks),
+            "activations quantized without a form a matrix needs ({form:?}; made {:?})",
+            self.has
+        );
+    }
+}
+
+/// One chunk of rows to quantize to super-blocks: inputs, values, scales, and sums of 16 and 32.
+type SuperChunk<'a> = (
+    (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [i16]),
+    &'a mut [i16],
+);
+
+/// Quantizes the super-blocks of `x` as llama.cpp's `quantize_row_q8_K_ref` does, rounding half
+/// to even as its `nearest_int` does.
+fn quantize_superblocks(x: &[f32], q: &mut [i8], d: &mut [f32], bs16: &mut [i16], bs32: &mut [i16]) {
+    for (b, xs) in x.chunks_exact(QK_K).enumerate() {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in xs {
+            if v.abs() > amax {
+                (amax, max) = (v.abs(), v);
+            }
+        }
+        let qs = &mut q[b * QK_K..(b + 1) * QK_K];
+        if amax == 0.0 {
+            d[b] = 0.0;
+            qs.fill(0);
+        } else {
+            let iscale = -127.0 / max;
+            for (qi, &v) in qs.iter_mut().zip(xs) {
+                *qi = ((iscale * v).round_ties_even() as i32).min(127) as i8;
+            }
+            d[b] = 1.0 / iscale;
+        }
+        for (j, g) in qs.chunks_exact(16).enumerate() {
+            bs16[b * 16 + j] = g.iter().map(|&v| v as i16).sum();
+        }
+        for j in 0..8 {
+            bs32[b * 8 + j] = bs16[b * 16 + 2 * j] + bs16[b * 16 + 2 * j + 1];
+        }
+    }
+}
+
+/// One chunk of rows to quantize: inputs, and their quantized values, scales and scaled sums.
+type BlockChunk<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]);
+
+/// Quantizes the blocks of `x` into `q` with scales `d` and scaled sums `s`.
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let db = amax / 127.0;
+        let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+        let mut sum = 0i32;
+        for (qi, &v) in q[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
+            let r = (v * id).round() as i32;
+            *qi = r as i8;
+            sum += r;
+        }
+        // llama.cpp stores both as f16; so do we, to compute what it computes.
+        d[b] = f16::from_f32(db).to_f32();
+        s[b] = f16::from_f32(db * sum as f32).to_f32();
+    }
+}
+
+/// [`quantize_blocks`] with AVX2. Rounds half to even where the scalar loop rounds half away
+/// from zero, as llama.cpp's own AVX2 quantizer does.
+///
+/// # Safety
+/// The CPU must support avx2; `q` holds `x.len()` bytes, `d` and `s` one float per block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(q.len() == x.len() && d.len() * QK == x.len() && s.len() == d.len());
+    let sign = _mm256_set1_ps(-0.0);
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        // SAFETY (pointer accesses): `xs` is QK floats; `q` holds QK bytes per block.
+        unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
+            let m = _mm256_max_ps(
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])),
+            );
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            let db = amax / 127.0;
+            let id = _mm256_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
+            let i: [__m256i; 4] = std::array::from_fn(|k| _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id)));
+            let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+            let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            let s4 = _mm_hadd_epi32(s4, s4);
+            let total = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+            // Pack to bytes in order: packs interleave 128-bit lanes, a permute restores them.
+            let w01 = _mm256_packs_epi32(i[0], i[1]);
+            let w23 = _mm256_packs_epi32(i[2], i[3]);
+            let bytes =
+                _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(q.as_mut_ptr().add(b * QK).cast(), bytes);
+            d[b] = f16::from_f32(db).to_f32();
+            s[b] = f16::from_f32(db * total as f32).to_f32();
+        }
+    }
+}
