@@ -57,6 +57,8 @@ pub struct QActs {
     pub(super) d: Vec<f32>,
     /// `d · Σ q` per block.
     pub(super) s: Vec<f32>,
+    /// `Σ q` per block.
+    pub(super) bs: Vec<i16>,
     /// Quantized values, `tokens × cols`.
     pub(super) q: Vec<i8>,
     /// The inputs, `tokens × cols`.
@@ -80,6 +82,7 @@ impl Default for QActs {
             has: ActNeeds::NONE,
             d: Vec::new(),
             s: Vec::new(),
+            bs: Vec::new(),
             q: Vec::new(),
             x: Vec::new(),
             kd: Vec::new(),
@@ -144,24 +147,29 @@ impl QActs {
             let nblocks = x.len() / QK;
             self.d.resize(nblocks, 0.0);
             self.s.resize(nblocks, 0.0);
+            self.bs.resize(nblocks, 0);
             self.q.resize(x.len(), 0);
             let bpr = cols / QK;
-            let run = |(((x, q), d), s): BlockChunk<'_>| {
+            let run = |((((x, q), d), s), bs): BlockChunk<'_>| {
                 #[cfg(target_arch = "x86_64")]
                 if simd && crate::ops::has_avx2() {
                     // SAFETY: avx2 was detected at run time; the chunks hold the same blocks.
-                    unsafe { quantize_blocks_avx2(x, q, d, s) };
+                    unsafe { quantize_blocks_avx2(x, q, d, s, bs) };
                     return;
                 }
-                quantize_blocks(x, q, d, s);
+                quantize_blocks(x, q, d, s, bs);
             };
             if self.tokens < 2 * MIN_ROWS {
-                run((((x, &mut self.q[..]), &mut self.d[..]), &mut self.s[..]));
+                run((
+                    (((x, &mut self.q[..]), &mut self.d[..]), &mut self.s[..]),
+                    &mut self.bs[..],
+                ));
             } else {
                 x.par_chunks(per * cols)
                     .zip(self.q.par_chunks_mut(per * cols))
                     .zip(self.d.par_chunks_mut(per * bpr))
                     .zip(self.s.par_chunks_mut(per * bpr))
+                    .zip(self.bs.par_chunks_mut(per * bpr))
                     .for_each(run);
             }
         }
@@ -239,11 +247,15 @@ fn quantize_superblocks(x: &[f32], q: &mut [i8], d: &mut [f32], bs16: &mut [i16]
     }
 }
 
-/// One chunk of rows to quantize: inputs, and their quantized values, scales and scaled sums.
-type BlockChunk<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]);
+/// One chunk of rows to quantize: inputs, and their quantized values, scales, scaled sums and
+/// sums.
+type BlockChunk<'a> = (
+    (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]),
+    &'a mut [i16],
+);
 
-/// Quantizes the blocks of `x` into `q` with scales `d` and scaled sums `s`.
-fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+/// Quantizes the blocks of `x` into `q` with scales `d`, scaled sums `s` and sums `bs`.
+fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], bs: &mut [i16]) {
     for (b, xs) in x.chunks_exact(QK).enumerate() {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let db = amax / 127.0;
@@ -257,6 +269,7 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
         // llama.cpp stores both as f16; so do we, to compute what it computes.
         d[b] = f16::from_f32(db).to_f32();
         s[b] = f16::from_f32(db * sum as f32).to_f32();
+        bs[b] = sum as i16;
     }
 }
 
@@ -267,9 +280,9 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
 /// The CPU must support avx2; `q` holds `x.len()` bytes, `d` and `s` one float per block.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32]) {
+unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], bs: &mut [i16]) {
     use std::arch::x86_64::*;
-    assert!(q.len() == x.len() && d.len() * QK == x.len() && s.len() == d.len());
+    assert!(q.len() == x.len() && d.len() * QK == x.len() && s.len() == d.len() && bs.len() == d.len());
     let sign = _mm256_set1_ps(-0.0);
     for (b, xs) in x.chunks_exact(QK).enumerate() {
         // SAFETY (pointer accesses): `xs` is QK floats; `q` holds QK bytes per block.
@@ -297,6 +310,7 @@ unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [
             _mm256_storeu_si256(q.as_mut_ptr().add(b * QK).cast(), bytes);
             d[b] = f16::from_f32(db).to_f32();
             s[b] = f16::from_f32(db * total as f32).to_f32();
+            bs[b] = total as i16;
         }
     }
 }

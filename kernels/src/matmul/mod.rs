@@ -6,9 +6,9 @@
 //! block's dot product is an integer sum that AVX-512 VNNI computes with `vpdpbusd` for 16 rows
 //! at a time, with no horizontal reductions. The formats (one module each):
 //!
-//! * [`block`]: 32-element blocks against per-32 activations (llama.cpp's Q8_1). Q4_1 (and
-//!   Q4_0, converted exactly at load) as nibbles, Q5_1 as bytes: `d_w·d_x·Σ q_w q_x +
-//!   m_w·(d_x Σ q_x)`. Q8_0 (and Q5_0, its values less 16): `d_w·d_x·Σ q_w q_x`.
+//! * [`block`]: 32-element blocks against per-32 activations (llama.cpp's Q8_1): Q4_0, Q4_1,
+//!   Q5_0 and Q5_1 as nibbles (and fifth bits), Q8_0 as bytes, each in its file's bits per
+//!   value, each computed with llama.cpp's formula.
 //! * [`kquant`]: the K-quants' 256-element super-blocks against per-256 activations (llama.cpp's
 //!   Q8_K): integer sums per sub-block, times the sub-block's integer scale, summed over the
 //!   super-block before one float multiply, as llama.cpp computes them.
@@ -95,10 +95,9 @@ impl AlignedBytes {
 /// How a run of rows is packed.
 #[derive(Clone)]
 enum Packed {
-    /// 32-element blocks of unsigned values with an f16 scale and minimum: nibbles (Q4_0, Q4_1)
-    /// or, `wide`, bytes (Q5_1).
-    Q4 { wide: bool, bytes: AlignedBytes },
-    /// 32-element blocks of signed bytes with an f32 scale (Q8_0, Q5_0).
+    /// 32-element blocks of 4- or 5-bit values (Q4_0, Q4_1, Q5_0, Q5_1).
+    Nibble(block::NibbleFormat, AlignedBytes),
+    /// 32-element blocks of signed bytes (Q8_0).
     Q8(AlignedBytes),
     /// K-quant super-blocks.
     K(kquant::Format, AlignedBytes),
@@ -109,8 +108,7 @@ enum Packed {
 /// Which packing a type's rows take; parts of one kind share a segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    Q4,
-    Q5,
+    Nibble(GgmlType),
     Q8,
     K(GgmlType),
     Float,
@@ -119,9 +117,8 @@ enum Kind {
 impl Kind {
     fn of(ty: GgmlType) -> Kind {
         match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 => Kind::Q4,
-            GgmlType::Q5_1 => Kind::Q5,
-            GgmlType::Q8_0 | GgmlType::Q5_0 => Kind::Q8,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => Kind::Nibble(ty),
+            GgmlType::Q8_0 => Kind::Q8,
             GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => Kind::K(ty),
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Kind::Float,
         }
@@ -145,7 +142,7 @@ impl Segment {
     fn needs(&self) -> ActNeeds {
         let mut n = ActNeeds::NONE;
         match self.packed {
-            Packed::Q4 { .. } | Packed::Q8(_) => n.blocks = true,
+            Packed::Nibble(..) | Packed::Q8(_) => n.blocks = true,
             Packed::K(..) => n.superblocks = true,
             Packed::F32(_) => n.inputs = true,
         }
@@ -157,18 +154,18 @@ impl Segment {
     fn tile(&self, cols: usize, tile: usize, x: &QActs, tok: usize, nt: usize, kernel: Kernel, out: &mut TileOut) {
         let nb = cols / QK;
         match (&self.packed, kernel) {
-            (Packed::Q4 { wide, bytes }, Kernel::Avx512Vnni) => {
+            (Packed::Nibble(f, b), Kernel::Avx512Vnni) => {
                 // SAFETY: `Kernel::Avx512Vnni` is only constructed after runtime detection of
                 // avx512f, avx512bw and avx512vnni (see `Kernel::best`).
-                unsafe { block::avx512::q4_tile(*wide, bytes.as_slice(), tile, nb, x, tok, nt, out) }
+                unsafe { block::avx512::nibble_tile(*f, b.as_slice(), tile, nb, x, tok, nt, out) }
             }
-            (Packed::Q4 { wide, bytes }, Kernel::Avx2) => {
+            (Packed::Nibble(f, b), Kernel::Avx2) => {
                 // SAFETY: `Kernel::Avx2` is only constructed after runtime detection of avx2, fma
                 // and f16c (see `Kernel::best`).
-                unsafe { block::avx2::q4_tile(*wide, bytes.as_slice(), tile, nb, x, tok, nt, out) }
+                unsafe { block::avx2::nibble_tile(*f, b.as_slice(), tile, nb, x, tok, nt, out) }
             }
-            (Packed::Q4 { wide, bytes }, Kernel::Scalar) => {
-                block::scalar_q4_tile(*wide, bytes.as_slice(), tile, nb, x, tok, nt, out)
+            (Packed::Nibble(f, b), Kernel::Scalar) => {
+                block::scalar_nibble_tile(*f, b.as_slice(), tile, nb, x, tok, nt, out)
             }
             (Packed::Q8(b), Kernel::Avx512Vnni) => {
                 // SAFETY: as above.
@@ -278,14 +275,10 @@ impl QMatrix {
                 unreachable!("row index within the run's row count")
             };
             let packed = match Kind::of(run[0].0) {
-                Kind::Q4 => Packed::Q4 {
-                    wide: false,
-                    bytes: block::pack_q4(false, rows, cols, row_of),
-                },
-                Kind::Q5 => Packed::Q4 {
-                    wide: true,
-                    bytes: block::pack_q4(true, rows, cols, row_of),
-                },
+                Kind::Nibble(ty) => {
+                    let f = block::NibbleFormat::of(ty).expect("a nibble type");
+                    Packed::Nibble(f, block::pack_nibbles(f, rows, cols, row_of))
+                }
                 Kind::Q8 => Packed::Q8(block::pack_q8(rows, cols, row_of)),
                 Kind::K(ty) => {
                     let f = kquant::Format::of(ty);
@@ -323,7 +316,7 @@ impl QMatrix {
         self.segments
             .iter()
             .map(|s| match &s.packed {
-                Packed::Q4 { bytes: b, .. } | Packed::Q8(b) | Packed::K(_, b) => b.len,
+                Packed::Nibble(_, b) | Packed::Q8(b) | Packed::K(_, b) => b.len,
                 Packed::F32(w) => w.len() * 4,
             })
             .sum()

@@ -154,6 +154,75 @@ fn k_kernels_compute_the_q8_k_dot_product() {
     }
 }
 
+/// So do the block kernels without minimums (Q4_0 and Q5_0 subtract their offset as an
+/// integer, Q8_0 takes its bias back off as one): against the dequantized weights times the
+/// dequantized per-32 activations, within float rounding, on every kernel.
+#[test]
+fn offset_block_kernels_compute_the_q8_0_dot_product() {
+    for (n, ty) in [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0].into_iter().enumerate() {
+        let (rows, cols, tokens) = (33, 96, 6);
+        let w = random_weights(ty, rows, cols, 20 + n as u64);
+        let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1).collect();
+        let mut qa = QActs::new();
+        qa.quantize(&x, cols);
+        let xd: Vec<f32> = (0..tokens * cols).map(|i| qa.d[i / QK] * qa.q[i] as f32).collect();
+        let want = reference(ty, rows, cols, &w, &xd);
+        let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+        for k in Kernel::available() {
+            let mut got = vec![0f32; tokens * rows];
+            m.matmul_with(&qa, &mut got, k);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * scale, "{ty} {k:?}[{i}] = {a}, want {b}");
+            }
+        }
+    }
+}
+
+/// And those with minimums (Q4_1, Q5_1) compute llama.cpp's `d_w·d_x·Σ q_w q_x + m_w·s_x`, with
+/// `s_x` the f16 scaled sum Q8_1 stores, within float rounding.
+#[test]
+fn min_block_kernels_compute_the_q8_1_dot_product() {
+    for (n, ty) in [GgmlType::Q4_1, GgmlType::Q5_1].into_iter().enumerate() {
+        let (rows, cols, tokens) = (33, 96, 6);
+        let w = random_weights(ty, rows, cols, 30 + n as u64);
+        let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1).collect();
+        let mut qa = QActs::new();
+        qa.quantize(&x, cols);
+        let (nb, bb) = (cols / QK, ty.block_bytes());
+        let mut want = vec![0f32; tokens * rows];
+        for t in 0..tokens {
+            for r in 0..rows {
+                let mut acc = 0f64;
+                for b in 0..nb {
+                    let blk = &w[(r * nb + b) * bb..][..bb];
+                    let mut deq = [0f32; QK];
+                    dequantize(ty, blk, &mut deq);
+                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32() as f64;
+                    let mw = f16::from_le_bytes([blk[2], blk[3]]).to_f32() as f64;
+                    let xb = t * nb + b;
+                    for (i, &v) in deq.iter().enumerate() {
+                        // The value's quantum count: (v − m) / d, an integer.
+                        let q = ((v as f64 - mw) / d).round();
+                        acc += d * q * qa.d[xb] as f64 * qa.q[xb * QK + i] as f64;
+                    }
+                    acc += mw * qa.s[xb] as f64;
+                }
+                want[t * rows + r] = acc as f32;
+            }
+        }
+        let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+        for k in Kernel::available() {
+            let mut got = vec![0f32; tokens * rows];
+            m.matmul_with(&qa, &mut got, k);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * scale, "{ty} {k:?}[{i}] = {a}, want {b}");
+            }
+        }
+    }
+}
+
 /// Activations as llama.cpp's `quantize_row_q8_K_ref` makes them: the value of largest
 /// magnitude maps to −127 (its sign flipped into the scale), halves round to even, and the sums
 /// of each 16 and 32 values come along.
@@ -206,7 +275,7 @@ fn simd_quantization_equals_scalar() {
     let (mut a, mut b) = (QActs::new(), QActs::new());
     a.quantize_with(&x, 96, true);
     b.quantize_with(&x, 96, false);
-    assert_eq!((&a.q, &a.d, &a.s), (&b.q, &b.d, &b.s));
+    assert_eq!((&a.q, &a.d, &a.s, &a.bs), (&b.q, &b.d, &b.s, &b.bs));
     // Row by row (never split) gives the same blocks.
     for (r, row) in x.chunks_exact(96).enumerate() {
         b.quantize_with(row, 96, true);
@@ -242,8 +311,8 @@ fn stacked_parts_of_different_types_equal_their_parts() {
         .collect();
     let parts: Vec<(GgmlType, usize, &[u8])> = types.iter().zip(&data).map(|(&(ty, r), d)| (ty, r, &d[..])).collect();
     let m = QMatrix::concat(&parts, cols).unwrap();
-    // Q4_K + Q4_K, Q6_K, Q5_0 + Q8_0 (both packed as Q8), F16.
-    assert_eq!(m.segments.len(), 4);
+    // Q4_K + Q4_K, Q6_K, Q5_0, Q8_0, F16.
+    assert_eq!(m.segments.len(), 5);
     let x: Vec<f32> = (0..3 * cols).map(|i| (i as f32 * 0.21).cos()).collect();
     let mut qa = QActs::new();
     qa.quantize(&x, cols);
