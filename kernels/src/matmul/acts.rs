@@ -180,7 +180,15 @@ impl QActs {
             self.kbs16.resize(nsb * 16, 0);
             self.kbs32.resize(nsb * 8, 0);
             let spr = cols / QK_K;
-            let run = |((((x, q), d), b16), b32): SuperChunk<'_>| quantize_superblocks(x, q, d, b16, b32);
+            let run = |((((x, q), d), b16), b32): SuperChunk<'_>| {
+                #[cfg(target_arch = "x86_64")]
+                if simd && crate::ops::has_avx2() {
+                    // SAFETY: avx2 was detected at run time; the chunks hold the same blocks.
+                    unsafe { quantize_superblocks_avx2(x, q, d, b16, b32) };
+                    return;
+                }
+                quantize_superblocks(x, q, d, b16, b32)
+            };
             if self.tokens < 2 * MIN_ROWS {
                 run((
                     (((x, &mut self.kq[..]), &mut self.kd[..]), &mut self.kbs16[..]),
@@ -243,6 +251,69 @@ fn quantize_superblocks(x: &[f32], q: &mut [i8], d: &mut [f32], bs16: &mut [i16]
         }
         for j in 0..8 {
             bs32[b * 8 + j] = bs16[b * 16 + 2 * j] + bs16[b * 16 + 2 * j + 1];
+        }
+    }
+}
+
+/// [`quantize_superblocks`] with AVX2: the same values bit for bit (`vcvtps2dq` rounds half to
+/// even under the default rounding mode, as `nearest_int` does).
+///
+/// # Safety
+/// The CPU must support avx2; `q` holds `x.len()` bytes, `d` one float per super-block, `bs16`
+/// and `bs32` 16 and 8 sums per super-block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_superblocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], bs16: &mut [i16], bs32: &mut [i16]) {
+    use std::arch::x86_64::*;
+    assert!(q.len() == x.len() && d.len() * QK_K == x.len() && bs16.len() == 16 * d.len() && bs32.len() == 8 * d.len());
+    let sign = _mm256_set1_ps(-0.0);
+    for (b, xs) in x.chunks_exact(QK_K).enumerate() {
+        // SAFETY (pointer accesses): `xs` is QK_K floats; `q` holds QK_K bytes per super-block.
+        unsafe {
+            let v: [__m256; 32] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
+            let mut m = _mm256_setzero_ps();
+            for vk in &v {
+                m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vk));
+            }
+            let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+            let qs = &mut q[b * QK_K..(b + 1) * QK_K];
+            if amax == 0.0 {
+                d[b] = 0.0;
+                qs.fill(0);
+                bs16[b * 16..(b + 1) * 16].fill(0);
+                bs32[b * 8..(b + 1) * 8].fill(0);
+                continue;
+            }
+            // The first value of that magnitude carries the sign, as the scalar loop's strict
+            // comparison keeps the first.
+            let first = xs.iter().position(|v| v.abs() == amax).unwrap_or(0);
+            let iscale = -127.0 / xs[first];
+            let is = _mm256_set1_ps(iscale);
+            let cap = _mm256_set1_epi32(127);
+            for k in 0..8 {
+                let i: [__m256i; 4] =
+                    std::array::from_fn(|j| _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[4 * k + j], is)), cap));
+                // Sums of each 16 (two vectors of 8).
+                for h in 0..2 {
+                    let s = _mm256_add_epi32(i[2 * h], i[2 * h + 1]);
+                    let s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                    let s4 = _mm_hadd_epi32(s4, s4);
+                    bs16[b * 16 + 2 * k + h] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4)) as i16;
+                }
+                let w01 = _mm256_packs_epi32(i[0], i[1]);
+                let w23 = _mm256_packs_epi32(i[2], i[3]);
+                let bytes = _mm256_permutevar8x32_epi32(
+                    _mm256_packs_epi16(w01, w23),
+                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+                );
+                _mm256_storeu_si256(qs.as_mut_ptr().add(32 * k).cast(), bytes);
+            }
+            for j in 0..8 {
+                bs32[b * 8 + j] = bs16[b * 16 + 2 * j] + bs16[b * 16 + 2 * j + 1];
+            }
+            d[b] = 1.0 / iscale;
         }
     }
 }

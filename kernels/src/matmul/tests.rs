@@ -163,7 +163,9 @@ fn offset_block_kernels_compute_the_q8_0_dot_product() {
         let (rows, cols, tokens) = (33, 96, 6);
         let w = random_weights(ty, rows, cols, 20 + n as u64);
         let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
-        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1).collect();
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1)
+            .collect();
         let mut qa = QActs::new();
         qa.quantize(&x, cols);
         let xd: Vec<f32> = (0..tokens * cols).map(|i| qa.d[i / QK] * qa.q[i] as f32).collect();
@@ -187,7 +189,9 @@ fn min_block_kernels_compute_the_q8_1_dot_product() {
         let (rows, cols, tokens) = (33, 96, 6);
         let w = random_weights(ty, rows, cols, 30 + n as u64);
         let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
-        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1).collect();
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1)
+            .collect();
         let mut qa = QActs::new();
         qa.quantize(&x, cols);
         let (nb, bb) = (cols / QK, ty.block_bytes());
@@ -288,6 +292,23 @@ fn simd_quantization_equals_scalar() {
     let zeros = vec![0f32; 64];
     a.quantize_with(&zeros, 32, true);
     assert!(a.q.iter().all(|&q| q == 0) && a.d.iter().all(|&d| d == 0.0));
+
+    // Super-blocks likewise, bit for bit: 150 rows of two, with exact halves (ties round to
+    // even), a magnitude tie of opposite signs (the first decides), and an all-zero one.
+    let mut x: Vec<f32> = (0..512 * 150)
+        .map(|i| ((i * 7919) % 1999) as f32 / 313.0 - 3.1)
+        .collect();
+    x[..256]
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, v)| *v = (i % 9) as f32 * 0.5 - 2.0);
+    x[3] = -127.0;
+    x[9] = 127.0;
+    x[512..768].fill(0.0);
+    a.quantize_with(&x, 512, true);
+    b.quantize_with(&x, 512, false);
+    assert_eq!((&a.kq, &a.kd, &a.kbs16, &a.kbs32), (&b.kq, &b.kd, &b.kbs16, &b.kbs32));
+    assert_eq!((a.kd[0], a.kd[2]), (1.0, 0.0));
 }
 
 /// A `_K_M` file's stacked projections mix types (Q4_K, Q6_K, and Q5_0 or Q8_0 where rows are
