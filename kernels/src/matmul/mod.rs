@@ -12,7 +12,7 @@
 //! * [`kquant`]: the K-quants' 256-element super-blocks against per-256 activations (llama.cpp's
 //!   Q8_K): integer sums per sub-block, times the sub-block's integer scale, summed over the
 //!   super-block before one float multiply, as llama.cpp computes them.
-//! * [`float`]: F32/F16/BF16 weights, a float dot product with the unquantized inputs.
+//! * [`float`]: F32/F16/BF16 weights in the file's width, against the unquantized inputs.
 //!
 //! A matrix may stack parts of different types (a `_K_M` file's Q, K and V projections often
 //! differ): each run of parts of one format is a segment with its own packing.
@@ -101,8 +101,8 @@ enum Packed {
     Q8(AlignedBytes),
     /// K-quant super-blocks.
     K(kquant::Format, AlignedBytes),
-    /// Float weights, dequantized to f32.
-    F32(Vec<f32>),
+    /// Float weights in the file's width.
+    Float(float::FloatFormat, AlignedBytes),
 }
 
 /// Which packing a type's rows take; parts of one kind share a segment.
@@ -111,7 +111,7 @@ enum Kind {
     Nibble(GgmlType),
     Q8,
     K(GgmlType),
-    Float,
+    Float(GgmlType),
 }
 
 impl Kind {
@@ -120,7 +120,7 @@ impl Kind {
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => Kind::Nibble(ty),
             GgmlType::Q8_0 => Kind::Q8,
             GgmlType::Q2_K | GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => Kind::K(ty),
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Kind::Float,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => Kind::Float(ty),
         }
     }
 }
@@ -144,7 +144,7 @@ impl Segment {
         match self.packed {
             Packed::Nibble(..) | Packed::Q8(_) => n.blocks = true,
             Packed::K(..) => n.superblocks = true,
-            Packed::F32(_) => n.inputs = true,
+            Packed::Float(..) => n.inputs = true,
         }
         n
     }
@@ -185,7 +185,15 @@ impl Segment {
                 unsafe { kquant::avx2::tile(*f, b.as_slice(), tile, cols, x, tok, nt, out) }
             }
             (Packed::K(f, b), Kernel::Scalar) => kquant::scalar_tile(*f, b.as_slice(), tile, cols, x, tok, nt, out),
-            (Packed::F32(w), _) => float::f32_tile(w, cols, self.rows, tile, x, tok, nt, out),
+            (Packed::Float(f, b), Kernel::Avx512Vnni) => {
+                // SAFETY: as above.
+                unsafe { float::avx512::tile(*f, b.as_slice(), tile, cols, x, tok, nt, out) }
+            }
+            (Packed::Float(f, b), Kernel::Avx2) => {
+                // SAFETY: as above.
+                unsafe { float::avx2::tile(*f, b.as_slice(), tile, cols, x, tok, nt, out) }
+            }
+            (Packed::Float(f, b), Kernel::Scalar) => float::scalar_tile(*f, b.as_slice(), tile, cols, x, tok, nt, out),
         }
     }
 }
@@ -284,7 +292,10 @@ impl QMatrix {
                     let f = kquant::Format::of(ty);
                     Packed::K(f, kquant::pack(f, rows, cols, row_of))
                 }
-                Kind::Float => Packed::F32(float::pack(rows, cols, row_of)),
+                Kind::Float(ty) => {
+                    let f = float::FloatFormat::of(ty).expect("a float type");
+                    Packed::Float(f, float::pack(f, rows, cols, row_of))
+                }
             };
             segments.push(Segment { row0, rows, packed });
             row0 += rows;
@@ -316,8 +327,7 @@ impl QMatrix {
         self.segments
             .iter()
             .map(|s| match &s.packed {
-                Packed::Nibble(_, b) | Packed::Q8(b) | Packed::K(_, b) => b.len,
-                Packed::F32(w) => w.len() * 4,
+                Packed::Nibble(_, b) | Packed::Q8(b) | Packed::K(_, b) | Packed::Float(_, b) => b.len,
             })
             .sum()
     }
