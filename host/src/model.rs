@@ -11,7 +11,7 @@
 use std::collections::HashSet;
 use std::path::Path;
 
-use warden_kernels::attention::{AttnSeq, AttnShape};
+use warden_kernels::attention::{AttnKind, AttnSeq, AttnShape};
 use warden_kernels::matmul::{ActNeeds, QActs, QMatrix};
 use warden_kernels::ops::Rope;
 use warden_kernels::quant::{GgmlType, dequantize};
@@ -40,9 +40,134 @@ pub enum ModelError {
     },
 }
 
-/// Llama hyperparameters.
+/// The model families Warden runs, as `general.architecture` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Arch {
+    /// Llama 1–3 (with Llama 3.1's rope frequency factors), Mistral, SmolLM.
+    Llama,
+    /// Qwen 2 and 2.5: biases on the Q, K and V projections, NEOX RoPE.
+    Qwen2,
+    /// Qwen 3 (dense): a per-head RMSNorm of Q and K before RoPE, NEOX RoPE.
+    Qwen3,
+    /// Gemma 3 (text): scaled embeddings, per-head Q/K norms, norms after attention and after the
+    /// feed-forward, a GELU-gated feed-forward, and sliding-window layers with their own RoPE
+    /// base between global ones.
+    Gemma3,
+}
+
+impl Arch {
+    /// Every family, in the order the README lists them.
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+
+    /// The `general.architecture` value (and metadata key prefix).
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+
+    fn from_name(name: &str) -> Option<Arch> {
+        Arch::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// The block tensors the forward pass reads (`blk.{l}.` + each).
+    fn block_tensors(self) -> &'static [&'static str] {
+        const LLAMA: &[&str] = &[
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ];
+        const QWEN2: &[&str] = &[
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_q.bias",
+            "attn_k.bias",
+            "attn_v.bias",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ];
+        const QWEN3: &[&str] = &[
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_q_norm.weight",
+            "attn_k_norm.weight",
+            "attn_output.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+        ];
+        const GEMMA3: &[&str] = &[
+            "attn_norm.weight",
+            "attn_q.weight",
+            "attn_k.weight",
+            "attn_v.weight",
+            "attn_q_norm.weight",
+            "attn_k_norm.weight",
+            "attn_output.weight",
+            "post_attention_norm.weight",
+            "ffn_norm.weight",
+            "ffn_gate.weight",
+            "ffn_up.weight",
+            "ffn_down.weight",
+            "post_ffw_norm.weight",
+        ];
+        match self {
+            Arch::Llama => LLAMA,
+            Arch::Qwen2 => QWEN2,
+            Arch::Qwen3 => QWEN3,
+            Arch::Gemma3 => GEMMA3,
+        }
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The feed-forward's gate activation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FfnAct {
+    /// `silu(gate) · up` (Llama, Qwen).
+    Silu,
+    /// `gelu_tanh(gate) · up` (Gemma).
+    GeluTanh,
+}
+
+/// Sliding-window attention on some layers (Gemma 3).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sliding {
+    /// Positions a query sees on a sliding layer, its own included.
+    pub window: usize,
+    /// Layer `l` slides unless `l % pattern == pattern − 1` (a global layer).
+    pub pattern: usize,
+    /// The RoPE base of the sliding layers.
+    pub rope_base: f32,
+}
+
+/// A model's hyperparameters, for every family.
 #[derive(Debug, Clone, PartialEq)]
-pub struct LlamaConfig {
+pub struct ModelConfig {
+    /// Model family.
+    pub arch: Arch,
     /// Transformer blocks.
     pub n_layers: usize,
     /// Embedding width.
@@ -51,7 +176,7 @@ pub struct LlamaConfig {
     pub n_heads: usize,
     /// KV heads.
     pub n_kv_heads: usize,
-    /// Width of one head.
+    /// Width of one head (`n_heads · head_dim` need not be `dim`).
     pub head_dim: usize,
     /// Feed-forward width.
     pub ffn_dim: usize,
@@ -59,54 +184,74 @@ pub struct LlamaConfig {
     pub vocab: usize,
     /// Trained context length.
     pub context_length: usize,
-    /// RoPE frequency base.
+    /// RoPE frequency base (of the global layers).
     pub rope_base: f32,
     /// Dimensions RoPE rotates.
     pub rope_dim: usize,
+    /// RoPE angle multiplier of the global layers (`1 / factor` of linear scaling).
+    pub rope_scale: f32,
+    /// NEOX RoPE (pairs `i`, `i + rope_dim/2`) rather than adjacent pairs.
+    pub rope_neox: bool,
     /// RMSNorm epsilon.
     pub norm_eps: f32,
     /// Whether the output projection reuses the token embedding.
     pub tied_embeddings: bool,
+    /// Query·key score scale.
+    pub attn_scale: f32,
+    /// Embedding multiplier (Gemma's `√dim`).
+    pub embed_scale: Option<f32>,
+    /// Feed-forward gate activation.
+    pub ffn_act: FfnAct,
+    /// Sliding-window layers, if any.
+    pub sliding: Option<Sliding>,
 }
 
-/// The `llama.*` metadata keys [`LlamaConfig::from_gguf`] reads.
-const LLAMA_KEYS: &[&str] = &[
+/// The `{arch}.` metadata keys [`ModelConfig::from_gguf`] reads, for every family.
+const COMMON_KEYS: &[&str] = &[
     "block_count",
     "context_length",
     "embedding_length",
     "feed_forward_length",
     "attention.head_count",
     "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
     "attention.layer_norm_rms_epsilon",
     "rope.dimension_count",
     "rope.freq_base",
+    "rope.scaling.type",
+    "rope.scaling.factor",
     "vocab_size",
 ];
 
-/// Refuses a `llama.*` key that changes the computation and that this loader does not implement
-/// (rope scaling, sliding windows, soft-capping, experts, other head widths...): running the file
-/// without it would compute something else than the file describes. Keys that only restate what
-/// the loader does anyway are accepted.
-fn check_llama_keys(g: &Gguf, head_dim: usize) -> Result<(), ModelError> {
+/// Gemma 3's further keys.
+const GEMMA3_KEYS: &[&str] = &[
+    "attention.sliding_window",
+    "attention.sliding_window_pattern",
+    "rope.freq_base_swa",
+];
+
+/// Refuses an `{arch}.` key that changes the computation and that this loader does not implement
+/// (YaRN or other rope scaling, soft-capping, experts...): running the file without it would
+/// compute something else than the file describes. Keys that only restate what the loader does
+/// anyway are accepted.
+fn check_keys(g: &Gguf, arch: Arch) -> Result<(), ModelError> {
+    let prefix = format!("{arch}.");
     for (key, v) in g.metadata() {
-        let Some(rest) = key.strip_prefix("llama.") else {
+        let Some(rest) = key.strip_prefix(&prefix) else {
             continue;
         };
+        let read = COMMON_KEYS.contains(&rest) || (arch == Arch::Gemma3 && GEMMA3_KEYS.contains(&rest));
         let restates = match rest {
-            _ if LLAMA_KEYS.contains(&rest) => true,
-            // Linear scaling by a factor of 1 is none; any other factor is refused below, on its
-            // own key, whatever the type says (llama.cpp applies a factor when no type is given).
-            "rope.scaling.type" => matches!(v, Value::String(t) if t == "none" || t == "linear"),
-            "rope.scaling.factor" => matches!(v.as_f64(), Some(f) if f == 0.0 || f == 1.0),
-            // Read only by the scaling types refused above.
+            _ if read => true,
+            // Read only by the scaling types refused on their own key.
             "rope.scaling.original_context_length" => true,
-            "attention.key_length" | "attention.value_length" => v.as_u64() == Some(head_dim as u64),
             "expert_count" | "expert_used_count" => v.as_u64() == Some(0),
             _ => false,
         };
         if !restates {
             return Err(ModelError::Unsupported(format!(
-                "metadata key {key:?} (a {}) changes the computation, and Warden's llama does not implement it",
+                "metadata key {key:?} (a {}) changes the computation, and Warden's {arch} does not implement it",
                 v.type_name()
             )));
         }
@@ -114,62 +259,144 @@ fn check_llama_keys(g: &Gguf, head_dim: usize) -> Result<(), ModelError> {
     Ok(())
 }
 
-impl LlamaConfig {
+impl ModelConfig {
     fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
-        let arch = g.get_str("general.architecture")?;
-        if arch != "llama" {
+        let name = g.get_str("general.architecture")?;
+        let Some(arch) = Arch::from_name(name) else {
+            let names: Vec<_> = Arch::ALL.iter().map(|a| a.name()).collect();
             return Err(ModelError::Unsupported(format!(
-                "architecture {arch:?} (supported: llama)"
+                "architecture {name:?} (supported: {})",
+                names.join(", ")
             )));
-        }
+        };
+        check_keys(g, arch)?;
+        let key = |k: &str| format!("{arch}.{k}");
         let u = |k: &str| -> Result<usize, ModelError> {
-            let v = g.get_u64(&format!("llama.{k}"))?;
+            let v = g.get_u64(&key(k))?;
             if v == 0 || v > 1 << 24 {
-                return Err(ModelError::Unsupported(format!("llama.{k} = {v}")));
+                return Err(ModelError::Unsupported(format!("{} = {v}", key(k))));
             }
             Ok(v as usize)
         };
+        let has = |k: &str| g.get(&key(k)).is_some();
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
-        let n_kv_heads = match g.get("llama.attention.head_count_kv") {
-            Some(_) => u("attention.head_count_kv")?,
-            None => n_heads,
+        let n_kv_heads = if has("attention.head_count_kv") {
+            u("attention.head_count_kv")?
+        } else {
+            n_heads
         };
-        if !dim.is_multiple_of(n_heads) || !n_heads.is_multiple_of(n_kv_heads) {
+        if !n_heads.is_multiple_of(n_kv_heads) {
             return Err(ModelError::Unsupported(format!(
-                "embedding {dim} with {n_heads} heads and {n_kv_heads} KV heads"
+                "{n_heads} heads are not a multiple of {n_kv_heads} KV heads"
             )));
         }
-        let head_dim = dim / n_heads;
-        let rope_dim = match g.get("llama.rope.dimension_count") {
-            Some(_) => u("rope.dimension_count")?,
-            None => head_dim,
+        let head_dim = if has("attention.key_length") {
+            u("attention.key_length")?
+        } else if dim.is_multiple_of(n_heads) {
+            dim / n_heads
+        } else {
+            return Err(ModelError::Unsupported(format!(
+                "embedding {dim} is not a multiple of {n_heads} heads, and no {} says the head width",
+                key("attention.key_length")
+            )));
+        };
+        if has("attention.value_length") && u("attention.value_length")? != head_dim {
+            return Err(ModelError::Unsupported(format!(
+                "{} differs from the key length {head_dim}",
+                key("attention.value_length")
+            )));
+        }
+        let rope_dim = if has("rope.dimension_count") {
+            u("rope.dimension_count")?
+        } else {
+            head_dim
         };
         if rope_dim > head_dim || !rope_dim.is_multiple_of(2) {
             return Err(ModelError::Unsupported(format!(
                 "rope dimension {rope_dim} for heads of {head_dim}"
             )));
         }
-        check_llama_keys(g, head_dim)?;
         let (embd, _) = g.tensor_data("token_embd.weight")?;
-        let vocab = match g.get("llama.vocab_size") {
-            Some(_) => u("vocab_size")?,
-            None => embd.dims.get(1).copied().unwrap_or(0) as usize,
+        let vocab = if has("vocab_size") {
+            u("vocab_size")?
+        } else {
+            embd.dims.get(1).copied().unwrap_or(0) as usize
         };
         let f = |k: &str, default: f64| -> Result<f32, ModelError> {
-            match g.get(k) {
+            match g.get(&key(k)) {
                 None => Ok(default as f32),
                 Some(_) => {
-                    let v = g.get_f64(k)?;
+                    let v = g.get_f64(&key(k))?;
                     if !(v.is_finite() && v > 0.0) {
-                        return Err(ModelError::Unsupported(format!("{k} = {v}")));
+                        return Err(ModelError::Unsupported(format!("{} = {v}", key(k))));
                     }
                     Ok(v as f32)
                 }
             }
         };
+        // Linear scaling (or none) divides the global layers' angles by its factor, as
+        // llama.cpp's freq_scale does; a factor of 0 means none.
+        let rope_scale = match g.get(&key("rope.scaling.type")) {
+            None | Some(Value::String(_)) => {
+                let kind = g.get_str(&key("rope.scaling.type")).unwrap_or("linear");
+                if kind != "none" && kind != "linear" {
+                    return Err(ModelError::Unsupported(format!(
+                        "metadata key {:?} = {kind:?} changes the computation, and Warden implements only none and linear",
+                        key("rope.scaling.type")
+                    )));
+                }
+                let factor = match g.get(&key("rope.scaling.factor")) {
+                    Some(v) => v.as_f64().unwrap_or(f64::NAN),
+                    None => 0.0,
+                };
+                if kind == "none" || factor == 0.0 || factor == 1.0 {
+                    1.0
+                } else if factor.is_finite() && factor > 0.0 {
+                    (1.0 / factor) as f32
+                } else {
+                    return Err(ModelError::Unsupported(format!(
+                        "{} = {factor}",
+                        key("rope.scaling.factor")
+                    )));
+                }
+            }
+            Some(v) => {
+                return Err(ModelError::Unsupported(format!(
+                    "{} is a {}, not a string",
+                    key("rope.scaling.type"),
+                    v.type_name()
+                )));
+            }
+        };
+        let n_layers = u("block_count")?;
+        let norm_default = if arch == Arch::Llama { 1e-5 } else { 1e-6 };
+        let sliding = match arch {
+            Arch::Gemma3 if has("attention.sliding_window") => Some(Sliding {
+                window: u("attention.sliding_window")?,
+                pattern: if has("attention.sliding_window_pattern") {
+                    u("attention.sliding_window_pattern")?
+                } else {
+                    6
+                },
+                rope_base: f("rope.freq_base_swa", 10000.0)?,
+            }),
+            Arch::Gemma3 => {
+                return Err(ModelError::Unsupported(format!(
+                    "a gemma3 file without {} (Warden runs Gemma 3 with its sliding-window layers)",
+                    key("attention.sliding_window")
+                )));
+            }
+            _ => None,
+        };
+        let attn_scale = match arch {
+            // llama.cpp scales Gemma 3 27B (62 layers) by the embedding's head width.
+            Arch::Gemma3 if n_layers == 62 => 1.0 / ((dim / n_heads) as f32).sqrt(),
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
         Ok(Self {
-            n_layers: u("block_count")?,
+            arch,
+            n_layers,
             dim,
             n_heads,
             n_kv_heads,
@@ -177,11 +404,44 @@ impl LlamaConfig {
             ffn_dim: u("feed_forward_length")?,
             vocab,
             context_length: u("context_length")?,
-            rope_base: f("llama.rope.freq_base", 10000.0)?,
+            rope_base: f("rope.freq_base", 10000.0)?,
             rope_dim,
-            norm_eps: f("llama.attention.layer_norm_rms_epsilon", 1e-5)?,
+            rope_scale,
+            rope_neox: arch != Arch::Llama,
+            norm_eps: f("attention.layer_norm_rms_epsilon", norm_default)?,
             tied_embeddings: g.tensor("output.weight").is_none(),
+            attn_scale,
+            embed_scale: (arch == Arch::Gemma3).then(|| (dim as f32).sqrt()),
+            ffn_act: if arch == Arch::Gemma3 {
+                FfnAct::GeluTanh
+            } else {
+                FfnAct::Silu
+            },
+            sliding,
         })
+    }
+
+    /// Width of the attention: every query head.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    /// Width of K (or V): every KV head.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// Whether layer `l` is a sliding-window layer.
+    pub fn slides(&self, l: usize) -> bool {
+        self.sliding.is_some_and(|s| l % s.pattern < s.pattern - 1)
+    }
+
+    /// What layer `l`'s attention computes: its scale and, on a sliding layer, its window.
+    pub fn attn_kind(&self, l: usize) -> AttnKind {
+        AttnKind {
+            scale: self.attn_scale,
+            window: self.sliding.filter(|_| self.slides(l)).map(|s| s.window),
+        }
     }
 
     /// The attention shape for a KV pool with pages of `page_size`.
@@ -198,23 +458,34 @@ impl LlamaConfig {
 struct Layer {
     attn_norm: Vec<f32>,
     wqkv: QMatrix,
+    /// Biases of the stacked Q, K and V (Qwen 2).
+    qkv_bias: Option<Vec<f32>>,
+    /// Per-head RMSNorm weights of Q and K (Qwen 3, Gemma 3).
+    qk_norm: Option<(Vec<f32>, Vec<f32>)>,
     wo: QMatrix,
+    /// RMSNorm of the attention's output before the residual (Gemma 3).
+    post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     w_gate_up: QMatrix,
     w_down: QMatrix,
+    /// RMSNorm of the feed-forward's output before the residual (Gemma 3).
+    post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// A loaded model.
 pub struct Model {
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
     embd_type: GgmlType,
     embd: Vec<u8>,
     layers: Vec<Layer>,
     output_norm: Vec<f32>,
     output: QMatrix,
+    /// RoPE of the global layers (every layer but the sliding ones).
+    rope: Rope,
+    /// RoPE of the sliding-window layers.
+    rope_local: Option<Rope>,
     /// The forms of the activations the matrices read (every matrix meets the same buffer).
     act_needs: ActNeeds,
-    rope: Rope,
     backend: Box<dyn Backend>,
 }
 
@@ -245,7 +516,7 @@ pub struct StepSeq<'a> {
 /// tested without loading weights.
 pub trait Forward: Send + Sync {
     /// The hyperparameters.
-    fn config(&self) -> &LlamaConfig;
+    fn config(&self) -> &ModelConfig;
 
     /// Runs one step. Returns, per sequence, its logits (when asked for) or the error that fails
     /// it. Token ids must be below the vocabulary size (the engine validates them at admission).
@@ -259,7 +530,7 @@ pub trait Forward: Send + Sync {
 }
 
 impl Forward for Model {
-    fn config(&self) -> &LlamaConfig {
+    fn config(&self) -> &ModelConfig {
         Model::config(self)
     }
 
@@ -299,6 +570,8 @@ pub struct Scratch {
     proj: Vec<f32>,
     gate_up: Vec<f32>,
     hidden: Vec<f32>,
+    /// Per-head norms' inputs and outputs.
+    heads: Vec<f32>,
     acts: QActs,
 }
 
@@ -346,34 +619,27 @@ fn matrix(g: &Gguf, names: &[(&str, usize)], cols: usize) -> Result<QMatrix, Mod
 /// [`Rope::with_freq_factors`]).
 const ROPE_FREQS: &str = "rope_freqs.weight";
 
-/// Each block's tensors, as `blk.{l}.{name}.weight`.
-const BLOCK_TENSORS: &[&str] = &[
-    "attn_norm",
-    "attn_q",
-    "attn_k",
-    "attn_v",
-    "attn_output",
-    "ffn_norm",
-    "ffn_gate",
-    "ffn_up",
-    "ffn_down",
-];
-
-/// Refuses a file carrying a tensor the forward pass would not read (attention biases, q/k
-/// norms, a block past `block_count`...): ignoring it would compute something else than the file
-/// describes.
-fn check_tensors(g: &Gguf, cfg: &LlamaConfig) -> Result<(), ModelError> {
-    let mut read: HashSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight", ROPE_FREQS]
+/// Refuses a file carrying a tensor the forward pass would not read (attention biases where the
+/// family has none, norms it does not apply, a block past `block_count`...): ignoring it would
+/// compute something else than the file describes.
+fn check_tensors(g: &Gguf, cfg: &ModelConfig) -> Result<(), ModelError> {
+    let mut read: HashSet<String> = ["token_embd.weight", "output_norm.weight", "output.weight"]
         .into_iter()
         .map(String::from)
         .collect();
+    if cfg.arch == Arch::Llama {
+        read.insert(ROPE_FREQS.into());
+    }
     for l in 0..cfg.n_layers {
-        read.extend(BLOCK_TENSORS.iter().map(|t| format!("blk.{l}.{t}.weight")));
+        read.extend(cfg.arch.block_tensors().iter().map(|t| format!("blk.{l}.{t}")));
     }
     match g.tensors().iter().find(|t| !read.contains(&t.name)) {
         Some(t) => Err(ModelError::BadTensor {
             name: t.name.clone(),
-            why: "is not part of the llama architecture as Warden runs it; running without it would compute something else than the file describes".into(),
+            why: format!(
+                "is not part of the {} architecture as Warden runs it; running without it would compute something else than the file describes",
+                cfg.arch
+            ),
         }),
         None => Ok(()),
     }
@@ -387,19 +653,80 @@ impl Model {
 
     /// Builds the model from a parsed GGUF file.
     pub fn from_gguf(g: &Gguf) -> Result<Self, ModelError> {
-        let cfg = LlamaConfig::from_gguf(g)?;
+        let cfg = ModelConfig::from_gguf(g)?;
         check_tensors(g, &cfg)?;
-        let (dim, kvd, ffn) = (cfg.dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_dim);
+        let (dim, qd, kvd, ffn, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_dim, cfg.head_dim);
+        let has =
+            |l: usize, t: &str| cfg.arch.block_tensors().contains(&t) && g.tensor(&format!("blk.{l}.{t}")).is_some();
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let qkv_bias = if has(l, "attn_q.bias") {
+                let b = |s: &str, len| norm_weights(g, &format!("blk.{l}.{s}.bias"), len);
+                let mut v = b("attn_q", qd)?;
+                v.extend(b("attn_k", kvd)?);
+                v.extend(b("attn_v", kvd)?);
+                Some(v)
+            } else {
+                None
+            };
+            let qk_norm = if has(l, "attn_q_norm.weight") {
+                Some((
+                    norm_weights(g, &n("attn_q_norm"), hd)?,
+                    norm_weights(g, &n("attn_k_norm"), hd)?,
+                ))
+            } else {
+                None
+            };
+            let opt_norm = |t: &str| -> Result<Option<Vec<f32>>, ModelError> {
+                if has(l, &format!("{t}.weight")) {
+                    norm_weights(g, &n(t), dim).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
             layers.push(Layer {
                 attn_norm: norm_weights(g, &n("attn_norm"), dim)?,
-                wqkv: matrix(g, &[(&n("attn_q"), dim), (&n("attn_k"), kvd), (&n("attn_v"), kvd)], dim)?,
-                wo: matrix(g, &[(&n("attn_output"), dim)], dim)?,
+                wqkv: matrix(g, &[(&n("attn_q"), qd), (&n("attn_k"), kvd), (&n("attn_v"), kvd)], dim)?,
+                qkv_bias,
+                qk_norm,
+                wo: matrix(g, &[(&n("attn_output"), dim)], qd)?,
+                post_attn_norm: opt_norm("post_attention_norm")?,
                 ffn_norm: norm_weights(g, &n("ffn_norm"), dim)?,
                 w_gate_up: matrix(g, &[(&n("ffn_gate"), ffn), (&n("ffn_up"), ffn)], dim)?,
                 w_down: matrix(g, &[(&n("ffn_down"), dim)], ffn)?,
+                post_ffn_norm: opt_norm("post_ffw_norm")?,
+            });
+        }
+        // A family's tensors come whole: every block has the same ones.
+        let whole = |name: &str, present: &dyn Fn(&Layer) -> bool| -> Result<(), ModelError> {
+            if layers.iter().any(present) && !layers.iter().all(present) {
+                let l = layers.iter().position(|x| !present(x)).unwrap_or(0);
+                return Err(ModelError::BadTensor {
+                    name: format!("blk.{l}.{name}"),
+                    why: "is missing, though other blocks have it".into(),
+                });
+            }
+            Ok(())
+        };
+        whole("attn_q.bias", &|x| x.qkv_bias.is_some())?;
+        whole("attn_q_norm.weight", &|x| x.qk_norm.is_some())?;
+        whole("post_attention_norm.weight", &|x| x.post_attn_norm.is_some())?;
+        whole("post_ffw_norm.weight", &|x| x.post_ffn_norm.is_some())?;
+        if matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3) && layers.iter().any(|x| x.qk_norm.is_none()) {
+            return Err(ModelError::BadTensor {
+                name: "blk.0.attn_q_norm.weight".into(),
+                why: format!("is missing; {} normalizes Q and K per head", cfg.arch),
+            });
+        }
+        if cfg.arch == Arch::Gemma3
+            && layers
+                .iter()
+                .any(|x| x.post_attn_norm.is_none() || x.post_ffn_norm.is_none())
+        {
+            return Err(ModelError::BadTensor {
+                name: "blk.0.post_attention_norm.weight".into(),
+                why: "is missing (with post_ffw_norm); gemma3 normalizes each block's outputs".into(),
             });
         }
         let (embd_ty, _, embd) = matrix_part(g, "token_embd.weight", dim, cfg.vocab)?;
@@ -412,6 +739,10 @@ impl Model {
         let act_needs = layers.iter().fold(output.needs(), |n, l| {
             n | l.wqkv.needs() | l.wo.needs() | l.w_gate_up.needs() | l.w_down.needs()
         });
+        let neox = |r: Rope| if cfg.rope_neox { r.neox() } else { r };
+        let rope_local = cfg
+            .sliding
+            .map(|sl| neox(Rope::new(cfg.head_dim, cfg.rope_dim, sl.rope_base)));
         let rope = match g.tensor(ROPE_FREQS) {
             None => Rope::new(cfg.head_dim, cfg.rope_dim, cfg.rope_base),
             Some(_) => {
@@ -425,8 +756,10 @@ impl Model {
                 Rope::with_freq_factors(cfg.head_dim, cfg.rope_dim, cfg.rope_base, &factors)
             }
         };
+        let rope = neox(rope.scaled(cfg.rope_scale));
         Ok(Self {
             rope,
+            rope_local,
             output,
             act_needs,
             output_norm: norm_weights(g, "output_norm.weight", dim)?,
@@ -439,7 +772,7 @@ impl Model {
     }
 
     /// The hyperparameters.
-    pub fn config(&self) -> &LlamaConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
@@ -462,8 +795,8 @@ impl Model {
         s: &mut Scratch,
     ) -> Vec<Result<Option<Vec<f32>>, StepError>> {
         let c = &self.cfg;
-        let (dim, kvd, ffn) = (c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim);
-        let qkv_w = dim + 2 * kvd;
+        let (dim, qd, kvd, ffn) = (c.dim, c.q_dim(), c.kv_dim(), c.ffn_dim);
+        let qkv_w = qd + 2 * kvd;
         let total: usize = seqs.iter().map(|q| q.tokens.len()).sum();
         let mut results: Vec<Result<(), StepError>> = vec![Ok(()); seqs.len()];
         let mut positions = Vec::with_capacity(total);
@@ -484,13 +817,17 @@ impl Model {
             let (x, embd) = (&mut s.x, self);
             embd.embed(be, tok.min(c.vocab as u32 - 1), &mut x[row * dim..(row + 1) * dim]);
         }
+        if let Some(scale) = c.embed_scale {
+            s.x.iter_mut().for_each(|v| *v *= scale);
+        }
         let rope = be.rope_table(&self.rope, &positions);
+        let rope_local = self.rope_local.as_ref().map(|r| be.rope_table(r, &positions));
         s.acts.set_needs(self.act_needs);
         let shape = c.attn_shape(pool.shape().page_size);
         s.xn.resize(total * dim, 0.0);
         s.qkv.resize(total * qkv_w, 0.0);
-        s.q.resize(total * dim, 0.0);
-        s.attn.resize(total * dim, 0.0);
+        s.q.resize(total * qd, 0.0);
+        s.attn.resize(total * qd, 0.0);
         s.proj.resize(total * dim, 0.0);
         s.gate_up.resize(total * 2 * ffn, 0.0);
         s.hidden.resize(total * ffn, 0.0);
@@ -498,19 +835,44 @@ impl Model {
             be.rms_norm(&s.x, &layer.attn_norm, c.norm_eps, &mut s.xn);
             be.quantize(&mut s.acts, &s.xn, dim);
             be.matmul(&layer.wqkv, &s.acts, &mut s.qkv);
-            for r in 0..total {
-                s.q[r * dim..(r + 1) * dim].copy_from_slice(&s.qkv[r * qkv_w..r * qkv_w + dim]);
+            if let Some(bias) = &layer.qkv_bias {
+                for row in s.qkv.chunks_exact_mut(qkv_w) {
+                    be.add_assign(row, bias);
+                }
             }
-            be.rope(&rope, &mut s.q, dim, 0, dim);
+            for r in 0..total {
+                s.q[r * qd..(r + 1) * qd].copy_from_slice(&s.qkv[r * qkv_w..r * qkv_w + qd]);
+            }
+            if let Some((qn, kn)) = &layer.qk_norm {
+                // Each head's vector normalized on its own, before RoPE. K is normalized in a
+                // copy and put back into the stacked rows.
+                s.heads.resize(total * qd, 0.0);
+                be.rms_norm(&s.q, qn, c.norm_eps, &mut s.heads);
+                std::mem::swap(&mut s.q, &mut s.heads);
+                s.heads.resize(total * kvd, 0.0);
+                for (r, k) in s.heads.chunks_exact_mut(kvd).enumerate() {
+                    k.copy_from_slice(&s.qkv[r * qkv_w + qd..][..kvd]);
+                }
+                let normed = &mut s.attn[..total * kvd];
+                be.rms_norm(&s.heads, kn, c.norm_eps, normed);
+                for (r, k) in normed.chunks_exact(kvd).enumerate() {
+                    s.qkv[r * qkv_w + qd..][..kvd].copy_from_slice(k);
+                }
+            }
+            let table = match (&rope_local, c.slides(li)) {
+                (Some(local), true) => local,
+                _ => &rope,
+            };
+            be.rope(table, &mut s.q, qd, 0, qd);
             // K is rotated in place inside the stacked rows.
-            be.rope(&rope, &mut s.qkv, qkv_w, dim, kvd);
+            be.rope(table, &mut s.qkv, qkv_w, qd, kvd);
             // Write each sequence's new K/V into its own pages (tag-checked).
             let mut row = 0;
             for (i, sq) in seqs.iter().enumerate() {
                 let (owner, table) = &tables[i];
                 for j in 0..sq.tokens.len() {
                     if results[i].is_ok() {
-                        let base = (row + j) * qkv_w + dim;
+                        let base = (row + j) * qkv_w + qd;
                         let (k, v) = s.qkv[base..base + 2 * kvd].split_at(kvd);
                         if let Err(e) = pool.write(li, *owner, table, sq.pos0 + j, k, v) {
                             results[i] = Err(e.into());
@@ -533,6 +895,7 @@ impl Model {
                 pool.layer(li),
                 pool.tags(),
                 &shape,
+                &c.attn_kind(li),
                 &attn_seqs,
                 &s.q,
                 &mut s.attn,
@@ -544,16 +907,29 @@ impl Model {
                     results[i] = Err(v.into());
                 }
             }
-            be.quantize(&mut s.acts, &s.attn, dim);
+            be.quantize(&mut s.acts, &s.attn, qd);
             be.matmul(&layer.wo, &s.acts, &mut s.proj);
-            be.add_assign(&mut s.x, &s.proj);
+            if let Some(w) = &layer.post_attn_norm {
+                be.rms_norm(&s.proj, w, c.norm_eps, &mut s.xn);
+                be.add_assign(&mut s.x, &s.xn);
+            } else {
+                be.add_assign(&mut s.x, &s.proj);
+            }
             be.rms_norm(&s.x, &layer.ffn_norm, c.norm_eps, &mut s.xn);
             be.quantize(&mut s.acts, &s.xn, dim);
             be.matmul(&layer.w_gate_up, &s.acts, &mut s.gate_up);
-            be.swiglu(&s.gate_up, ffn, &mut s.hidden);
+            match c.ffn_act {
+                FfnAct::Silu => be.swiglu(&s.gate_up, ffn, &mut s.hidden),
+                FfnAct::GeluTanh => be.geglu(&s.gate_up, ffn, &mut s.hidden),
+            }
             be.quantize(&mut s.acts, &s.hidden, ffn);
             be.matmul(&layer.w_down, &s.acts, &mut s.proj);
-            be.add_assign(&mut s.x, &s.proj);
+            if let Some(w) = &layer.post_ffn_norm {
+                be.rms_norm(&s.proj, w, c.norm_eps, &mut s.xn);
+                be.add_assign(&mut s.x, &s.xn);
+            } else {
+                be.add_assign(&mut s.x, &s.proj);
+            }
         }
         // Logits for the last token of each sequence that wants them and has not failed.
         let mut rows = Vec::new();
@@ -719,14 +1095,20 @@ mod tests {
                 "{e}"
             );
         }
+        // Linear rope scaling is implemented: its factor divides every angle.
+        let m = tiny(|w| w.kv("llama.rope.scaling.factor", Value::F32(8.0))).expect("linear scaling loads");
+        assert_eq!(m.config().rope_scale, 0.125);
+        // A head width other than the embedding's share is read, and the tensors must agree.
+        let e = refusal(|w| w.kv("llama.attention.key_length", Value::U32(32)));
+        assert!(e.contains("\"blk.0.attn_q.weight\"") && e.contains("expected [32, 64]"), "{e}");
+        // Other scaling types are refused by name.
+        let e = refusal(|w| w.kv("llama.rope.scaling.type", Value::String("yarn".into())));
+        assert!(e.contains("\"llama.rope.scaling.type\"") && e.contains("changes the computation"), "{e}");
         // Keys that change the computation.
         for (key, v) in [
-            ("llama.rope.scaling.type", Value::String("llama3".into())),
-            ("llama.rope.scaling.factor", Value::F32(8.0)),
             ("llama.attention.sliding_window", Value::U32(4096)),
             ("llama.attn_logit_softcapping", Value::F32(50.0)),
             ("llama.expert_count", Value::U32(8)),
-            ("llama.attention.key_length", Value::U32(32)),
         ] {
             let e = refusal(|w| w.kv(key, v));
             assert!(

@@ -11,7 +11,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use crate::ops::{axpy, exp_in_place};
-use crate::tag::{IsolationViolation, Owner, PageEntry, PageTag, TagCheck, check_pages};
+use crate::tag::{IsolationViolation, Owner, PageEntry, PageTag, TagCheck, check_page_range};
 
 /// Shape of the KV cache and of the attention heads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,32 @@ pub struct KvLayer<'a> {
     pub v: &'a [f16],
 }
 
+/// What one layer's attention computes beyond the shape: the score scale, and the window of
+/// earlier positions a query sees.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnKind {
+    /// Multiplies every query·key score (commonly `1/√head_dim`).
+    pub scale: f32,
+    /// A query at position `p` sees keys at `p − window < position ≤ p` (llama.cpp's standard
+    /// sliding window); `None` sees every earlier position.
+    pub window: Option<usize>,
+}
+
+impl AttnKind {
+    /// Full causal attention scaled by `1/√head_dim`.
+    pub fn causal(head_dim: usize) -> Self {
+        Self {
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            window: None,
+        }
+    }
+
+    /// The first position a query at `pos` sees.
+    pub fn first_visible(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
 /// One sequence's part of an attention batch.
 #[derive(Debug, Clone, Copy)]
 pub struct AttnSeq<'a> {
@@ -64,13 +90,16 @@ pub struct AttnSeq<'a> {
 ///
 /// `q` holds every sequence's new tokens' queries, in batch order (`Σ n_new` rows of
 /// `n_heads · head_dim`), already rotated; `out` receives the attention output in the same layout.
-/// Each sequence's new tokens attend to all its earlier positions and to themselves causally,
-/// reading `0..pos0+n_new` from its pages. Returns one result per sequence; a sequence whose tags
+/// Each sequence's new tokens attend to all its earlier positions (or those in `kind`'s window)
+/// and to themselves causally, reading `first..pos0+n_new` from its pages, where `first` is the
+/// first position its first new token sees: pages wholly before it are neither read nor checked. Returns one result per sequence; a sequence whose tags
 /// fail gets zeroed output rows and its violation.
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     kv: KvLayer<'_>,
     tags: &[PageTag],
     shape: &AttnShape,
+    kind: &AttnKind,
     seqs: &[AttnSeq<'_>],
     q: &[f32],
     out: &mut [f32],
@@ -82,7 +111,10 @@ pub fn paged_attention(
     assert!(shape.n_kv_heads > 0 && shape.n_heads.is_multiple_of(shape.n_kv_heads));
     let results: Vec<_> = seqs
         .iter()
-        .map(|s| check_pages(s.owner, s.pages, s.pos0 + s.n_new, shape.page_size, tags, check))
+        .map(|s| {
+            let from = kind.first_visible(s.pos0);
+            check_page_range(s.owner, s.pages, from, s.pos0 + s.n_new, shape.page_size, tags, check)
+        })
         .collect();
     // Tasks: (sequence, kv head, query range) for sequences whose pages passed. Each sequence's
     // queries are split into parts of equal causal work, as many as the pool needs to balance
@@ -104,7 +136,7 @@ pub fn paged_attention(
     }
     let outputs: Vec<Vec<f32>> = tasks
         .par_iter()
-        .map(|&(si, row0, h, a, b)| attend_one(kv, shape, &seqs[si], &q[row0 * qdim..], h, a, b))
+        .map(|&(si, row0, h, a, b)| attend_one(kv, shape, kind, &seqs[si], &q[row0 * qdim..], h, a, b))
         .collect();
     out.fill(0.0);
     let group = shape.n_heads / shape.n_kv_heads;
@@ -147,9 +179,11 @@ fn causal_split(pos0: usize, n: usize, parts: usize) -> Vec<usize> {
 
 /// One KV head's query group for queries `a..b` of one sequence; returns
 /// `(b−a) × group × head_dim` outputs.
+#[allow(clippy::too_many_arguments)]
 fn attend_one(
     kv: KvLayer<'_>,
     shape: &AttnShape,
+    kind: &AttnKind,
     s: &AttnSeq<'_>,
     q: &[f32],
     h: usize,
@@ -160,7 +194,7 @@ fn attend_one(
         /// Per-thread buffers (K transposed, V, queries, scores), reused across calls.
         static BUFS: std::cell::RefCell<Buffers> = std::cell::RefCell::new(Buffers::default());
     }
-    BUFS.with_borrow_mut(|bufs| attend_gathered(kv, shape, s, q, h, a, b, bufs))
+    BUFS.with_borrow_mut(|bufs| attend_gathered(kv, shape, kind, s, q, h, a, b, bufs))
 }
 
 #[derive(Default)]
@@ -187,6 +221,7 @@ const KEY_BLOCK: usize = 16;
 fn attend_gathered(
     kv: KvLayer<'_>,
     shape: &AttnShape,
+    kind: &AttnKind,
     s: &AttnSeq<'_>,
     q: &[f32],
     h: usize,
@@ -199,42 +234,45 @@ fn attend_gathered(
     let ps = shape.page_size;
     let group = shape.n_heads / shape.n_kv_heads;
     let qdim = shape.n_heads * hd;
-    let scale = 1.0 / (hd as f32).sqrt();
-    // Positions the range's last query can see.
-    let ld = (s.pos0 + b).div_ceil(KEY_BLOCK) * KEY_BLOCK;
+    let scale = kind.scale;
+    // Keys are gathered from the first position the range's first query sees (`base`, 0 without
+    // a window) to the last one its last query sees; buffers are indexed from `base`.
+    let base = kind.first_visible(s.pos0 + a);
+    let ld = (s.pos0 + b - base).div_ceil(KEY_BLOCK) * KEY_BLOCK;
     // Decode (a query or two per head group): transposing K costs more than the scores it
     // speeds up, so keys stay in rows and each score is one dot product.
     let by_rows = (b - a) * group <= ROW_MAJOR_ROWS;
     if by_rows {
-        bufs.kt.resize((s.pos0 + b) * hd, 0.0);
+        bufs.kt.resize((s.pos0 + b - base) * hd, 0.0);
     } else {
         bufs.kt.clear();
         bufs.kt.resize(hd * ld, 0.0);
     }
-    bufs.vals.resize((s.pos0 + b) * hd, 0.0);
+    bufs.vals.resize((s.pos0 + b - base) * hd, 0.0);
     bufs.row.resize(hd, 0.0);
     let mut out = vec![0f32; (b - a) * group * hd];
-    let mut gathered = 0;
+    let mut gathered = base;
     for c0 in (a..b).step_by(QCHUNK) {
         let c1 = (c0 + QCHUNK).min(b);
         let ctx = s.pos0 + c1;
         for pos in gathered..ctx {
             let e = s.pages[pos / ps];
             let at = (e.page as usize * ps + pos % ps) * kvd + h * hd;
+            let j = pos - base;
             if by_rows {
                 half::slice::HalfFloatSliceExt::convert_to_f32_slice(
                     &kv.k[at..at + hd],
-                    &mut bufs.kt[pos * hd..(pos + 1) * hd],
+                    &mut bufs.kt[j * hd..(j + 1) * hd],
                 );
             } else {
                 half::slice::HalfFloatSliceExt::convert_to_f32_slice(&kv.k[at..at + hd], &mut bufs.row);
                 for (d, &k) in bufs.row.iter().enumerate() {
-                    bufs.kt[d * ld + pos] = k;
+                    bufs.kt[d * ld + j] = k;
                 }
             }
             half::slice::HalfFloatSliceExt::convert_to_f32_slice(
                 &kv.v[at..at + hd],
-                &mut bufs.vals[pos * hd..(pos + 1) * hd],
+                &mut bufs.vals[j * hd..(j + 1) * hd],
             );
         }
         gathered = ctx;
@@ -249,11 +287,11 @@ fn attend_gathered(
             }
         }
         let rows = (c1 - c0) * group;
-        let cols = ctx.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+        let cols = (ctx - base).div_ceil(KEY_BLOCK) * KEY_BLOCK;
         bufs.scores.resize(rows * cols, 0.0);
         if by_rows {
             for (qr, out) in bufs.qs.chunks_exact(hd).zip(bufs.scores.chunks_exact_mut(cols)) {
-                for (o, k) in out.iter_mut().zip(bufs.kt[..ctx * hd].chunks_exact(hd)) {
+                for (o, k) in out.iter_mut().zip(bufs.kt[..(ctx - base) * hd].chunks_exact(hd)) {
                     *o = score_dot(qr, k);
                 }
             }
@@ -261,10 +299,12 @@ fn attend_gathered(
             scores(&bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
         }
         for r in 0..rows {
-            let visible = s.pos0 + c0 + r / group + 1;
-            let sc = &mut bufs.scores[r * cols..r * cols + visible];
+            // Query `c0 + r/group` at position `p` sees `first..=p`.
+            let p = s.pos0 + c0 + r / group;
+            let first = kind.first_visible(p) - base;
+            let sc = &mut bufs.scores[r * cols + first..r * cols + p + 1 - base];
             let o = &mut out[((c0 - a) * group + r) * hd..][..hd];
-            softmax_v_f16(sc, &mut bufs.rise_at, &mut bufs.rise_by, &bufs.vals, o);
+            softmax_v_f16(sc, &mut bufs.rise_at, &mut bufs.rise_by, &bufs.vals[first * hd..], o);
         }
     }
     out
@@ -609,8 +649,16 @@ mod tests {
         }
     }
 
-    /// Dense causal attention over the positions gathered in order through the page table.
-    fn dense(f: &Fixture, pages: &[PageEntry], pos0: usize, n_new: usize, q: &[f32]) -> Vec<f32> {
+    /// Dense causal attention over the positions gathered in order through the page table, each
+    /// query seeing the `window` positions up to its own (all of them without one).
+    fn dense(
+        f: &Fixture,
+        pages: &[PageEntry],
+        pos0: usize,
+        n_new: usize,
+        q: &[f32],
+        window: Option<usize>,
+    ) -> Vec<f32> {
         let AttnShape {
             n_heads,
             n_kv_heads,
@@ -629,7 +677,8 @@ mod tests {
                 let h = hq / (n_heads / n_kv_heads);
                 let qr = &q[(i * n_heads + hq) * hd..][..hd];
                 let vis = pos0 + i + 1;
-                let mut s: Vec<f64> = (0..vis)
+                let first = window.map_or(0, |w| vis.saturating_sub(w));
+                let mut s: Vec<f64> = (first..vis)
                     .map(|j| {
                         row(&f.k, j, h)
                             .iter()
@@ -647,7 +696,7 @@ mod tests {
                         *x
                     })
                     .sum();
-                for (j, p) in s.iter().enumerate() {
+                for (j, p) in (first..vis).zip(&s) {
                     for (d, v) in row(&f.v, j, h).iter().enumerate() {
                         out[(i * n_heads + hq) * hd + d] += (p / z * *v as f64) as f32;
                     }
@@ -663,6 +712,7 @@ mod tests {
         fn paged_equals_dense(
             kv_heads in 1usize..4, group in 1usize..4, hd in prop::sample::select(vec![4usize, 8, 12, 16, 64, 128]), ps in 1usize..9,
             pos0 in 0usize..40, n_new in 1usize..100, perm_seed in 0u64..1000,
+            window in prop::option::of(1usize..50),
         ) {
             let shape = AttnShape { n_heads: kv_heads * group, n_kv_heads: kv_heads, head_dim: hd, page_size: ps };
             let positions = pos0 + n_new;
@@ -679,9 +729,10 @@ mod tests {
             let q: Vec<f32> = (0..n_new * shape.n_heads * shape.head_dim).map(|i| val(i, 3)).collect();
             let mut out = vec![0f32; q.len()];
             let seqs = [AttnSeq { owner: o(7), pages: &table, pos0, n_new }];
-            let r = paged_attention(KvLayer { k: &f.k, v: &f.v }, &f.tags, &shape, &seqs, &q, &mut out, TagCheck::Enforce);
+            let kind = AttnKind { window, ..AttnKind::causal(hd) };
+            let r = paged_attention(KvLayer { k: &f.k, v: &f.v }, &f.tags, &shape, &kind, &seqs, &q, &mut out, TagCheck::Enforce);
             prop_assert!(r[0].is_ok());
-            let want = dense(&f, &table, pos0, n_new, &q);
+            let want = dense(&f, &table, pos0, n_new, &q, window);
             // The running output is kept in f16 (as llama.cpp keeps it) and rounded at every
             // position it takes in: its error grows like the square root of the positions (9 f16
             // ulps at 117, a case proptest found); reading a wrong page or slot is off by O(1).
@@ -736,6 +787,7 @@ mod tests {
             KvLayer { k: &f.k, v: &f.v },
             &f.tags,
             &SHAPE,
+            &AttnKind::causal(SHAPE.head_dim),
             &seqs,
             &q,
             &mut out,
@@ -760,6 +812,59 @@ mod tests {
             })
         );
         assert!(out.iter().all(|&x| x == 0.0));
+    }
+
+    /// A sliding window reads no page wholly before its first query's window, and checks none:
+    /// a foreign page there fails full attention but not windowed attention, whose output
+    /// depends only on the pages in the window.
+    #[test]
+    fn a_window_neither_reads_nor_checks_pages_before_it() {
+        let mut f = Fixture::new(SHAPE, 4);
+        f.give(&[0], 2, 4); // another tenant's page where positions 0..4 would be
+        let mine = f.give(&[1, 2], 1, 8);
+        let table = [PageEntry::own(0, 0), mine[0], mine[1]];
+        let q = vec![0.5f32; 16];
+        let attend = |kind: AttnKind, f: &Fixture| {
+            let seqs = [AttnSeq {
+                owner: o(1),
+                pages: &table,
+                pos0: 11,
+                n_new: 1,
+            }];
+            let mut out = vec![0f32; 16];
+            let r = paged_attention(
+                KvLayer { k: &f.k, v: &f.v },
+                &f.tags,
+                &SHAPE,
+                &kind,
+                &seqs,
+                &q,
+                &mut out,
+                TagCheck::Enforce,
+            );
+            (r[0].clone(), out)
+        };
+        let (full, _) = attend(AttnKind::causal(SHAPE.head_dim), &f);
+        assert!(matches!(full, Err(IsolationViolation::ForeignOwner { page: 0, .. })));
+        // Position 11 with a window of 8 sees 4..=11: pages 1 and 2 only.
+        let windowed = AttnKind {
+            window: Some(8),
+            ..AttnKind::causal(SHAPE.head_dim)
+        };
+        let (r, out) = attend(windowed, &f);
+        assert_eq!(r, Ok(()));
+        // Changing the page before the window changes nothing.
+        f.k[..SHAPE.page_elems()].fill(f16::from_f32(9.0));
+        assert_eq!(attend(windowed, &f).1, out);
+        // A window of 9 reaches position 3, on page 0: refused.
+        let (r, _) = attend(
+            AttnKind {
+                window: Some(9),
+                ..windowed
+            },
+            &f,
+        );
+        assert!(matches!(r, Err(IsolationViolation::ForeignOwner { page: 0, .. })));
     }
 
     #[test]
@@ -795,6 +900,7 @@ mod tests {
             KvLayer { k: &f.k, v: &f.v },
             &f.tags,
             &shape,
+            &AttnKind::causal(shape.head_dim),
             &seqs,
             &q,
             &mut out,
@@ -836,6 +942,7 @@ mod tests {
             KvLayer { k: &f.k, v: &f.v },
             &f.tags,
             &SHAPE,
+            &AttnKind::causal(SHAPE.head_dim),
             &seqs,
             &q,
             &mut out,
@@ -849,9 +956,9 @@ mod tests {
     #[test]
     fn short_table_and_bad_index_are_errors_even_unchecked() {
         let f = Fixture::new(SHAPE, 2);
-        let r = check_pages(o(1), &[PageEntry::own(9, 0)], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
+        let r = crate::tag::check_pages(o(1), &[PageEntry::own(9, 0)], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
         assert_eq!(r, Err(IsolationViolation::NoSuchPage { page: 9, pages: 2 }));
-        let r = check_pages(o(1), &[], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
+        let r = crate::tag::check_pages(o(1), &[], 2, 4, &f.tags, TagCheck::SkipForBenchmark);
         assert!(matches!(r, Err(IsolationViolation::ShortPageTable { .. })));
     }
 }

@@ -5,7 +5,7 @@
 //! behind the `cuda` feature) slots in by implementing it. Every backend's attention checks page tags
 //! exactly as [`crate::tag::check_pages`] does (invariant 2).
 
-use crate::attention::{AttnSeq, AttnShape, KvLayer};
+use crate::attention::{AttnKind, AttnSeq, AttnShape, KvLayer};
 use crate::matmul::{QActs, QMatrix};
 use crate::ops::{Rope, RopeTable};
 use crate::quant::GgmlType;
@@ -32,6 +32,8 @@ pub trait Backend: Send + Sync {
     fn rope(&self, table: &RopeTable, x: &mut [f32], stride: usize, offset: usize, width: usize);
     /// `silu(gate) · up` for rows of `[gate | up]`.
     fn swiglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]);
+    /// `gelu(gate) · up` for rows of `[gate | up]` (see [`crate::ops::geglu`]).
+    fn geglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]);
     /// Tag-checked causal paged attention (see [`crate::attention::paged_attention`]).
     #[allow(clippy::too_many_arguments)]
     fn attention(
@@ -39,6 +41,7 @@ pub trait Backend: Send + Sync {
         kv: KvLayer<'_>,
         tags: &[PageTag],
         shape: &AttnShape,
+        kind: &AttnKind,
         seqs: &[AttnSeq<'_>],
         q: &[f32],
         out: &mut [f32],
@@ -92,16 +95,21 @@ impl Backend for CpuBackend {
         crate::ops::swiglu(gate_up, width, out)
     }
 
+    fn geglu(&self, gate_up: &[f32], width: usize, out: &mut [f32]) {
+        crate::ops::geglu(gate_up, width, out)
+    }
+
     fn attention(
         &self,
         kv: KvLayer<'_>,
         tags: &[PageTag],
         shape: &AttnShape,
+        kind: &AttnKind,
         seqs: &[AttnSeq<'_>],
         q: &[f32],
         out: &mut [f32],
         check: TagCheck,
     ) -> Vec<Result<(), IsolationViolation>> {
-        crate::attention::paged_attention(kv, tags, shape, seqs, q, out, check)
+        crate::attention::paged_attention(kv, tags, shape, kind, seqs, q, out, check)
     }
 }

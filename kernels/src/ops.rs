@@ -6,6 +6,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use half::f16;
 use rayon::prelude::*;
 
 /// Whether the AVX2 paths may run (avx2, fma and f16c all present; checked once).
@@ -199,6 +200,7 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub struct Rope {
     head_dim: usize,
     inv_freq: Vec<f32>,
+    neox: bool,
 }
 
 impl Rope {
@@ -208,7 +210,29 @@ impl Rope {
         let inv_freq = (0..rot_dim / 2)
             .map(|i| base.powf(-2.0 * i as f32 / rot_dim as f32))
             .collect();
-        Self { head_dim, inv_freq }
+        Self {
+            head_dim,
+            inv_freq,
+            neox: false,
+        }
+    }
+
+    /// Multiplies every angle by `scale` (llama.cpp's `freq_scale`: 1 / the factor of linear
+    /// RoPE scaling).
+    pub fn scaled(mut self, scale: f32) -> Self {
+        if scale != 1.0 {
+            for f in &mut self.inv_freq {
+                *f *= scale;
+            }
+        }
+        self
+    }
+
+    /// Rotates pairs `(x[i], x[i + rot_dim/2])` instead of adjacent ones: llama.cpp's NEOX
+    /// RoPE, which Qwen and Gemma files expect.
+    pub fn neox(mut self) -> Self {
+        self.neox = true;
+        self
     }
 
     /// As [`new`](Self::new), with each pair's frequency divided by its factor: llama.cpp's rope
@@ -241,6 +265,7 @@ impl Rope {
         RopeTable {
             head_dim: self.head_dim,
             pairs: self.inv_freq.len(),
+            neox: self.neox,
             cs,
         }
     }
@@ -257,6 +282,7 @@ impl Rope {
 pub struct RopeTable {
     head_dim: usize,
     pairs: usize,
+    neox: bool,
     /// `[cos, sin]` per row and pair.
     cs: Vec<[f32; 2]>,
 }
@@ -269,7 +295,7 @@ impl RopeTable {
 
     /// Rotates adjacent pairs `(x[2i], x[2i+1])` of every head in `offset..offset+width` of each
     /// row of `x` (rows `stride` apart, one per table row) — llama.cpp's "normal" RoPE, as GGUF
-    /// llama models expect.
+    /// llama models expect — or, for a [`Rope::neox`] table, pairs `(x[i], x[i + pairs])`.
     ///
     /// # Panics
     /// If `x` is not one `stride`-long row per table row, or the heads do not fit the rows.
@@ -285,15 +311,62 @@ impl RopeTable {
             for (r, row) in rows.chunks_exact_mut(stride).enumerate() {
                 let cs = &self.cs[(r0 + r) * self.pairs..][..self.pairs];
                 for head in row[offset..offset + width].chunks_exact_mut(self.head_dim) {
+                    let n = self.pairs;
                     for (i, &[c, s]) in cs.iter().enumerate() {
-                        let (a, b) = (head[2 * i], head[2 * i + 1]);
-                        head[2 * i] = a * c - b * s;
-                        head[2 * i + 1] = a * s + b * c;
+                        let (ia, ib) = if self.neox { (i, i + n) } else { (2 * i, 2 * i + 1) };
+                        let (a, b) = (head[ia], head[ib]);
+                        head[ia] = a * c - b * s;
+                        head[ib] = a * s + b * c;
                     }
                 }
             }
         });
     }
+}
+
+/// GELU's tanh approximation, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`, in f32 as ggml
+/// writes it.
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const COEF_A: f32 = 0.044715;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+}
+
+/// GELU of every f16 value, rounded to f16: the table llama.cpp's CPU backend looks GELU up in.
+fn gelu_table() -> &'static [f16] {
+    static TABLE: std::sync::OnceLock<Vec<f16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|b| f16::from_f32(gelu_tanh(f16::from_bits(b).to_f32())))
+            .collect()
+    })
+}
+
+/// `out[i] = gelu(gate[i]) · up[i]` where each row of `gate_up` is `[gate | up]`, `width` each
+/// (Gemma's GeGLU), computed as llama.cpp's CPU backend does: 0 at or below −10, the identity at
+/// or above 10, and between them GELU of the gate rounded to f16, looked up in a table of f16
+/// results.
+pub fn geglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    assert!(gate_up.len() == 2 * out.len() && out.len().is_multiple_of(width));
+    let table = gelu_table();
+    par_rows(out, width, |r0, out| {
+        for (gu, o) in gate_up[r0 * 2 * width..]
+            .chunks_exact(2 * width)
+            .zip(out.chunks_exact_mut(width))
+        {
+            let (g, u) = gu.split_at(width);
+            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+                let gelu = if gi <= -10.0 {
+                    0.0
+                } else if gi >= 10.0 {
+                    gi
+                } else {
+                    table[f16::from_f32(gi).to_bits() as usize].to_f32()
+                };
+                *oi = gelu * ui;
+            }
+        }
+    });
 }
 
 /// `out[i] = silu(gate[i]) · up[i]` where each row of `gate_up` is `[gate | up]`, `width` each.
@@ -506,6 +579,45 @@ mod tests {
         // First pair rotates by 7 radians.
         let (s, c) = 7f32.sin_cos();
         assert!((x[0] - (c - 2.0 * s)).abs() < 1e-5);
+    }
+
+    /// NEOX RoPE rotates element i with element i + rot/2 (llama.cpp's `rope_neox`), by the same
+    /// angles the normal kind gives pair i.
+    #[test]
+    fn neox_rope_pairs_the_halves() {
+        let (normal, neox) = (Rope::new(8, 6, 100.0), Rope::new(8, 6, 100.0).neox());
+        let x: Vec<f32> = (0..8).map(|i| i as f32 + 1.0).collect();
+        let (mut a, mut b) = (x.clone(), x.clone());
+        normal.apply(&mut a, 8, &[5]);
+        neox.apply(&mut b, 8, &[5]);
+        for i in 0..3 {
+            // Pair i: normal (2i, 2i+1), neox (i, i+3), from the same starting values.
+            let (mut c, mut d) = (x.clone(), x.clone());
+            (c[2 * i], c[2 * i + 1]) = (x[i], x[i + 3]);
+            normal.apply(&mut c, 8, &[5]);
+            (d[i], d[i + 3]) = (c[2 * i], c[2 * i + 1]);
+            assert_eq!((b[i], b[i + 3]), (d[i], d[i + 3]), "pair {i}");
+        }
+        assert_eq!(&b[6..], &x[6..], "dimensions past the rotary ones stay");
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn geglu_is_gelu_tanh_of_the_gate_times_up() {
+        let gate = [-12.0f32, -1.0, 0.0, 0.5, 3.0, 11.0];
+        let mut gu = gate.to_vec();
+        gu.extend_from_slice(&[2.0; 6]);
+        let mut out = [0f32; 6];
+        geglu(&gu, 6, &mut out);
+        // tanh-GELU values (PyTorch's gelu(approximate="tanh")), to f16 precision.
+        let want = [0.0f32, -0.158_808, 0.0, 0.345_714, 2.996_363, 11.0];
+        for ((o, w), g) in out.iter().zip(want).zip(gate) {
+            assert!(
+                (o - 2.0 * w).abs() <= 2.0 * 1e-3 * w.abs().max(1e-3),
+                "gelu({g}) = {}",
+                o / 2.0
+            );
+        }
     }
 
     #[test]

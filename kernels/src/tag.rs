@@ -218,6 +218,20 @@ pub fn check_pages(
     tags: &[PageTag],
     check: TagCheck,
 ) -> Result<(), IsolationViolation> {
+    check_page_range(owner, pages, 0, positions, page_size, tags, check)
+}
+
+/// Checks every page a read of positions `from..positions` touches (a sliding window reads no
+/// page wholly before `from`, and checks none).
+pub fn check_page_range(
+    owner: Owner,
+    pages: &[PageEntry],
+    from: usize,
+    positions: usize,
+    page_size: usize,
+    tags: &[PageTag],
+    check: TagCheck,
+) -> Result<(), IsolationViolation> {
     // Without the bench feature, enforcing is the only way there is.
     #[cfg(not(feature = "bench-tags-off"))]
     let TagCheck::Enforce = check;
@@ -228,7 +242,8 @@ pub fn check_pages(
             positions,
         });
     }
-    for (j, e) in pages[..need].iter().enumerate() {
+    let first = (from / page_size).min(need);
+    for (j, e) in pages[..need].iter().enumerate().skip(first) {
         let tag = tags.get(e.page as usize).ok_or(IsolationViolation::NoSuchPage {
             page: e.page,
             pages: tags.len(),

@@ -12,7 +12,7 @@ use warden_kernels::tag::{TagCheck, check_pages};
 use super::request::{GenerateRequest, Outcome, RequestId, Usage};
 use super::{Engine, EngineConfig, Event, TenantSettings};
 use crate::kv::KvPool;
-use crate::model::{Forward, LlamaConfig, Scratch, StepError, StepSeq};
+use crate::model::{Forward, ModelConfig, Scratch, StepError, StepSeq};
 use crate::testutil::{IdDetok, tenant};
 
 const VOCAB: usize = 64;
@@ -20,13 +20,13 @@ const PAGE: usize = 4;
 
 /// A model with the real one's interface and none of its weights.
 struct Stand {
-    cfg: LlamaConfig,
+    cfg: ModelConfig,
 }
 
 impl Stand {
     fn new() -> Self {
         Self {
-            cfg: LlamaConfig {
+            cfg: ModelConfig {
                 n_layers: 1,
                 dim: 8,
                 n_heads: 1,
@@ -39,13 +39,20 @@ impl Stand {
                 rope_dim: 4,
                 norm_eps: 1e-5,
                 tied_embeddings: true,
+                arch: crate::model::Arch::Llama,
+                rope_scale: 1.0,
+                rope_neox: false,
+                attn_scale: 0.5,
+                embed_scale: None,
+                ffn_act: crate::model::FfnAct::Silu,
+                sliding: None,
             },
         }
     }
 }
 
 impl Forward for Stand {
-    fn config(&self) -> &LlamaConfig {
+    fn config(&self) -> &ModelConfig {
         &self.cfg
     }
 
