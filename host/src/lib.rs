@@ -44,3 +44,7 @@ mod testutil;
 
 /// Where `scripts/fetch-model.sh` puts the default model, relative to the checkout.
 pub const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where `scripts/fetch-model.sh` puts Gemma 3 270M Q4_K_M (the K-quant, sliding-window model
+/// the tests run), relative to the checkout.
+pub const GEMMA_MODEL: &str = "models/gemma-3-270m.Q4_K_M.gguf";

@@ -275,20 +275,21 @@ fn run(command: Command) -> anyhow::Result<()> {
             stop,
         } => {
             let l = LoadedModel::open(&model)?;
-            let text = if chat {
+            let prompt_tokens = if chat {
                 let t = l
                     .chat
                     .as_ref()
                     .context("the model has no chat template (tokenizer.chat_template)")?;
-                t.render(
+                let text = t.render(
                     &[ChatMessage {
                         role: "user".into(),
                         content: prompt,
                     }],
                     true,
-                )?
+                )?;
+                l.tokenizer.encode_chat(&text)
             } else {
-                prompt
+                l.tokenizer.encode(&prompt, true)
             };
             let sampling = SamplingParams {
                 temperature,
@@ -306,7 +307,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             };
             let req = GenerateRequest {
                 owner: CLI_TENANT,
-                prompt: l.tokenizer.encode(&text, true),
+                prompt: prompt_tokens,
                 sampling,
                 max_tokens,
                 stop,
@@ -403,7 +404,11 @@ fn bench_prompt(tok: &Tokenizer, n: usize) -> Vec<u32> {
 
 fn generate(l: &LoadedModel, req: GenerateRequest) -> anyhow::Result<()> {
     let prompt_tokens = req.prompt.len();
-    let mut engine = Engine::new(l.model.clone(), l.tokenizer.clone(), EngineConfig::for_model(&l.model))?;
+    // One request: the pool need only hold it, not the model's whole trained context.
+    let mut cfg = EngineConfig::for_model(&l.model);
+    let need = (prompt_tokens + req.max_tokens).next_multiple_of(cfg.page_size);
+    cfg.max_context = cfg.max_context.min(need.max(cfg.page_size));
+    let mut engine = Engine::new(l.model.clone(), l.tokenizer.clone(), cfg)?;
     let t0 = Instant::now();
     req.validate(&engine.limits())
         .and_then(|req| engine.submit(req))

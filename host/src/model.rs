@@ -1100,10 +1100,16 @@ mod tests {
         assert_eq!(m.config().rope_scale, 0.125);
         // A head width other than the embedding's share is read, and the tensors must agree.
         let e = refusal(|w| w.kv("llama.attention.key_length", Value::U32(32)));
-        assert!(e.contains("\"blk.0.attn_q.weight\"") && e.contains("expected [32, 64]"), "{e}");
+        assert!(
+            e.contains("\"blk.0.attn_q.weight\"") && e.contains("expected [32, 64]"),
+            "{e}"
+        );
         // Other scaling types are refused by name.
         let e = refusal(|w| w.kv("llama.rope.scaling.type", Value::String("yarn".into())));
-        assert!(e.contains("\"llama.rope.scaling.type\"") && e.contains("changes the computation"), "{e}");
+        assert!(
+            e.contains("\"llama.rope.scaling.type\"") && e.contains("changes the computation"),
+            "{e}"
+        );
         // Keys that change the computation.
         for (key, v) in [
             ("llama.attention.sliding_window", Value::U32(4096)),

@@ -41,6 +41,67 @@ pub fn tokenizer() -> Arc<crate::tokenizer::Tokenizer> {
     .clone()
 }
 
+/// Gemma 3 270M Q4_K_M (fetched beside the default model by `scripts/fetch-model.sh`) and its
+/// tokenizer, loaded once per test binary. Fails (never skips) when the file is missing.
+pub fn gemma() -> (Arc<Model>, Arc<crate::tokenizer::Tokenizer>) {
+    static GEMMA: OnceLock<(Arc<Model>, Arc<crate::tokenizer::Tokenizer>)> = OnceLock::new();
+    GEMMA
+        .get_or_init(|| {
+            let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("..")
+                .join(crate::GEMMA_MODEL);
+            if !p.exists() {
+                panic!("model missing at {}: run scripts/fetch-model.sh", p.display());
+            }
+            let g = crate::gguf::Gguf::open(&p).unwrap_or_else(|e| panic!("opening {}: {e}", p.display()));
+            let model = Model::from_gguf(&g).unwrap_or_else(|e| panic!("loading {}: {e}", p.display()));
+            let tok = crate::tokenizer::Tokenizer::from_gguf(&g).expect("gemma's tokenizer");
+            (Arc::new(model), Arc::new(tok))
+        })
+        .clone()
+}
+
+/// One prompt of the Gemma oracle (`scripts/gemma-oracle.py`).
+#[derive(Debug, Deserialize)]
+pub struct GemmaPrompt {
+    /// The prompt text (special tokens written out).
+    pub prompt: String,
+    /// llama.cpp's tokenization of it, BOS first.
+    pub prompt_tokens: Vec<u32>,
+    /// Each greedy position: llama.cpp's token and its top five `(id, logprob)`.
+    pub steps: Vec<GemmaStep>,
+}
+
+/// One generated position of the Gemma oracle.
+#[derive(Debug, Deserialize)]
+pub struct GemmaStep {
+    /// The token llama.cpp chose.
+    pub id: u32,
+    /// Its five most likely tokens and their log-probabilities, most likely first.
+    pub top5: Vec<(u32, f32)>,
+}
+
+/// The Gemma oracle's prompts, by name: llama.cpp with its default (flash) attention, and with
+/// flash attention off.
+pub fn gemma_oracle() -> (
+    std::collections::BTreeMap<String, GemmaPrompt>,
+    std::collections::BTreeMap<String, GemmaPrompt>,
+) {
+    #[derive(Deserialize)]
+    struct File {
+        prompts: std::collections::BTreeMap<String, GemmaPrompt>,
+    }
+    let parse = |text: &str| -> std::collections::BTreeMap<String, GemmaPrompt> {
+        serde_json::from_str::<File>(text)
+            .expect("the Gemma oracle fixture parses")
+            .prompts
+    };
+    (
+        parse(include_str!("../tests/fixtures/gemma3-270m-q4_k_m-greedy.json")),
+        parse(include_str!("../tests/fixtures/gemma3-270m-q4_k_m-greedy-fa-off.json")),
+    )
+}
+
 /// A detokenizer that needs no vocabulary: token `id` reads as `<id>`, and SmolLM2's
 /// end-of-generation ids end generation.
 pub struct IdDetok;

@@ -940,6 +940,17 @@ impl Tokenizer {
         }
     }
 
+    /// Token ids for a rendered chat prompt (special tokens parsed). A template that writes the
+    /// BOS token's text itself (Gemma's does) gets no second BOS: when this tokenizer adds BOS,
+    /// a leading BOS text is dropped first, as llama.cpp's chat code does.
+    pub fn encode_chat(&self, text: &str) -> Vec<u32> {
+        let bos_text = self.bos.filter(|_| self.add_bos).and_then(|b| self.token_text(b));
+        match bos_text.and_then(|b| text.strip_prefix(b)) {
+            Some(rest) if bos_text.is_some_and(|b| !b.is_empty()) => self.encode(rest, true),
+            _ => self.encode(text, true),
+        }
+    }
+
     /// Token ids for `text`, with BOS first when [`Tokenizer::add_bos`].
     ///
     /// With `parse_special`, control tokens written literally in `text` (such as `<|im_start|>`)

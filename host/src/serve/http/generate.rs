@@ -240,7 +240,7 @@ async fn prepare(
                 let text = template
                     .render(&messages, true)
                     .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
-                Ok(tk.encode(&text, true))
+                Ok(tk.encode_chat(&text))
             })
             .await?
         }
