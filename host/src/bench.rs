@@ -124,6 +124,10 @@ pub fn run(
         ec.tag_check = check;
         ec.prefix_cache = prefix_cache;
         ec.max_batch_tokens = ec.max_batch_tokens.max(cfg.prefill_prompt.len());
+        // The longest sequence the bench runs, not the model's whole trained context, sizes the
+        // context limit (the pool keeps its memory budget).
+        let longest = (cfg.prefill_prompt.len() + 1).max(DECODE_PROMPT + cfg.decode_tokens);
+        ec.max_context = ec.max_context.min(longest.next_multiple_of(ec.page_size));
         // Throughput, not latency: steps are bounded by tokens alone, so how the step-cost
         // model happens to fit on a busy machine neither cuts the prompt into chunks nor
         // spreads the decode batch's prompts over several steps.
@@ -181,7 +185,7 @@ pub fn run(
         model.config().n_layers,
         EngineConfig::for_model(&model).page_size,
         k,
-        16 + cfg.decode_tokens,
+        DECODE_PROMPT + cfg.decode_tokens,
         k as f64 / fig * 1e9,
     );
     Ok(BenchReport {
@@ -299,10 +303,15 @@ fn prefill(e: &mut Engine, prompt: &[u32]) -> Duration {
 }
 
 /// Time for `k` sequences to generate their tokens after the first (the decode steps alone).
+/// Tokens of each decode figure's prompt.
+const DECODE_PROMPT: usize = 16;
+
 fn decode(e: &mut Engine, k: usize, tokens: usize) -> Duration {
     for i in 0..k {
         // Short, distinct prompts: the figure is about decode, not prefill.
-        let prompt: Vec<u32> = (0..16).map(|j| 1000 + (i * 16 + j) as u32).collect();
+        let prompt: Vec<u32> = (0..DECODE_PROMPT)
+            .map(|j| 1000 + (i * DECODE_PROMPT + j) as u32)
+            .collect();
         let mut req = GenerateRequest::greedy(bench_tenant(1 + i as u64), prompt, tokens);
         req.ignore_eos = true;
         let req = req.validate(&e.limits()).expect("the bench request fits the engine");

@@ -382,24 +382,33 @@ fn softmax_v_f16(sc: &mut [f32], rise_at: &mut Vec<usize>, rise_by: &mut Vec<f32
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if crate::ops::has_avx2() {
-        // SAFETY (both): avx2, fma and f16c were detected at run time; `vals` holds `sc.len()`
-        // rows of `hd`; `rise_at` is increasing, starts at 0 and ends below `sc.len()`.
-        match hd {
-            64 => return unsafe { simd::accumulate_f16::<8>(sc, rise_at, rise_by, vals, sum, out) },
-            128 => return unsafe { simd::accumulate_f16::<16>(sc, rise_at, rise_by, vals, sum, out) },
-            _ => {}
+    if crate::ops::has_avx2() && hd.is_multiple_of(64) {
+        // Every element of the output is computed on its own, so heads of any multiple of 64
+        // go 64 columns (eight registers of sums) at a time.
+        for c in (0..hd).step_by(64) {
+            // SAFETY: avx2, fma and f16c were detected at run time; `vals[c..]` holds `sc.len()`
+            // rows `hd` apart with 64 values from each; `rise_at` is increasing, starts at 0
+            // and ends below `sc.len()`.
+            unsafe { simd::accumulate_f16::<8>(sc, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 64]) };
         }
+        return;
     }
+    accumulate_f16(sc, rise_at, rise_by, vals, sum, out);
+}
+
+/// The weighted sum of [`softmax_v_f16`] with its running output in f16, element by element (the
+/// reference its SIMD path is tested against).
+fn accumulate_f16(w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], sum: f32, out: &mut [f32]) {
+    let hd = out.len();
     let mut acc = vec![f16::ZERO; hd];
     for (k, &start) in rise_at.iter().enumerate() {
-        let end = rise_at.get(k + 1).copied().unwrap_or(sc.len());
+        let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
         for a in acc.iter_mut() {
             *a = f16::from_f32(a.to_f32() * rise_by[k]);
         }
         for j in start..end {
             for (a, &x) in acc.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
-                *a = f16::from_f32(a.to_f32() + x * sc[j]);
+                *a = f16::from_f32(a.to_f32() + x * w[j]);
             }
         }
     }
@@ -563,18 +572,20 @@ mod simd {
     /// f16 accumulator.
     ///
     /// # Safety
-    /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows of `8·NV`; `rise_at`
-    /// is increasing and below `w.len()`, as long as `rise_by`.
+    /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows `stride` apart, each
+    /// at least `8·NV` long, and `out` is `8·NV` long; `rise_at` is increasing and below
+    /// `w.len()`, as long as `rise_by`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn accumulate_f16<const NV: usize>(
         w: &[f32],
         rise_at: &[usize],
         rise_by: &[f32],
         vals: &[f32],
+        stride: usize,
         sum: f32,
         out: &mut [f32],
     ) {
-        let hd = 8 * NV;
+        assert!(out.len() == 8 * NV && (w.is_empty() || (w.len() - 1) * stride + 8 * NV <= vals.len()));
         let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v));
         let mut acc = [_mm256_setzero_ps(); NV];
         // SAFETY (pointer accesses): j < w.len() and row j is inside `vals`; `out` is hd long.
@@ -587,7 +598,7 @@ mod simd {
                 }
                 for j in start..end {
                     let wv = _mm256_set1_ps(*w.get_unchecked(j));
-                    let row = vals.as_ptr().add(j * hd);
+                    let row = vals.as_ptr().add(j * stride);
                     for (i, a) in acc.iter_mut().enumerate() {
                         // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
                         *a = round(_mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * i)))));
@@ -794,6 +805,36 @@ mod tests {
             TagCheck::Enforce,
         );
         (r.remove(0), out)
+    }
+
+    /// The SIMD weighted sum equals the element-by-element one bit for bit, for heads of 64, 128
+    /// and 256 (Gemma's), with the running maximum rising several times.
+    #[test]
+    fn simd_weighted_sum_equals_scalar() {
+        for hd in [64, 128, 256] {
+            let n = 37;
+            let scores: Vec<f32> = (0..n).map(|j| val(j, hd) * 6.0 + j as f32 * 0.2).collect();
+            let vals: Vec<f32> = (0..n * hd).map(|i| val(i, 7)).collect();
+            let (mut rise_at, mut rise_by) = (Vec::new(), Vec::new());
+            let mut a = vec![0f32; hd];
+            softmax_v_f16(&mut scores.clone(), &mut rise_at, &mut rise_by, &vals, &mut a);
+            let mut w = scores.clone();
+            subtract_running_max(&mut w, &mut rise_at, &mut rise_by);
+            assert!(rise_at.len() > 2, "the maximum rises");
+            exp_in_place(&mut w);
+            exp_in_place(&mut rise_by);
+            let mut sum = 0f32;
+            for (k, &start) in rise_at.iter().enumerate() {
+                let end = rise_at.get(k + 1).copied().unwrap_or(n);
+                sum *= rise_by[k];
+                for &x in &w[start..end] {
+                    sum += x;
+                }
+            }
+            let mut b = vec![0f32; hd];
+            accumulate_f16(&w, &rise_at, &rise_by, &vals, sum, &mut b);
+            assert_eq!(a, b, "head width {hd}");
+        }
     }
 
     #[test]
