@@ -1124,6 +1124,119 @@ mod tests {
         }
     }
 
+    /// A two-block F32 model of family `arch`, 32 wide (two heads of 16, one KV head), with each
+    /// tensor its family reads; Gemma's first block slides over a window of 4. `extra` adds or
+    /// changes keys and tensors; `skip` names a tensor to leave out.
+    fn arch_model(arch: Arch, skip: &str, extra: impl FnOnce(GgufWriter) -> GgufWriter) -> Result<Model, ModelError> {
+        let (dim, hd, kvd, ffn, vocab) = (32u64, 16u64, 16u64, 48u64, 32u64);
+        let mut state = 7u64;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) % 2001) as f32 / 1000.0 - 1.0
+        };
+        let a = arch.name();
+        let mut w = GgufWriter::default()
+            .kv("general.architecture", Value::String(a.into()))
+            .kv(&format!("{a}.block_count"), Value::U32(2))
+            .kv(&format!("{a}.context_length"), Value::U32(64))
+            .kv(&format!("{a}.embedding_length"), Value::U32(dim as u32))
+            .kv(&format!("{a}.feed_forward_length"), Value::U32(ffn as u32))
+            .kv(&format!("{a}.attention.head_count"), Value::U32(2))
+            .kv(&format!("{a}.attention.head_count_kv"), Value::U32(1));
+        if arch == Arch::Gemma3 {
+            w = w
+                .kv("gemma3.attention.sliding_window", Value::U32(4))
+                .kv("gemma3.attention.sliding_window_pattern", Value::U32(2));
+        }
+        let mut shapes: Vec<(String, Vec<u64>)> = vec![
+            ("token_embd.weight".into(), vec![dim, vocab]),
+            ("output_norm.weight".into(), vec![dim]),
+        ];
+        for l in 0..2 {
+            for t in arch.block_tensors() {
+                let dims = match *t {
+                    "attn_q.weight" | "attn_output.weight" => vec![dim, dim],
+                    "attn_k.weight" | "attn_v.weight" => vec![dim, kvd],
+                    "ffn_gate.weight" | "ffn_up.weight" => vec![dim, ffn],
+                    "ffn_down.weight" => vec![ffn, dim],
+                    "attn_q.bias" => vec![dim],
+                    "attn_k.bias" | "attn_v.bias" => vec![kvd],
+                    "attn_q_norm.weight" | "attn_k_norm.weight" => vec![hd],
+                    _ => vec![dim],
+                };
+                shapes.push((format!("blk.{l}.{t}"), dims));
+            }
+        }
+        for (name, dims) in shapes {
+            if name == skip {
+                continue;
+            }
+            let n = dims.iter().product::<u64>() as usize;
+            let data = (0..n).flat_map(|_| next().to_le_bytes()).collect();
+            w = w.tensor(&name, &dims, 0, data);
+        }
+        let g = Gguf::from_bytes(extra(w).build())?;
+        Model::from_gguf(&g)
+    }
+
+    /// Every family loads from its own tensors and keys, generates (finite logprobs, the same
+    /// tokens alone and batched), and refuses a file missing a tensor it needs or carrying one
+    /// of another family, naming it.
+    #[test]
+    fn every_architecture_runs_and_refuses_what_it_lacks() {
+        for arch in Arch::ALL {
+            let m = arch_model(arch, "", |w| w).unwrap_or_else(|e| panic!("{arch}: {e}"));
+            assert_eq!(m.config().arch, arch);
+            assert_eq!(m.config().rope_neox, arch != Arch::Llama);
+            let mut e = engine(m);
+            let prompts = [vec![3, 4, 5, 6, 7, 8, 9, 10, 11], vec![12, 13]];
+            let together = run(&mut e, &prompts);
+            for (p, t) in prompts.iter().zip(&together) {
+                assert_eq!(
+                    &run(&mut e, std::slice::from_ref(p))[0],
+                    t,
+                    "{arch}: batched equals alone"
+                );
+            }
+        }
+        let gemma = arch_model(Arch::Gemma3, "", |w| w).expect("gemma3");
+        let c = gemma.config();
+        assert_eq!((c.slides(0), c.slides(1)), (true, false));
+        assert_eq!(c.attn_kind(0).window, Some(4));
+        assert_eq!(c.attn_kind(1).window, None);
+        assert_eq!(c.embed_scale, Some((32f32).sqrt()));
+        let refused = |arch, skip: &str, extra: fn(GgufWriter) -> GgufWriter| match arch_model(arch, skip, extra) {
+            Ok(_) => panic!("{arch} loaded without {skip:?}"),
+            Err(e) => e.to_string(),
+        };
+        let e = refused(Arch::Qwen3, "blk.1.attn_k_norm.weight", |w| w);
+        assert!(e.contains("blk.1.attn_k_norm.weight"), "{e}");
+        let e = refused(Arch::Qwen2, "blk.0.attn_v.bias", |w| w);
+        assert!(e.contains("blk.0.attn_v.bias"), "{e}");
+        let e = refused(Arch::Gemma3, "blk.1.post_ffw_norm.weight", |w| w);
+        assert!(e.contains("post_ffw_norm"), "{e}");
+        let e = refused(Arch::Qwen2, "", |w| {
+            w.tensor("blk.0.attn_q_norm.weight", &[16], 0, vec![0; 64])
+        });
+        assert!(
+            e.contains("\"blk.0.attn_q_norm.weight\"") && e.contains("not part of the qwen2"),
+            "{e}"
+        );
+        let e = refused(Arch::Llama, "", |w| {
+            w.tensor("blk.0.post_ffw_norm.weight", &[32], 0, vec![0; 128])
+        });
+        assert!(e.contains("not part of the llama"), "{e}");
+        let e = refused(Arch::Gemma3, "", |w| {
+            w.kv("gemma3.final_logit_softcapping", Value::F32(30.0))
+        });
+        assert!(
+            e.contains("gemma3.final_logit_softcapping") && e.contains("changes the computation"),
+            "{e}"
+        );
+    }
+
     fn engine(model: Model) -> Engine {
         let model = Arc::new(model);
         let mut cfg = EngineConfig::for_model(&model);
