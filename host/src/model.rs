@@ -1235,6 +1235,17 @@ mod tests {
             e.contains("gemma3.final_logit_softcapping") && e.contains("changes the computation"),
             "{e}"
         );
+        let g = Gguf::from_bytes(
+            GgufWriter::default()
+                .kv("general.architecture", Value::String("phi3".into()))
+                .build(),
+        )
+        .expect("valid GGUF");
+        let e = Model::from_gguf(&g).err().expect("phi3 is refused").to_string();
+        assert!(
+            e.contains("\"phi3\"") && e.contains("supported: llama, qwen2, qwen3, gemma3"),
+            "{e}"
+        );
     }
 
     fn engine(model: Model) -> Engine {
