@@ -1241,7 +1241,7 @@ mod tests {
                 .build(),
         )
         .expect("valid GGUF");
-        let e = Model::from_gguf(&g).err().expect("phi3 is refused").to_string();
+        let e = Model::from_gguf(&g).expect_err("phi3 is refused").to_string();
         assert!(
             e.contains("\"phi3\"") && e.contains("supported: llama, qwen2, qwen3, gemma3"),
             "{e}"
