@@ -102,6 +102,38 @@ pub fn gemma_oracle() -> (
     )
 }
 
+/// The logits after `prompt` and after each of `then` fed one at a time (teacher forcing): one
+/// row per token of `then`, the first for the position right after the prompt.
+pub fn teacher_forced(m: &Model, prompt: &[u32], then: &[u32]) -> Vec<Vec<f32>> {
+    use crate::kv::{KvPool, SeqId};
+    use crate::model::{Forward, Scratch, StepSeq};
+    let n = prompt.len() + then.len();
+    let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 64 << 20).expect("pool");
+    pool.open(SeqId(1), tenant(1), pool.pages_for(n), &[]).expect("open");
+    let (mut pos, mut feed) = (0, prompt.to_vec());
+    let mut scratch = Scratch::default();
+    let mut rows = Vec::with_capacity(then.len());
+    for &next in then {
+        pool.ensure(SeqId(1), pos + feed.len()).expect("ensure");
+        pool.commit_slots(SeqId(1), pos + feed.len()).expect("commit");
+        let step = [StepSeq {
+            seq: SeqId(1),
+            tokens: &feed,
+            pos0: pos,
+            want_logits: true,
+        }];
+        let logits = m
+            .forward(&mut pool, &step, warden_kernels::tag::TagCheck::Enforce, &mut scratch)
+            .remove(0)
+            .expect("no error")
+            .expect("logits");
+        rows.push(logits);
+        pos += feed.len();
+        feed = vec![next];
+    }
+    rows
+}
+
 /// A detokenizer that needs no vocabulary: token `id` reads as `<id>`, and SmolLM2's
 /// end-of-generation ids end generation.
 pub struct IdDetok;
