@@ -330,7 +330,8 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], bs: &m
     for (b, xs) in x.chunks_exact(QK).enumerate() {
         let amax = xs.iter().fold(0f32, |a, v| a.max(v.abs()));
         let db = amax / 127.0;
-        let id = if db > 0.0 { 1.0 / db } else { 0.0 };
+        // 127/max, not 1/d: the multiplier llama.cpp's x86 quantizer uses (they differ in the last bit).
+        let id = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         let mut sum = 0i32;
         for (qi, &v) in q[b * QK..(b + 1) * QK].iter_mut().zip(xs) {
             let r = (v * id).round() as i32;
@@ -367,7 +368,7 @@ unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [
             let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
             let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
             let db = amax / 127.0;
-            let id = _mm256_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
+            let id = _mm256_set1_ps(if amax > 0.0 { 127.0 / amax } else { 0.0 });
             let i: [__m256i; 4] = std::array::from_fn(|k| _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id)));
             let sum = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
             let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
