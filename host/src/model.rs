@@ -73,8 +73,9 @@ impl Arch {
         Arch::ALL.into_iter().find(|a| a.name() == name)
     }
 
-    /// The block tensors the forward pass reads (`blk.{l}.` + each).
-    fn block_tensors(self) -> &'static [&'static str] {
+    /// The block tensors the forward pass reads (`blk.{l}.` + each): llama's, then the family's
+    /// own.
+    fn block_tensors(self) -> impl Iterator<Item = &'static str> {
         const LLAMA: &[&str] = &[
             "attn_norm.weight",
             "attn_q.weight",
@@ -86,54 +87,18 @@ impl Arch {
             "ffn_up.weight",
             "ffn_down.weight",
         ];
-        const QWEN2: &[&str] = &[
-            "attn_norm.weight",
-            "attn_q.weight",
-            "attn_k.weight",
-            "attn_v.weight",
-            "attn_q.bias",
-            "attn_k.bias",
-            "attn_v.bias",
-            "attn_output.weight",
-            "ffn_norm.weight",
-            "ffn_gate.weight",
-            "ffn_up.weight",
-            "ffn_down.weight",
-        ];
-        const QWEN3: &[&str] = &[
-            "attn_norm.weight",
-            "attn_q.weight",
-            "attn_k.weight",
-            "attn_v.weight",
-            "attn_q_norm.weight",
-            "attn_k_norm.weight",
-            "attn_output.weight",
-            "ffn_norm.weight",
-            "ffn_gate.weight",
-            "ffn_up.weight",
-            "ffn_down.weight",
-        ];
-        const GEMMA3: &[&str] = &[
-            "attn_norm.weight",
-            "attn_q.weight",
-            "attn_k.weight",
-            "attn_v.weight",
-            "attn_q_norm.weight",
-            "attn_k_norm.weight",
-            "attn_output.weight",
-            "post_attention_norm.weight",
-            "ffn_norm.weight",
-            "ffn_gate.weight",
-            "ffn_up.weight",
-            "ffn_down.weight",
-            "post_ffw_norm.weight",
-        ];
-        match self {
-            Arch::Llama => LLAMA,
-            Arch::Qwen2 => QWEN2,
-            Arch::Qwen3 => QWEN3,
-            Arch::Gemma3 => GEMMA3,
-        }
+        let own: &[&str] = match self {
+            Arch::Llama => &[],
+            Arch::Qwen2 => &["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+            Arch::Qwen3 => &["attn_q_norm.weight", "attn_k_norm.weight"],
+            Arch::Gemma3 => &[
+                "attn_q_norm.weight",
+                "attn_k_norm.weight",
+                "post_attention_norm.weight",
+                "post_ffw_norm.weight",
+            ],
+        };
+        LLAMA.iter().chain(own).copied()
     }
 }
 
@@ -631,7 +596,7 @@ fn check_tensors(g: &Gguf, cfg: &ModelConfig) -> Result<(), ModelError> {
         read.insert(ROPE_FREQS.into());
     }
     for l in 0..cfg.n_layers {
-        read.extend(cfg.arch.block_tensors().iter().map(|t| format!("blk.{l}.{t}")));
+        read.extend(cfg.arch.block_tensors().map(|t| format!("blk.{l}.{t}")));
     }
     match g.tensors().iter().find(|t| !read.contains(&t.name)) {
         Some(t) => Err(ModelError::BadTensor {
@@ -657,7 +622,7 @@ impl Model {
         check_tensors(g, &cfg)?;
         let (dim, qd, kvd, ffn, hd) = (cfg.dim, cfg.q_dim(), cfg.kv_dim(), cfg.ffn_dim, cfg.head_dim);
         let has =
-            |l: usize, t: &str| cfg.arch.block_tensors().contains(&t) && g.tensor(&format!("blk.{l}.{t}")).is_some();
+            |l: usize, t: &str| cfg.arch.block_tensors().any(|x| x == t) && g.tensor(&format!("blk.{l}.{t}")).is_some();
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
@@ -1156,7 +1121,7 @@ mod tests {
         ];
         for l in 0..2 {
             for t in arch.block_tensors() {
-                let dims = match *t {
+                let dims = match t {
                     "attn_q.weight" | "attn_output.weight" => vec![dim, dim],
                     "attn_k.weight" | "attn_v.weight" => vec![dim, kvd],
                     "ffn_gate.weight" | "ffn_up.weight" => vec![dim, ffn],

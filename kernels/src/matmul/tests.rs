@@ -133,23 +133,10 @@ fn every_type_matches_the_dequantized_reference() {
 fn k_kernels_compute_the_q8_k_dot_product() {
     for (n, ty) in K_TYPES.into_iter().enumerate() {
         for (rows, cols, tokens) in [(33, 512, 6), (16, 768, 1)] {
-            let w = random_weights(ty, rows, cols, 10 + n as u64);
-            let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
-            let x: Vec<f32> = (0..tokens * cols)
-                .map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1)
-                .collect();
-            let mut qa = QActs::new();
-            qa.quantize(&x, cols);
-            let xd: Vec<f32> = (0..tokens * cols).map(|i| qa.kd[i / QK_K] * qa.kq[i] as f32).collect();
-            let want = reference(ty, rows, cols, &w, &xd);
-            let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
-            for k in Kernel::available() {
-                let mut got = vec![0f32; tokens * rows];
-                m.matmul_with(&qa, &mut got, k);
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert!((a - b).abs() <= 1e-5 * scale, "{ty} {k:?}[{i}] = {a}, want {b}");
-                }
-            }
+            // Each activation as the kernels see it: its super-block's scale times its value.
+            exact(ty, rows, cols, tokens, 10 + n as u64, |qa, i| {
+                qa.kd[i / QK_K] * qa.kq[i] as f32
+            });
         }
     }
 }
@@ -160,23 +147,28 @@ fn k_kernels_compute_the_q8_k_dot_product() {
 #[test]
 fn offset_block_kernels_compute_the_q8_0_dot_product() {
     for (n, ty) in [GgmlType::Q4_0, GgmlType::Q5_0, GgmlType::Q8_0].into_iter().enumerate() {
-        let (rows, cols, tokens) = (33, 96, 6);
-        let w = random_weights(ty, rows, cols, 20 + n as u64);
-        let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
-        let x: Vec<f32> = (0..tokens * cols)
-            .map(|i| ((i * 7919 + n) % 211) as f32 / 50.0 - 2.1)
-            .collect();
-        let mut qa = QActs::new();
-        qa.quantize(&x, cols);
-        let xd: Vec<f32> = (0..tokens * cols).map(|i| qa.d[i / QK] * qa.q[i] as f32).collect();
-        let want = reference(ty, rows, cols, &w, &xd);
-        let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
-        for k in Kernel::available() {
-            let mut got = vec![0f32; tokens * rows];
-            m.matmul_with(&qa, &mut got, k);
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() <= 1e-5 * scale, "{ty} {k:?}[{i}] = {a}, want {b}");
-            }
+        exact(ty, 33, 96, 6, 20 + n as u64, |qa, i| qa.d[i / QK] * qa.q[i] as f32);
+    }
+}
+
+/// `ty`'s matmul on every kernel against the dequantized weights times the activations as
+/// `act(quantized, i)` gives them back, summed in f64: within 1e-5 of the output scale.
+fn exact(ty: GgmlType, rows: usize, cols: usize, tokens: usize, seed: u64, act: impl Fn(&QActs, usize) -> f32) {
+    let w = random_weights(ty, rows, cols, seed);
+    let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| ((i * 7919 + seed as usize) % 211) as f32 / 50.0 - 2.1)
+        .collect();
+    let mut qa = QActs::new();
+    qa.quantize(&x, cols);
+    let xd: Vec<f32> = (0..tokens * cols).map(|i| act(&qa, i)).collect();
+    let want = reference(ty, rows, cols, &w, &xd);
+    let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+    for k in Kernel::available() {
+        let mut got = vec![0f32; tokens * rows];
+        m.matmul_with(&qa, &mut got, k);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 1e-5 * scale, "{ty} {k:?}[{i}] = {a}, want {b}");
         }
     }
 }
