@@ -28,7 +28,7 @@ use crate::engine::request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
 use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
-use crate::kv::{KvError, PageHandle, PageInfo};
+use crate::kv::{KvError, KvPool, PageHandle, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
 use crate::plugin::{BoxFuture, KvAccess, KvAccessError, PluginFailure};
@@ -249,18 +249,33 @@ impl SeqSlot {
 pub struct Busy;
 
 /// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
-/// context (invariant 4) or a setting is impossible.
+/// context it sets (invariant 4) or a setting is impossible. Without `limits.max_context`, the
+/// limit is the model's trained context or, when the KV budget holds less (a model trained on
+/// 32k or 128k tokens, a budget of hundreds of MiB), what the budget holds: the server starts,
+/// and says so.
 pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> Result<Engine, StartError> {
     let mut ec = EngineConfig::for_model(&loaded.model);
-    if let Some(m) = cfg.limits.max_context {
-        ec.max_context = m;
+    ec.page_size = cfg.kv.page_size;
+    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
+    match cfg.limits.max_context {
+        Some(m) => ec.max_context = m,
+        None => {
+            let c = loaded.model.config();
+            let per_page = KvPool::page_bytes(&c.attn_shape(ec.page_size.max(1)), c.n_layers);
+            let holds = ec.kv_memory_bytes / per_page.max(1) * ec.page_size;
+            if holds > 0 && holds < ec.max_context {
+                println!(
+                    "max context {holds} tokens: what the {} MiB KV budget holds (the model was trained on {}; raise kv.memory_mib or set limits.max_context to change it)",
+                    cfg.kv.memory_mib, ec.max_context
+                );
+                ec.max_context = holds;
+            }
+        }
     }
     ec.max_batch_tokens = cfg.limits.max_batch_tokens;
     ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
     ec.max_running = cfg.limits.max_running;
     ec.max_waiting = cfg.limits.queue;
-    ec.page_size = cfg.kv.page_size;
-    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
     ec.prefix_cache = cfg.kv.prefix_cache;
     ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
     Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec).map_err(StartError)
@@ -869,5 +884,29 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
     publish(&engine);
     if let Some((_, done)) = shutdown {
         let _ = done.send(());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Unset, the context limit is what the KV budget holds when that is less than the model's
+    /// trained context, and the engine starts; set, a limit the budget cannot hold is refused
+    /// (invariant 4).
+    #[test]
+    fn an_unset_max_context_is_what_the_kv_budget_holds() {
+        let loaded = LoadedModel::open(&crate::testutil::model_path()).expect("the default model");
+        let trained = loaded.model.config().context_length;
+        let mut cfg = ServeConfig::default();
+        cfg.kv.memory_mib = 16;
+        let engine = start_engine(&cfg, &loaded).expect("starts within its budget");
+        let held = engine.limits().max_context;
+        assert!(held < trained, "{held} tokens of {trained}");
+        let c = loaded.model.config();
+        let per_page = KvPool::page_bytes(&c.attn_shape(cfg.kv.page_size), c.n_layers);
+        assert_eq!(held, (16 << 20) / per_page * cfg.kv.page_size);
+        cfg.limits.max_context = Some(trained);
+        assert!(start_engine(&cfg, &loaded).is_err(), "a set limit the pool cannot hold");
     }
 }
