@@ -115,13 +115,12 @@ pub(super) fn pack<'a>(
             let base = (tile * nsb + sb) * tb;
             for c in 0..8 {
                 let (q, at) = (&k.q[32 * c..32 * c + 32], base + c * f.chunk_bytes());
-                for g in 0..8 {
+                // Nibbles: 4 groups, each byte two elements 16 apart; bytes: 8 groups.
+                let groups = if f.nibbles { 4 } else { 8 };
+                for g in 0..groups {
                     for j in 0..4 {
-                        if f.nibbles && g < 4 {
-                            out[at + g * 64 + lane * 4 + j] = q[4 * g + j] | (q[16 + 4 * g + j] << 4);
-                        } else if !f.nibbles {
-                            out[at + g * 64 + lane * 4 + j] = q[4 * g + j];
-                        }
+                        let high = if f.nibbles { q[16 + 4 * g + j] << 4 } else { 0 };
+                        out[at + g * 64 + lane * 4 + j] = q[4 * g + j] | high;
                     }
                 }
             }
