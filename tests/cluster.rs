@@ -310,3 +310,113 @@ fn a_router_routes_around_a_dead_or_disagreeing_decode_node_and_takes_it_back() 
         assert!(finished(&again.metrics().await) >= 1.0, "{}", again.metrics().await);
     });
 }
+
+/// `warden serve --role ...` with `toml` as its whole config: it must refuse to start; what it
+/// printed on stderr.
+fn refused(tag: &str, role: &str, toml: &str) -> String {
+    let dir = common::temp_dir(tag);
+    let config = dir.join("warden.toml");
+    std::fs::write(&config, format!("data_dir = {:?}\n{toml}", dir.join("data"))).expect("config");
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["serve", "--role", role, "--config"])
+        .arg(&config)
+        .output()
+        .expect("run");
+    assert!(!out.status.success(), "{role} started with\n{toml}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// Several models in a cluster: a node serves one; the router gives each of its models the
+/// nodes that serve that model's file, refuses to start while one has none, and sends each
+/// request to its model's nodes.
+#[test]
+fn a_router_serves_each_model_on_the_nodes_that_serve_its_file() {
+    let tiny = format!(
+        "[kv]\nmemory_mib = 16\n[[models]]\npath = {:?}\nname = \"tiny\"\n",
+        common::tiny_model()
+    );
+    let smol = format!("[[models]]\npath = {:?}\nname = \"smol\"\n", common::model());
+    let err = refused(
+        "m-two",
+        "decode",
+        &format!("{tiny}{smol}[cluster]\nlisten = \"127.0.0.1:0\"\n"),
+    );
+    assert!(
+        err.contains("a decode node serves one model") && err.contains("names 2"),
+        "{err}"
+    );
+    let p_smol = Node::start("m-prefill-smol", "prefill", NODE);
+    let d_smol = Node::start("m-decode-smol", "decode", NODE);
+    let p_tiny = Node::start("m-prefill-tiny", "prefill", &tiny);
+    let d_tiny = Node::start("m-decode-tiny", "decode", &tiny);
+    let nodes = format!(
+        "[cluster]\nprefill = [\"{}\", \"{}\"]\ndecode = [\"{}\", \"{}\"]\nconnect_timeout_s = 30\n",
+        p_smol.addr, p_tiny.addr, d_smol.addr, d_tiny.addr
+    );
+    // A model whose file no node serves: the router does not start, and names it.
+    let other = common::root().join("host/tests/fixtures/tiny/llama-Q4_0.gguf");
+    let err = refused(
+        "m-unserved",
+        "router",
+        &format!("listen = \"127.0.0.1:0\"\n{smol}{tiny}[[models]]\npath = {other:?}\nname = \"tiny-q4\"\n{nodes}"),
+    );
+    assert!(err.contains("no prefill node serves model tiny-q4"), "{err}");
+    // A node whose file is none of the router's models': refused too.
+    let err = refused("m-other", "router", &format!("listen = \"127.0.0.1:0\"\n{smol}{nodes}"));
+    assert!(err.contains("none of the router's"), "{err}");
+
+    let router = Server::start_router(
+        "m-router",
+        &format!("{smol}{tiny}"),
+        &[&p_smol, &p_tiny],
+        &[&d_smol, &d_tiny],
+        &[],
+    );
+    rt().block_on(async {
+        let c = router.client();
+        let r = c
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(router.key()),
+                Some(chat_body("smol", "What is the capital of France? One word.", 8, false)),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(content(&r).contains("Paris"), "{}", r.text());
+        let body =
+            serde_json::json!({"model": "tiny", "prompt": [39, 68, 75, 75, 78], "max_tokens": 6, "temperature": 0});
+        let r = c
+            .request(
+                Method::POST,
+                "/v1/completions",
+                Some(router.key()),
+                Some(body.to_string().into_bytes()),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json().expect("json")["model"], "tiny");
+        let r = c
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(router.key()),
+                Some(chat_body(MODEL, "Hi", 4, false)),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 404, "the router serves smol and tiny only: {}", r.text());
+        // Each request ran on its own model's decode node (which names its model as its own
+        // configuration does: the smol nodes by the file's stem), and every page went back.
+        let served =
+            |m: &str, model: &str| common::metric_value(m, &format!("warden_requests_total{{model=\"{model}\"}}"));
+        let (ms, mt) = (d_smol.metrics().await, d_tiny.metrics().await);
+        assert_eq!((served(&ms, MODEL), served(&ms, "tiny")), (1.0, 0.0), "{ms}");
+        assert_eq!((served(&mt, "tiny"), served(&mt, MODEL)), (1.0, 0.0), "{mt}");
+        for n in [&p_smol, &d_smol, &p_tiny, &d_tiny] {
+            assert!(n.pages_return().await, "{}", n.metrics().await);
+        }
+    });
+}

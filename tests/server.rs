@@ -427,11 +427,7 @@ fn a_client_that_disconnects_mid_stream_is_cancelled_and_its_pages_return() {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             let m = s.metrics().await;
-            let val = |series: &str| {
-                m.lines()
-                    .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse::<f64>().ok()))
-                    .unwrap_or(-1.0)
-            };
+            let val = |series: &str| common::metric_value(&m, series);
             // Back to the pool: free, or kept in the tenant's prefix cache (whose idle pages are
             // free to take).
             if val("warden_kv_pages{state=\"used\"}") == 0.0
@@ -590,7 +586,7 @@ fn bad_configurations_refuse_to_start_and_say_why() {
     let dir = common::temp_dir("badcfg");
     let run = |toml: &str| {
         let cfg = dir.join("w.toml");
-        let model = if toml.contains("model =") {
+        let model = if toml.contains("model =") || toml.contains("[[models]]") {
             String::new()
         } else {
             format!("model = {:?}\n", common::model())
@@ -613,4 +609,209 @@ fn bad_configurations_refuse_to_start_and_say_why() {
         !ok && err.contains("nowhere.gguf") && err.contains("not found"),
         "{err}"
     );
+    // Invariant 4 per model: each model's share of the budget holds its own max context.
+    let models = format!(
+        "listen = \"127.0.0.1:0\"\n[kv]\nmemory_mib = 8\n[[models]]\npath = {:?}\n[[models]]\npath = {:?}\nname = \"tiny\"\nkv_share = 0.003\n[models.limits]\nmax_context = 64\n",
+        common::model(),
+        common::tiny_model()
+    );
+    let (ok, err) = run(&models);
+    assert!(!ok && err.contains("model tiny") && err.contains("64"), "{err}");
+    let (ok, err) = run(&format!("model = {:?}\n{}", common::model(), models));
+    assert!(!ok && err.contains("not both"), "{err}");
+}
+
+/// `[[models]]`: each model has its own engine, pool and limits; `/v1/models` lists what the
+/// tenant may use; a request's `model` picks one, under the tenant's `allowed_models`; metrics
+/// carry the model.
+#[test]
+fn one_server_serves_several_models_each_with_its_own_pool_limits_and_metrics() {
+    let extra = format!(
+        "[kv]\nmemory_mib = 64\n\
+         [[models]]\npath = {:?}\nname = \"smol\"\nkv_share = 0.75\n\
+         [[models]]\npath = {:?}\nname = \"tiny/llama\"\n[models.limits]\nmax_context = 48\ndefault_max_tokens = 4\n",
+        common::model(),
+        common::tiny_model()
+    );
+    let s = Server::start_with_policies(
+        "models",
+        &extra,
+        &[("tenants/narrow.toml", "allowed_models = [\"tiny/llama\"]\n")],
+    );
+    rt().block_on(async {
+        let c = s.client();
+        let key = s.key().to_string();
+        let narrow = s.tenant_with_key("narrow").await;
+        let listed = |v: serde_json::Value| -> Vec<(String, u64)> {
+            v["data"]
+                .as_array()
+                .expect("a list")
+                .iter()
+                .map(|m| {
+                    (
+                        m["id"].as_str().expect("id").to_string(),
+                        m["max_model_len"].as_u64().expect("len"),
+                    )
+                })
+                .collect()
+        };
+        let r = c
+            .request(Method::GET, "/v1/models", Some(&key), None)
+            .await
+            .expect("models");
+        let all = listed(r.json().expect("json"));
+        assert_eq!(
+            all.iter().map(|m| m.0.as_str()).collect::<Vec<_>>(),
+            ["smol", "tiny/llama"]
+        );
+        assert_eq!(all[1].1, 48, "the model's own max_context");
+        assert!(all[0].1 > 48);
+        let r = c
+            .request(Method::GET, "/v1/models", Some(&narrow), None)
+            .await
+            .expect("models");
+        assert_eq!(listed(r.json().expect("json")), [("tiny/llama".to_string(), 48)]);
+        let r = c
+            .request(Method::GET, "/v1/models/tiny/llama", Some(&key), None)
+            .await
+            .expect("model");
+        assert_eq!(
+            (r.status, r.json().expect("json")["id"].clone()),
+            (200, json!("tiny/llama"))
+        );
+        let r = c
+            .request(Method::GET, "/v1/models/smol", Some(&narrow), None)
+            .await
+            .expect("model");
+        assert_eq!(
+            r.status,
+            404,
+            "a model the tenant may not use is not shown: {}",
+            r.text()
+        );
+
+        let post = |path: &'static str, key: String, body: serde_json::Value| {
+            let c = c.clone();
+            async move {
+                c.request(Method::POST, path, Some(&key), Some(body.to_string().into_bytes()))
+                    .await
+                    .expect("request")
+            }
+        };
+        let r = post(
+            "/v1/chat/completions",
+            key.clone(),
+            serde_json::from_slice(&chat_body("smol", "Hi", 4, false)).expect("body"),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json().expect("json")["model"], "smol");
+        let prompt = [39, 68, 75, 75, 78];
+        let tiny = |extra: serde_json::Value| {
+            let mut b = json!({"model": "tiny/llama", "prompt": prompt, "temperature": 0});
+            b.as_object_mut()
+                .expect("object")
+                .extend(extra.as_object().expect("object").clone());
+            b
+        };
+        let r = post("/v1/completions", key.clone(), tiny(json!({"max_tokens": 8}))).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json().expect("json");
+        assert_eq!(v["model"], "tiny/llama");
+        assert_eq!(v["usage"]["prompt_tokens"], 5);
+        let done = v["usage"]["completion_tokens"].as_u64().expect("count");
+        assert!((1..=8).contains(&done), "{v}");
+        // Its own default_max_tokens, its own max_context.
+        let r = post("/v1/completions", narrow.clone(), tiny(json!({}))).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(
+            r.json().expect("json")["usage"]["completion_tokens"]
+                .as_u64()
+                .expect("count")
+                <= 4
+        );
+        let r = post("/v1/completions", key.clone(), tiny(json!({"max_tokens": 44}))).await;
+        assert_eq!(
+            r.status,
+            400,
+            "5 + 44 tokens is more than this model's 48: {}",
+            r.text()
+        );
+        assert_eq!(r.json().expect("json")["error"]["code"], "context_length_exceeded");
+        let r = post(
+            "/v1/chat/completions",
+            key.clone(),
+            serde_json::from_slice(&chat_body("tiny/llama", "Hi", 4, false)).expect("body"),
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.json().expect("json")["error"]["code"].clone()),
+            (400, json!("no_chat_template"))
+        );
+        // The tenant's allowed_models, and a model no one serves.
+        let r = post(
+            "/v1/chat/completions",
+            narrow.clone(),
+            serde_json::from_slice(&chat_body("smol", "Hi", 4, false)).expect("body"),
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.json().expect("json")["error"]["code"].clone()),
+            (403, json!("model_not_allowed"))
+        );
+        let r = post(
+            "/v1/chat/completions",
+            key.clone(),
+            serde_json::from_slice(&chat_body("large", "Hi", 4, false)).expect("body"),
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.json().expect("json")["error"]["code"].clone()),
+            (404, json!("model_not_found"))
+        );
+
+        // Each model's pool and requests in its own series.
+        let m = s.metrics().await;
+        let v = |series: &str| common::metric_value(&m, series);
+        for model in ["smol", "tiny/llama"] {
+            assert!(v(&format!("warden_kv_pages_total{{model=\"{model}\"}}")) > 0.0, "{m}");
+            assert_eq!(
+                v(&format!("warden_kv_pages{{model=\"{model}\",state=\"used\"}}")),
+                0.0,
+                "{m}"
+            );
+            assert_eq!(
+                v(&format!("warden_isolation_violations_total{{model=\"{model}\"}}")),
+                0.0,
+                "{m}"
+            );
+            assert_eq!(
+                v(&format!(
+                    "warden_time_to_first_token_seconds_count{{model=\"{model}\"}}"
+                )),
+                if model == "smol" { 1.0 } else { 2.0 },
+                "{m}"
+            );
+        }
+        assert_eq!(
+            v("warden_requests_total{tenant=\"default\",model=\"smol\"}"),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            v("warden_requests_total{tenant=\"default\",model=\"tiny/llama\",outcome=\"rejected\"}"),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            v("warden_requests_total{tenant=\"narrow\",model=\"smol\",outcome=\"rejected\"}"),
+            1.0,
+            "{m}"
+        );
+        assert_eq!(
+            v("warden_completion_tokens_total{tenant=\"default\",model=\"tiny/llama\"}"),
+            done as f64,
+            "{m}"
+        );
+    });
 }

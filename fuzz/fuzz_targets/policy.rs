@@ -20,5 +20,5 @@ fuzz_target!(|data: &[u8]| {
         page_size: 16,
         pin_pages: 512,
     };
-    let _ = PolicySet::from_files(&files, bounds, &|s: &str| s.bytes().map(u32::from).collect());
+    let _ = PolicySet::from_files(&files, bounds, &|s: &str| vec![s.bytes().map(u32::from).collect()]);
 });

@@ -9,7 +9,7 @@ use crate::config::{Role, ServeConfig};
 use crate::loaded::{LoadError, LoadedModel};
 use crate::metrics::Metrics;
 use crate::runner::{EngineHandle, LocalEngine, StartError, StartupError, start_engine};
-use crate::serve::{Parts, ServeError, runtime};
+use crate::serve::{ModelParts, Parts, ServeError, runtime};
 
 /// Why `warden serve` could not start, or stopped on an error.
 #[derive(Debug, thiserror::Error)]
@@ -53,28 +53,49 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> Result<(), BootError> {
         return Ok(crate::cluster::node::serve_node(cfg, opts.role)?);
     }
     std::fs::create_dir_all(&cfg.data_dir).map_err(StartupError::io(format!("creating {}", cfg.data_dir.display())))?;
-    // The model and the engine first: a bad model or pool setting fails before any state changes.
-    let loaded = LoadedModel::open(&cfg.model)?;
+    // The models and their engines first: a bad model or pool setting fails before any state
+    // changes.
+    let served = cfg.served();
+    let mut loaded = Vec::with_capacity(served.len());
+    for s in &served {
+        loaded.push(LoadedModel::open(&s.path)?);
+    }
     let rt = runtime().map_err(StartupError::io("starting the server's runtime"))?;
     let metrics = Arc::new(Metrics::default());
-    // This process's engine, or (on a router) the cluster's nodes, once they agree.
-    let engine: Arc<dyn EngineHandle> = match opts.role {
+    // Each model's engine: its own thread and pool, or (on a router) the cluster's nodes that
+    // serve it, once they agree.
+    let engines: Vec<Arc<dyn EngineHandle>> = match opts.role {
         Role::Router => {
-            let digest = crate::cluster::file_digest(&cfg.model)
-                .map_err(StartupError::io(format!("reading {}", cfg.model.display())))?;
-            let router = rt.block_on(Router::connect(&cfg.cluster, &digest, metrics.clone()))?;
-            Arc::new(RouterEngine(Arc::new(router)))
+            let mut wanted = Vec::with_capacity(served.len());
+            for s in &served {
+                let digest = crate::cluster::file_digest(&s.path)
+                    .map_err(StartupError::io(format!("reading {}", s.path.display())))?;
+                wanted.push((s.name.clone(), digest));
+            }
+            let routers = rt.block_on(Router::connect(&cfg.cluster, &wanted, metrics.clone()))?;
+            routers
+                .into_iter()
+                .map(|r| Arc::new(RouterEngine(Arc::new(r))) as Arc<dyn EngineHandle>)
+                .collect()
         }
-        _ => Arc::new(
-            LocalEngine::start(start_engine(&cfg, &loaded)?, cfg.limits.queue, metrics.clone())
-                .map_err(StartupError::io("starting the engine thread"))?,
-        ),
+        _ => {
+            let mut engines: Vec<Arc<dyn EngineHandle>> = Vec::with_capacity(served.len());
+            for (s, l) in served.iter().zip(&loaded) {
+                let engine = start_engine(&cfg, s, l)?;
+                let local = LocalEngine::start(engine, s.limits.queue, metrics.model(&s.name)).map_err(
+                    StartupError::io(format!("starting the engine thread of model {}", s.name)),
+                )?;
+                engines.push(Arc::new(local));
+            }
+            engines
+        }
     };
-    let parts = Parts {
-        loaded,
-        engine,
-        rt,
-        metrics,
-    };
+    let models = served
+        .into_iter()
+        .zip(loaded)
+        .zip(engines)
+        .map(|((served, loaded), engine)| ModelParts { served, loaded, engine })
+        .collect();
+    let parts = Parts { models, rt, metrics };
     Ok(crate::serve::serve(cfg, opts.insecure_http, parts)?)
 }

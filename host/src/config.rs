@@ -16,9 +16,13 @@ pub struct ServeConfig {
     /// Directory for the state store, the generated certificate and the admin token. Default
     /// `data`.
     pub data_dir: PathBuf,
-    /// GGUF model file; its file stem is the model's id in the API. Default
+    /// The GGUF model file of a server that serves one model; its file stem is the model's id
+    /// in the API. Default (when `models` is empty too)
     /// `models/SmolLM2-135M-Instruct.Q4_1.gguf`.
-    pub model: PathBuf,
+    pub model: Option<PathBuf>,
+    /// The models of a server that serves several (`[[models]]`), each with its own engine
+    /// thread, KV pool (its share of `kv.memory_mib`) and limits. Set this or `model`, not both.
+    pub models: Vec<ModelSpec>,
     /// TLS certificate and key.
     pub tls: TlsConfig,
     /// KV pool.
@@ -41,7 +45,8 @@ impl Default for ServeConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8443)),
             data_dir: PathBuf::from("data"),
-            model: PathBuf::from(crate::DEFAULT_MODEL),
+            model: None,
+            models: Vec::new(),
             tls: TlsConfig::default(),
             kv: KvConfig::default(),
             limits: LimitsConfig::default(),
@@ -51,6 +56,69 @@ impl Default for ServeConfig {
             cluster: ClusterConfig::default(),
         }
     }
+}
+
+/// One entry of `[[models]]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// The GGUF file.
+    pub path: PathBuf,
+    /// The id clients name in `model` (letters, digits and `-_.:/`, at most 128). Default: the
+    /// file's stem.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Its share of `kv.memory_mib`, in (0, 1]. Default: an equal part of what the models that
+    /// set one leave.
+    #[serde(default)]
+    pub kv_share: Option<f64>,
+    /// Its own engine limits; each one unset is `[limits]`'s.
+    #[serde(default)]
+    pub limits: ModelLimits,
+}
+
+/// The `[limits]` a model may set for itself (`[models.limits]`): those of its engine. The
+/// others (bodies, headers, connections, `n`) are the server's.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelLimits {
+    /// See [`LimitsConfig::max_context`].
+    pub max_context: Option<usize>,
+    /// See [`LimitsConfig::default_max_tokens`].
+    pub default_max_tokens: Option<usize>,
+    /// See [`LimitsConfig::max_batch_tokens`].
+    pub max_batch_tokens: Option<usize>,
+    /// See [`LimitsConfig::step_target_ms`].
+    pub step_target_ms: Option<u64>,
+    /// See [`LimitsConfig::max_running`].
+    pub max_running: Option<usize>,
+    /// See [`LimitsConfig::queue`].
+    pub queue: Option<usize>,
+}
+
+/// A model as the server serves it, whichever way the configuration named it.
+#[derive(Debug, Clone)]
+pub struct ServedModel {
+    /// The id clients name.
+    pub name: String,
+    /// The GGUF file.
+    pub path: PathBuf,
+    /// Bytes of its KV pool.
+    pub kv_memory_bytes: usize,
+    /// `[limits]` with the model's own in place.
+    pub limits: LimitsConfig,
+}
+
+/// Longest model id.
+pub const MAX_MODEL_NAME: usize = 128;
+
+/// Whether `name` may be a model's id: it appears in URLs, metrics labels and logs.
+pub fn valid_model_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_MODEL_NAME
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.:/".contains(&b))
+        && !name.starts_with('/')
+        && !name.ends_with('/')
 }
 
 /// Disaggregated serving: where a prefill or decode node listens, which nodes a router
@@ -309,6 +377,33 @@ pub enum ConfigError {
         /// What is allowed.
         why: &'static str,
     },
+    /// The `[[models]]` list as a whole cannot be served.
+    #[error("{path}: [[models]]: {message}")]
+    Models {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// A `[[models]]` entry (or `model`) that cannot be served as written.
+    #[error("{path}: models[{index}] ({name}): {message}")]
+    Model {
+        /// The file.
+        path: PathBuf,
+        /// Its place in `[[models]]`, from 0.
+        index: usize,
+        /// Its id, or its path when the id is the problem.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// A model's default id in the API: its file's stem.
+pub fn model_id(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "model".into())
 }
 
 impl ServeConfig {
@@ -331,8 +426,141 @@ impl ServeConfig {
         Ok(cfg)
     }
 
+    /// The models served, in order: `[[models]]`, or the one `model` (or the default) names,
+    /// each with its KV bytes and limits resolved. [`check`](Self::check) has refused what
+    /// would make this list wrong.
+    pub fn served(&self) -> Vec<ServedModel> {
+        let total = self.kv.memory_mib << 20;
+        if self.models.is_empty() {
+            let path = self
+                .model
+                .clone()
+                .unwrap_or_else(|| PathBuf::from(crate::DEFAULT_MODEL));
+            return vec![ServedModel {
+                name: model_id(&path),
+                path,
+                kv_memory_bytes: total,
+                limits: self.limits.clone(),
+            }];
+        }
+        let rest = self.unshared_kv();
+        self.models
+            .iter()
+            .map(|m| {
+                let share = m.kv_share.unwrap_or(rest);
+                let (own, all) = (&m.limits, &self.limits);
+                ServedModel {
+                    name: m.name.clone().unwrap_or_else(|| model_id(&m.path)),
+                    path: m.path.clone(),
+                    kv_memory_bytes: (total as f64 * share) as usize,
+                    limits: LimitsConfig {
+                        max_context: own.max_context.or(all.max_context),
+                        default_max_tokens: own.default_max_tokens.unwrap_or(all.default_max_tokens),
+                        max_batch_tokens: own.max_batch_tokens.unwrap_or(all.max_batch_tokens),
+                        step_target_ms: own.step_target_ms.unwrap_or(all.step_target_ms),
+                        max_running: own.max_running.unwrap_or(all.max_running),
+                        queue: own.queue.unwrap_or(all.queue),
+                        ..all.clone()
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// The share of the KV budget each model without a `kv_share` gets.
+    fn unshared_kv(&self) -> f64 {
+        let set: f64 = self.models.iter().filter_map(|m| m.kv_share).sum();
+        let unset = self.models.iter().filter(|m| m.kv_share.is_none()).count();
+        if unset == 0 {
+            0.0
+        } else {
+            (1.0 - set).max(0.0) / unset as f64
+        }
+    }
+
+    /// `model` or `[[models]]`: one of them, valid and distinct ids, KV shares that fit the
+    /// budget, limits of at least 1.
+    fn check_models(&self, path: &Path) -> Result<(), ConfigError> {
+        if self.model.is_some() && !self.models.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: path.into(),
+                key: "model",
+                value: "(set)".into(),
+                why: "set model (one model) or [[models]] (several), not both",
+            });
+        }
+        let bad = |index: usize, name: &str, message: String| ConfigError::Model {
+            path: path.into(),
+            index,
+            name: name.to_string(),
+            message,
+        };
+        let mut seen = std::collections::HashSet::new();
+        for (i, m) in self.served().iter().enumerate() {
+            if !valid_model_name(&m.name) {
+                return Err(bad(
+                    i,
+                    &m.path.display().to_string(),
+                    format!(
+                        "{:?} is not a model id: use letters, digits and -_.:/ (at most {MAX_MODEL_NAME}); set name = \"...\" in [[models]]",
+                        m.name
+                    ),
+                ));
+            }
+            if !seen.insert(m.name.clone()) {
+                return Err(bad(i, &m.name, "two models have this id; give one a name".into()));
+            }
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            let name = m.name.clone().unwrap_or_else(|| model_id(&m.path));
+            if let Some(s) = m.kv_share
+                && !(s > 0.0 && s <= 1.0)
+            {
+                return Err(bad(
+                    i,
+                    &name,
+                    format!("kv_share = {s}: must be more than 0 and at most 1"),
+                ));
+            }
+            let own = &m.limits;
+            for (key, v) in [
+                ("max_context", own.max_context),
+                ("default_max_tokens", own.default_max_tokens),
+                ("max_batch_tokens", own.max_batch_tokens),
+                ("max_running", own.max_running),
+                ("queue", own.queue),
+            ] {
+                if v == Some(0) {
+                    return Err(bad(i, &name, format!("limits.{key} = 0: must be at least 1")));
+                }
+            }
+        }
+        let set: f64 = self.models.iter().filter_map(|m| m.kv_share).sum();
+        if set > 1.0 + 1e-9 {
+            return Err(ConfigError::Models {
+                path: path.into(),
+                message: format!(
+                    "the kv_share values add up to {}, more than the whole KV budget (1)",
+                    (set * 1000.0).round() / 1000.0
+                ),
+            });
+        }
+        if let Some(i) = self.models.iter().position(|m| m.kv_share.is_none())
+            && self.unshared_kv() <= 0.0
+        {
+            let name = self.served()[i].name.clone();
+            return Err(bad(
+                i,
+                &name,
+                "it has no kv_share and the others' take the whole budget: give it one".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Range checks that types cannot express.
     pub fn check(&self, path: &Path) -> Result<(), ConfigError> {
+        self.check_models(path)?;
         let bad = |key, value: usize, why| ConfigError::Invalid {
             path: path.into(),
             key,
@@ -517,5 +745,99 @@ mod tests {
         );
         let e = parse("[cluster]\npages_per_batch = 0\n").unwrap_err().to_string();
         assert!(e.contains("cluster.pages_per_batch = 0"), "{e}");
+    }
+
+    #[test]
+    fn one_model_is_served_by_default_or_as_model_names_it() {
+        let s = parse("").unwrap().served();
+        assert_eq!(s.len(), 1);
+        assert_eq!(s[0].name, "SmolLM2-135M-Instruct.Q4_1");
+        assert_eq!(s[0].kv_memory_bytes, 512 << 20);
+        let s = parse("model = \"m/other.Q8_0.gguf\"\n[limits]\nqueue = 7\n")
+            .unwrap()
+            .served();
+        assert_eq!((s[0].name.as_str(), s[0].limits.queue), ("other.Q8_0", 7));
+    }
+
+    #[test]
+    fn several_models_get_their_share_of_the_kv_budget_and_their_own_limits() {
+        let c = parse(
+            "[kv]\nmemory_mib = 100\n[limits]\nqueue = 9\nmax_running = 5\n\
+             [[models]]\npath = \"a/small.gguf\"\nkv_share = 0.5\n[models.limits]\nmax_context = 2048\nqueue = 3\n\
+             [[models]]\npath = \"b/large.gguf\"\nname = \"org/large:v1\"\n\
+             [[models]]\npath = \"c/third.gguf\"\n",
+        )
+        .unwrap();
+        let s = c.served();
+        let names: Vec<&str> = s.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(names, ["small", "org/large:v1", "third"]);
+        // The share set, then an equal part of the rest each.
+        let mib = |m: &ServedModel| m.kv_memory_bytes as f64 / (1 << 20) as f64;
+        assert_eq!((mib(&s[0]), mib(&s[1]), mib(&s[2])), (50.0, 25.0, 25.0));
+        // Its own limits, and [limits]' for the rest.
+        assert_eq!(
+            (s[0].limits.max_context, s[0].limits.queue, s[0].limits.max_running),
+            (Some(2048), 3, 5)
+        );
+        assert_eq!((s[1].limits.max_context, s[1].limits.queue), (None, 9));
+    }
+
+    #[test]
+    fn model_lists_that_cannot_be_served_are_refused_by_name() {
+        let two = |a: &str, b: &str| {
+            parse(&format!(
+                "[[models]]\npath = \"a.gguf\"\n{a}\n[[models]]\npath = \"b.gguf\"\n{b}\n"
+            ))
+            .unwrap_err()
+            .to_string()
+        };
+        let e = parse("model = \"x.gguf\"\n[[models]]\npath = \"a.gguf\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("model") && e.contains("not both"), "{e}");
+        let e = two("name = \"same\"", "name = \"same\"");
+        assert!(
+            e.contains("models[1] (same)") && e.contains("two models have this id"),
+            "{e}"
+        );
+        let e = two("kv_share = 0.7", "kv_share = 0.6");
+        assert!(e.contains("add up to 1.3"), "{e}");
+        let e = two("kv_share = 0", "");
+        assert!(e.contains("models[0] (a)") && e.contains("kv_share = 0"), "{e}");
+        let e = two("kv_share = 1.0", "");
+        assert!(e.contains("models[1] (b)") && e.contains("give it one"), "{e}");
+        let e = two("name = \"has space\"", "");
+        assert!(e.contains("models[0] (a.gguf)") && e.contains("not a model id"), "{e}");
+        let e = two("[models.limits]\nqueue = 0", "");
+        assert!(e.contains("models[0] (a)") && e.contains("limits.queue = 0"), "{e}");
+        // What a model cannot set for itself is the server's, and named.
+        let e = two("[models.limits]\nbody_bytes = 10", "");
+        assert!(e.contains("body_bytes") && e.contains("line 4"), "{e}");
+        let e = parse("[[models]]\nname = \"x\"\n").unwrap_err().to_string();
+        assert!(e.contains("path"), "{e}");
+    }
+
+    #[test]
+    fn the_readmes_two_model_config_parses() {
+        let readme = include_str!("../../README.md");
+        let section = &readme[readme.find("## Several models on one server").expect("the section")..];
+        let start = section.find("```toml\n").expect("a toml block") + 8;
+        let block = &section[start..start + section[start..].find("```").expect("its end")];
+        let s = parse(block).unwrap().served();
+        let got: Vec<(&str, usize, Option<usize>)> = s
+            .iter()
+            .map(|m| (m.name.as_str(), m.kv_memory_bytes >> 20, m.limits.max_context))
+            .collect();
+        assert_eq!(got, [("smollm2", 256, None), ("gemma-3-270m", 768, Some(8192))]);
+    }
+
+    #[test]
+    fn model_ids_are_what_urls_and_metrics_labels_can_carry() {
+        for ok in ["a", "SmolLM2-135M-Instruct.Q4_1", "org/name:tag_1"] {
+            assert!(valid_model_name(ok), "{ok}");
+        }
+        for bad in ["", "a b", "a\"b", "/a", "a/", "é", &"x".repeat(MAX_MODEL_NAME + 1)] {
+            assert!(!valid_model_name(bad), "{bad}");
+        }
     }
 }

@@ -28,13 +28,6 @@ pub enum LoadError {
     Chat(PathBuf, #[source] ChatError),
 }
 
-/// A model's id in the API: its file's stem.
-pub fn model_id(path: &Path) -> String {
-    path.file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into())
-}
-
 /// Everything a GGUF file gives.
 pub struct LoadedModel {
     /// The weights.

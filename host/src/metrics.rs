@@ -1,13 +1,14 @@
 //! Server metrics, rendered as Prometheus text on `GET /metrics`.
 //!
-//! Per tenant: requests by outcome, prompt and completion tokens, rejections by reason. Global:
-//! isolation violations (tag mismatches), KV pages used/free/cached, queue depth and
-//! running sequences, and histograms of time to first token and inter-token latency. Labels are
-//! tenant names (validated at creation) and fixed codes: never request content.
+//! Per tenant and model: requests by outcome, prompt and completion tokens. Per tenant:
+//! rejections by reason. Per model (each has its own engine and pool): isolation violations (tag
+//! mismatches), KV pages used/free/cached, queue depth and running sequences, and histograms of
+//! time to first token and inter-token latency. Labels are tenant names (validated at creation),
+//! the served models' ids (from the configuration) and fixed codes: never request content.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::kv::KvCounters;
@@ -36,30 +37,43 @@ impl Histogram {
         self.sum += s;
     }
 
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+    /// Its series, each labelled `model="..."` (`model` escaped).
+    fn render(&self, out: &mut String, name: &str, model: &str) {
         for (c, b) in self.counts.iter().zip(&BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
+            let _ = writeln!(out, "{name}_bucket{{model=\"{model}\",le=\"{b}\"}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
+        let _ = writeln!(out, "{name}_bucket{{model=\"{model}\",le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(
+            out,
+            "{name}_sum{{model=\"{model}\"}} {}\n{name}_count{{model=\"{model}\"}} {}",
+            self.sum, self.count
+        );
     }
+}
+
+/// One model's engine: its pool, its queue, its latencies.
+#[derive(Debug, Default)]
+struct EngineStats {
+    kv: KvCounters,
+    waiting: usize,
+    running: usize,
+    ttft: Histogram,
+    itl: Histogram,
 }
 
 #[derive(Debug, Default)]
 struct Inner {
-    requests: BTreeMap<(String, &'static str), u64>,
-    prompt_tokens: BTreeMap<String, u64>,
-    completion_tokens: BTreeMap<String, u64>,
+    /// By tenant, model (empty when the request named none served) and outcome.
+    requests: BTreeMap<(String, String, &'static str), u64>,
+    /// By tenant and model.
+    prompt_tokens: BTreeMap<(String, String), u64>,
+    completion_tokens: BTreeMap<(String, String), u64>,
     rejections: BTreeMap<(String, &'static str), u64>,
     http_errors: BTreeMap<&'static str, u64>,
     plugin_requests: BTreeMap<String, u64>,
     plugin_failures: BTreeMap<(String, &'static str), u64>,
-    ttft: Histogram,
-    itl: Histogram,
-    kv: KvCounters,
-    waiting: usize,
-    running: usize,
+    /// By model.
+    engines: BTreeMap<String, EngineStats>,
     policy_version: String,
     policy_reload_failures: u64,
     transfers: BTreeMap<&'static str, u64>,
@@ -86,22 +100,26 @@ impl Metrics {
         f(&mut g)
     }
 
-    /// A request of `tenant` ended with `outcome` (`stop`, `length`, `rejected`, `cancelled`,
-    /// `failed`), with its token counts.
-    pub fn request_done(&self, tenant: &str, outcome: &'static str, prompt: usize, completion: usize) {
+    /// A request of `tenant` was refused for `reason` (a stable error code); `model` is the
+    /// served model it named, if it named one.
+    pub fn rejected(&self, tenant: &str, model: Option<&str>, reason: &'static str) {
         self.with(|m| {
-            *m.requests.entry((tenant.into(), outcome)).or_default() += 1;
-            *m.prompt_tokens.entry(tenant.into()).or_default() += prompt as u64;
-            *m.completion_tokens.entry(tenant.into()).or_default() += completion as u64;
+            *m.rejections.entry((tenant.into(), reason)).or_default() += 1;
+            *m.requests
+                .entry((tenant.into(), model.unwrap_or_default().into(), "rejected"))
+                .or_default() += 1;
         })
     }
 
-    /// A request of `tenant` was rejected for `reason` (a stable error code).
-    pub fn rejected(&self, tenant: &str, reason: &'static str) {
+    /// What one model's engine reports into this registry.
+    pub fn model(self: &Arc<Self>, model: &str) -> ModelMetrics {
         self.with(|m| {
-            *m.rejections.entry((tenant.into(), reason)).or_default() += 1;
-            *m.requests.entry((tenant.into(), "rejected")).or_default() += 1;
-        })
+            m.engines.entry(model.into()).or_default();
+        });
+        ModelMetrics {
+            metrics: self.clone(),
+            model: model.into(),
+        }
     }
 
     /// A request failed before it reached a tenant (bad key, bad route, bad body...).
@@ -119,16 +137,6 @@ impl Metrics {
         self.with(|m| *m.plugin_failures.entry((tenant.into(), code)).or_default() += 1)
     }
 
-    /// Time from submission to the first token.
-    pub fn first_token(&self, d: Duration) {
-        self.with(|m| m.ttft.observe(d))
-    }
-
-    /// Time between two tokens of one request.
-    pub fn inter_token(&self, d: Duration) {
-        self.with(|m| m.itl.observe(d))
-    }
-
     /// The policy set in force, and reloads refused since start.
     pub fn policy(&self, version: &str, reload_failures: u64) {
         self.with(|m| {
@@ -144,11 +152,166 @@ impl Metrics {
         })
     }
 
+    /// Prometheus text exposition.
+    pub fn render(&self) -> String {
+        self.with(|m| {
+            let mut o = String::new();
+            let help = |o: &mut String, name: &str, kind: &str, text: &str| {
+                let _ = writeln!(o, "# HELP {name} {text}\n# TYPE {name} {kind}");
+            };
+            help(&mut o, "warden_requests_total", "counter", "Requests by tenant, model and outcome.");
+            for ((t, model, outcome), n) in &m.requests {
+                let _ = writeln!(
+                    o,
+                    "warden_requests_total{{tenant=\"{}\",model=\"{}\",outcome=\"{outcome}\"}} {n}",
+                    escape(t),
+                    escape(model)
+                );
+            }
+            for (name, map, text) in [
+                ("warden_prompt_tokens_total", &m.prompt_tokens, "Prompt tokens by tenant and model."),
+                ("warden_completion_tokens_total", &m.completion_tokens, "Generated tokens by tenant and model."),
+            ] {
+                help(&mut o, name, "counter", text);
+                for ((t, model), n) in map {
+                    let _ = writeln!(o, "{name}{{tenant=\"{}\",model=\"{}\"}} {n}", escape(t), escape(model));
+                }
+            }
+            help(&mut o, "warden_rejections_total", "counter", "Requests refused at admission, by tenant and reason.");
+            for ((t, reason), n) in &m.rejections {
+                let _ = writeln!(o, "warden_rejections_total{{tenant=\"{}\",reason=\"{reason}\"}} {n}", escape(t));
+            }
+            help(&mut o, "warden_http_errors_total", "counter", "Requests refused before reaching a tenant, by error code.");
+            for (code, n) in &m.http_errors {
+                let _ = writeln!(o, "warden_http_errors_total{{code=\"{code}\"}} {n}");
+            }
+            help(&mut o, "warden_plugin_requests_total", "counter", "Requests that ran a plugin, by tenant.");
+            for (t, n) in &m.plugin_requests {
+                let _ = writeln!(o, "warden_plugin_requests_total{{tenant=\"{}\"}} {n}", escape(t));
+            }
+            help(&mut o, "warden_plugin_failures_total", "counter", "Requests a plugin failed, by tenant and error code.");
+            for ((t, code), n) in &m.plugin_failures {
+                let _ = writeln!(o, "warden_plugin_failures_total{{tenant=\"{}\",code=\"{code}\"}} {n}", escape(t));
+            }
+            // Each model's engine: one series per model of each.
+            let engines: Vec<(String, &EngineStats)> = m.engines.iter().map(|(k, e)| (escape(k), e)).collect();
+            let per_model = |o: &mut String, name: &str, kind: &str, text: &str, value: &dyn Fn(&EngineStats) -> String| {
+                help(o, name, kind, text);
+                for (model, e) in &engines {
+                    let _ = writeln!(o, "{name}{{model=\"{model}\"}} {}", value(e));
+                }
+            };
+            per_model(&mut o, "warden_isolation_violations_total", "counter", "KV reads or writes refused by a tag check, by model.", &|e| e.kv.tag_mismatches.to_string());
+            help(
+                &mut o,
+                "warden_kv_pages",
+                "gauge",
+                "KV pages by model and state (used, free and cached add up to the total; reserved pages are free pages promised to running sequences).",
+            );
+            for (model, e) in &engines {
+                for (state, n) in [
+                    ("used", e.kv.pages_used),
+                    ("free", e.kv.pages_free),
+                    ("cached", e.kv.pages_cached),
+                    ("reserved", e.kv.pages_reserved),
+                ] {
+                    let _ = writeln!(o, "warden_kv_pages{{model=\"{model}\",state=\"{state}\"}} {n}");
+                }
+            }
+            per_model(&mut o, "warden_kv_pinned_pages", "gauge", "KV pages in tenants' pinned prefixes, by model.", &|e| e.kv.pages_pinned.to_string());
+            per_model(&mut o, "warden_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from tenants' prefix caches, by model.", &|e| e.kv.prefix_hit_tokens.to_string());
+            per_model(&mut o, "warden_prefix_cache_evictions_total", "counter", "Cached KV pages evicted to make room, by model.", &|e| e.kv.prefix_evictions.to_string());
+            per_model(&mut o, "warden_kv_pages_total", "gauge", "KV pages in the model's pool.", &|e| e.kv.pages_total.to_string());
+            per_model(&mut o, "warden_queue_depth", "gauge", "Requests waiting for a slot, by model.", &|e| e.waiting.to_string());
+            per_model(&mut o, "warden_running_sequences", "gauge", "Sequences being prefilled or decoded, by model.", &|e| e.running.to_string());
+            help(&mut o, "warden_policy_info", "gauge", "The tenant policy set in force (its version: a digest of the files).");
+            let _ = writeln!(o, "warden_policy_info{{version=\"{}\"}} 1", escape(&m.policy_version));
+            help(&mut o, "warden_policy_reload_failures_total", "counter", "Policy reloads refused (a bad file; the previous set stayed in force).");
+            let _ = writeln!(o, "warden_policy_reload_failures_total {}", m.policy_reload_failures);
+            if !m.nodes.is_empty() {
+                help(&mut o, "warden_cluster_node_up", "gauge", "Whether the router sends work to a node (it answers its probe and agrees with the cluster).");
+                for ((role, node), up) in &m.nodes {
+                    let _ = writeln!(o, "warden_cluster_node_up{{role=\"{role}\",node=\"{node}\"}} {}", u8::from(*up));
+                }
+            }
+            if !m.transfers.is_empty() {
+                help(&mut o, "warden_transfers_total", "counter", "KV transfers a prefill node sent, by outcome.");
+                for (outcome, n) in &m.transfers {
+                    let _ = writeln!(o, "warden_transfers_total{{outcome=\"{outcome}\"}} {n}");
+                }
+                help(&mut o, "warden_transfer_pages_total", "counter", "KV pages of acknowledged transfers.");
+                let _ = writeln!(o, "warden_transfer_pages_total {}", m.transfer_pages);
+                help(&mut o, "warden_transfer_bytes_total", "counter", "Encoded bytes of acknowledged transfers.");
+                let _ = writeln!(o, "warden_transfer_bytes_total {}", m.transfer_bytes);
+                help(&mut o, "warden_transfer_seconds_total", "counter", "Time acknowledged transfers took, from Begin to the final Ack, summed.");
+                let _ = writeln!(o, "warden_transfer_seconds_total {}", m.transfer_seconds);
+            }
+            help(&mut o, "warden_time_to_first_token_seconds", "histogram", "Time from a request's submission to its first token, by model.");
+            for (model, e) in &engines {
+                e.ttft.render(&mut o, "warden_time_to_first_token_seconds", model);
+            }
+            help(&mut o, "warden_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a request, by model.");
+            for (model, e) in &engines {
+                e.itl.render(&mut o, "warden_inter_token_latency_seconds", model);
+            }
+            o
+        })
+    }
+}
+
+/// One model's engine's view of the registry: what it reports carries the model's label.
+#[derive(Debug, Clone)]
+pub struct ModelMetrics {
+    metrics: Arc<Metrics>,
+    model: Arc<str>,
+}
+
+impl ModelMetrics {
+    /// The registry it reports into.
+    pub fn registry(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// A request of `tenant` ended with `outcome` (`stop`, `length`, `rejected`, `cancelled`,
+    /// `failed`), with its token counts.
+    pub fn request_done(&self, tenant: &str, outcome: &'static str, prompt: usize, completion: usize) {
+        self.metrics.with(|m| {
+            let key = (tenant.to_string(), self.model.to_string());
+            *m.requests.entry((key.0.clone(), key.1.clone(), outcome)).or_default() += 1;
+            *m.prompt_tokens.entry(key.clone()).or_default() += prompt as u64;
+            *m.completion_tokens.entry(key).or_default() += completion as u64;
+        })
+    }
+
+    /// The engine refused a request of `tenant` for `reason`.
+    pub fn rejected(&self, tenant: &str, reason: &'static str) {
+        self.metrics.rejected(tenant, Some(&self.model), reason)
+    }
+
+    /// Time from submission to the first token.
+    pub fn first_token(&self, d: Duration) {
+        self.engine(|e| e.ttft.observe(d))
+    }
+
+    /// Time between two tokens of one request.
+    pub fn inter_token(&self, d: Duration) {
+        self.engine(|e| e.itl.observe(d))
+    }
+
+    /// The engine's current pool counters and queue.
+    pub fn engine_state(&self, kv: KvCounters, waiting: usize, running: usize) {
+        self.engine(|e| {
+            e.kv = kv;
+            e.waiting = waiting;
+            e.running = running;
+        })
+    }
+
     /// A prefill node's transfer ended: `outcome` (`acknowledged`, `failed`, `abandoned`); an
     /// acknowledged one sent `pages` pages in `bytes` encoded bytes over `seconds` from its
     /// `Begin` to its final acknowledgement.
     pub fn transfer_done(&self, outcome: &'static str, pages: usize, bytes: usize, seconds: f64) {
-        self.with(|m| {
+        self.metrics.with(|m| {
             *m.transfers.entry(outcome).or_default() += 1;
             if outcome == "acknowledged" {
                 m.transfer_pages += pages as u64;
@@ -158,165 +321,9 @@ impl Metrics {
         })
     }
 
-    /// The engine's current pool counters and queue.
-    pub fn engine_state(&self, kv: KvCounters, waiting: usize, running: usize) {
-        self.with(|m| {
-            m.kv = kv;
-            m.waiting = waiting;
-            m.running = running;
-        })
-    }
-
-    /// Prometheus text exposition.
-    pub fn render(&self) -> String {
-        self.with(|m| {
-            let mut o = String::new();
-            let _ = writeln!(
-                o,
-                "# HELP warden_requests_total Requests by tenant and outcome.\n# TYPE warden_requests_total counter"
-            );
-            for ((t, outcome), n) in &m.requests {
-                let _ = writeln!(o, "warden_requests_total{{tenant=\"{}\",outcome=\"{outcome}\"}} {n}", escape(t));
-            }
-            for (name, map, help) in [
-                ("warden_prompt_tokens_total", &m.prompt_tokens, "Prompt tokens by tenant."),
-                ("warden_completion_tokens_total", &m.completion_tokens, "Generated tokens by tenant."),
-            ] {
-                let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
-                for (t, n) in map {
-                    let _ = writeln!(o, "{name}{{tenant=\"{}\"}} {n}", escape(t));
-                }
-            }
-            let _ = writeln!(
-                o,
-                "# HELP warden_rejections_total Requests refused at admission, by tenant and reason.\n# TYPE warden_rejections_total counter"
-            );
-            for ((t, reason), n) in &m.rejections {
-                let _ = writeln!(o, "warden_rejections_total{{tenant=\"{}\",reason=\"{reason}\"}} {n}", escape(t));
-            }
-            let _ = writeln!(
-                o,
-                "# HELP warden_http_errors_total Requests refused before reaching a tenant, by error code.\n# TYPE warden_http_errors_total counter"
-            );
-            for (code, n) in &m.http_errors {
-                let _ = writeln!(o, "warden_http_errors_total{{code=\"{code}\"}} {n}");
-            }
-            let _ = writeln!(
-                o,
-                "# HELP warden_plugin_requests_total Requests that ran a plugin, by tenant.\n# TYPE warden_plugin_requests_total counter"
-            );
-            for (t, n) in &m.plugin_requests {
-                let _ = writeln!(o, "warden_plugin_requests_total{{tenant=\"{}\"}} {n}", escape(t));
-            }
-            let _ = writeln!(
-                o,
-                "# HELP warden_plugin_failures_total Requests a plugin failed, by tenant and error code.\n# TYPE warden_plugin_failures_total counter"
-            );
-            for ((t, code), n) in &m.plugin_failures {
-                let _ = writeln!(o, "warden_plugin_failures_total{{tenant=\"{}\",code=\"{code}\"}} {n}", escape(t));
-            }
-            let _ = writeln!(
-                o,
-                "# HELP warden_isolation_violations_total KV reads or writes refused by a tag check.\n# TYPE warden_isolation_violations_total counter\nwarden_isolation_violations_total {}",
-                m.kv.tag_mismatches
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_kv_pages KV pages by state (used, free and cached add up to the total; reserved pages are free pages promised to running sequences).\n# TYPE warden_kv_pages gauge"
-            );
-            for (state, n) in [
-                ("used", m.kv.pages_used),
-                ("free", m.kv.pages_free),
-                ("cached", m.kv.pages_cached),
-                ("reserved", m.kv.pages_reserved),
-            ] {
-                let _ = writeln!(o, "warden_kv_pages{{state=\"{state}\"}} {n}");
-            }
-            let _ = writeln!(
-                o,
-                "# HELP warden_kv_pinned_pages KV pages in tenants' pinned prefixes.\n# TYPE warden_kv_pinned_pages gauge\nwarden_kv_pinned_pages {}",
-                m.kv.pages_pinned
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_prefix_cache_hit_tokens_total Prompt tokens served from tenants' prefix caches.\n# TYPE warden_prefix_cache_hit_tokens_total counter\nwarden_prefix_cache_hit_tokens_total {}",
-                m.kv.prefix_hit_tokens
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_prefix_cache_evictions_total Cached KV pages evicted to make room.\n# TYPE warden_prefix_cache_evictions_total counter\nwarden_prefix_cache_evictions_total {}",
-                m.kv.prefix_evictions
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_kv_pages_total KV pages in the pool.\n# TYPE warden_kv_pages_total gauge\nwarden_kv_pages_total {}",
-                m.kv.pages_total
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_queue_depth Requests waiting for a slot.\n# TYPE warden_queue_depth gauge\nwarden_queue_depth {}",
-                m.waiting
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_running_sequences Sequences being prefilled or decoded.\n# TYPE warden_running_sequences gauge\nwarden_running_sequences {}",
-                m.running
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_policy_info The tenant policy set in force (its version: a digest of the files).\n# TYPE warden_policy_info gauge\nwarden_policy_info{{version=\"{}\"}} 1",
-                escape(&m.policy_version)
-            );
-            let _ = writeln!(
-                o,
-                "# HELP warden_policy_reload_failures_total Policy reloads refused (a bad file; the previous set stayed in force).\n# TYPE warden_policy_reload_failures_total counter\nwarden_policy_reload_failures_total {}",
-                m.policy_reload_failures
-            );
-            if !m.nodes.is_empty() {
-                let _ = writeln!(
-                    o,
-                    "# HELP warden_cluster_node_up Whether the router sends work to a node (it answers its probe and agrees with the cluster).\n# TYPE warden_cluster_node_up gauge"
-                );
-                for ((role, node), up) in &m.nodes {
-                    let _ = writeln!(o, "warden_cluster_node_up{{role=\"{role}\",node=\"{node}\"}} {}", u8::from(*up));
-                }
-            }
-            if !m.transfers.is_empty() {
-                let _ = writeln!(
-                    o,
-                    "# HELP warden_transfers_total KV transfers a prefill node sent, by outcome.\n# TYPE warden_transfers_total counter"
-                );
-                for (outcome, n) in &m.transfers {
-                    let _ = writeln!(o, "warden_transfers_total{{outcome=\"{outcome}\"}} {n}");
-                }
-                let _ = writeln!(
-                    o,
-                    "# HELP warden_transfer_pages_total KV pages of acknowledged transfers.\n# TYPE warden_transfer_pages_total counter\nwarden_transfer_pages_total {}",
-                    m.transfer_pages
-                );
-                let _ = writeln!(
-                    o,
-                    "# HELP warden_transfer_bytes_total Encoded bytes of acknowledged transfers.\n# TYPE warden_transfer_bytes_total counter\nwarden_transfer_bytes_total {}",
-                    m.transfer_bytes
-                );
-                let _ = writeln!(
-                    o,
-                    "# HELP warden_transfer_seconds_total Time acknowledged transfers took, from Begin to the final Ack, summed.\n# TYPE warden_transfer_seconds_total counter\nwarden_transfer_seconds_total {}",
-                    m.transfer_seconds
-                );
-            }
-            m.ttft.render(
-                &mut o,
-                "warden_time_to_first_token_seconds",
-                "Time from a request's submission to its first token.",
-            );
-            m.itl.render(
-                &mut o,
-                "warden_inter_token_latency_seconds",
-                "Time between consecutive tokens of a request.",
-            );
-            o
-        })
+    fn engine(&self, f: impl FnOnce(&mut EngineStats)) {
+        self.metrics
+            .with(|m| f(m.engines.entry(self.model.to_string()).or_default()))
     }
 }
 
@@ -326,13 +333,16 @@ mod tests {
 
     #[test]
     fn renders_counters_gauges_and_histograms() {
-        let m = Metrics::default();
-        m.request_done("acme", "stop", 10, 5);
-        m.request_done("acme", "stop", 1, 2);
-        m.rejected("beta", "context_length_exceeded");
+        let m = Arc::new(Metrics::default());
+        let (a, b) = (m.model("small"), m.model("large"));
+        a.request_done("acme", "stop", 10, 5);
+        a.request_done("acme", "stop", 1, 2);
+        b.request_done("acme", "length", 4, 4);
+        b.rejected("beta", "context_length_exceeded");
+        m.rejected("beta", None, "model_not_found");
         m.plugin_failure("beta", "plugin_trap");
-        m.first_token(Duration::from_millis(30));
-        m.engine_state(
+        a.first_token(Duration::from_millis(30));
+        a.engine_state(
             KvCounters {
                 pages_total: 8,
                 pages_free: 6,
@@ -345,18 +355,24 @@ mod tests {
         );
         let t = m.render();
         for line in [
-            "warden_requests_total{tenant=\"acme\",outcome=\"stop\"} 2",
-            "warden_requests_total{tenant=\"beta\",outcome=\"rejected\"} 1",
-            "warden_prompt_tokens_total{tenant=\"acme\"} 11",
-            "warden_completion_tokens_total{tenant=\"acme\"} 7",
+            "warden_requests_total{tenant=\"acme\",model=\"small\",outcome=\"stop\"} 2",
+            "warden_requests_total{tenant=\"acme\",model=\"large\",outcome=\"length\"} 1",
+            "warden_requests_total{tenant=\"beta\",model=\"large\",outcome=\"rejected\"} 1",
+            "warden_requests_total{tenant=\"beta\",model=\"\",outcome=\"rejected\"} 1",
+            "warden_prompt_tokens_total{tenant=\"acme\",model=\"small\"} 11",
+            "warden_completion_tokens_total{tenant=\"acme\",model=\"small\"} 7",
+            "warden_completion_tokens_total{tenant=\"acme\",model=\"large\"} 4",
             "warden_rejections_total{tenant=\"beta\",reason=\"context_length_exceeded\"} 1",
-            "warden_isolation_violations_total 1",
+            "warden_isolation_violations_total{model=\"small\"} 1",
+            "warden_isolation_violations_total{model=\"large\"} 0",
             "warden_plugin_failures_total{tenant=\"beta\",code=\"plugin_trap\"} 1",
-            "warden_kv_pages{state=\"free\"} 6",
-            "warden_queue_depth 3",
-            "warden_time_to_first_token_seconds_bucket{le=\"0.025\"} 0",
-            "warden_time_to_first_token_seconds_bucket{le=\"0.05\"} 1",
-            "warden_time_to_first_token_seconds_count 1",
+            "warden_kv_pages{model=\"small\",state=\"free\"} 6",
+            "warden_kv_pages{model=\"large\",state=\"free\"} 0",
+            "warden_queue_depth{model=\"small\"} 3",
+            "warden_time_to_first_token_seconds_bucket{model=\"small\",le=\"0.025\"} 0",
+            "warden_time_to_first_token_seconds_bucket{model=\"small\",le=\"0.05\"} 1",
+            "warden_time_to_first_token_seconds_count{model=\"small\"} 1",
+            "warden_time_to_first_token_seconds_count{model=\"large\"} 0",
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
         }

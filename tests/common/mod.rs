@@ -41,6 +41,21 @@ pub fn model() -> PathBuf {
     m
 }
 
+/// A tiny committed model (llama architecture, Q8_0, a 257-token ASCII vocabulary, 64 tokens of
+/// context, no chat template): a second model for servers of several.
+pub fn tiny_model() -> PathBuf {
+    root().join("host/tests/fixtures/tiny/llama-Q8_0.gguf")
+}
+
+/// The `model = ...` line of a config, unless `extra` lists `[[models]]` of its own.
+fn model_line(extra: &str) -> String {
+    if extra.contains("[[models]]") {
+        String::new()
+    } else {
+        format!("model = {:?}\n", model())
+    }
+}
+
 /// A fresh directory under the target dir.
 pub fn temp_dir(tag: &str) -> PathBuf {
     let d = root()
@@ -88,9 +103,9 @@ impl Server {
         std::fs::write(
             &config,
             format!(
-                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\npolicies = {:?}\n{extra}\n",
+                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\n{}policies = {:?}\n{extra}\n",
                 data_dir.join("data"),
-                model(),
+                model_line(extra),
                 data_dir.join("policies")
             ),
         )
@@ -118,9 +133,9 @@ impl Server {
         std::fs::write(
             &config,
             format!(
-                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\nmodel = {:?}\npolicies = {:?}\n{extra}\n[cluster]\nprefill = [{}]\ndecode = [{}]\nconnect_timeout_s = 60\n",
+                "listen = \"127.0.0.1:0\"\ndata_dir = {:?}\n{}policies = {:?}\n{extra}\n[cluster]\nprefill = [{}]\ndecode = [{}]\nconnect_timeout_s = 60\n",
                 data_dir.join("data"),
-                model(),
+                model_line(extra),
                 data_dir.join("policies"),
                 list(prefill),
                 list(decode),
@@ -203,12 +218,9 @@ impl Server {
         r.text()
     }
 
-    /// One metric's value (the first line starting with `series`).
+    /// One metric's value: see [`metric_value`].
     pub async fn metric(&self, series: &str) -> f64 {
-        let m = self.metrics().await;
-        m.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
-            .unwrap_or(0.0)
+        metric_value(&self.metrics().await, series)
     }
 
     /// The server's process id.
@@ -321,9 +333,9 @@ impl Node {
         std::fs::write(
             &config,
             format!(
-                "data_dir = {:?}\nmodel = {:?}\n{extra}\n[cluster]\nlisten = \"{listen}\"\n",
+                "data_dir = {:?}\n{}{extra}\n[cluster]\nlisten = \"{listen}\"\n",
                 dir.join("data"),
-                model()
+                model_line(extra)
             ),
         )
         .expect("write config");
@@ -348,12 +360,9 @@ impl Node {
         }
     }
 
-    /// One metric's value (the first line starting with `series`).
+    /// One metric's value: see [`metric_value`].
     pub async fn metric(&self, series: &str) -> f64 {
-        let m = self.metrics().await;
-        m.lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|r| r.trim().parse().ok()))
-            .unwrap_or(0.0)
+        metric_value(&self.metrics().await, series)
     }
 
     /// Waits (up to 20 s) until no page of its pool is in use; false if some still are then.
@@ -393,6 +402,43 @@ impl Drop for Server {
             let _ = c.wait();
         }
     }
+}
+
+/// The sum of the series of `series` (`name` or `name{k="v",...}`) in a Prometheus text whose
+/// labels include the given ones: `warden_kv_pages{state="used"}` adds every model's used pages.
+/// Panics when the text has no such metric at all (a renamed metric must fail the test, not read
+/// as 0); 0 when it has the metric but no matching series yet.
+pub fn metric_value(text: &str, series: &str) -> f64 {
+    let (name, wanted) = match series.split_once('{') {
+        Some((n, rest)) => (n, rest.trim_end_matches('}')),
+        None => (series, ""),
+    };
+    let wanted: Vec<&str> = wanted
+        .split("\",")
+        .filter(|w| !w.is_empty())
+        .map(|w| w.trim_end_matches('"'))
+        .collect();
+    let family = ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s))
+        .unwrap_or(name);
+    assert!(
+        text.lines()
+            .any(|l| [name, family].iter().any(|n| l.starts_with(&format!("# TYPE {n} ")))),
+        "no metric {name} in\n{text}"
+    );
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (s, v) = l.rsplit_once(' ')?;
+            let (n, labels) = match s.split_once('{') {
+                Some((n, rest)) => (n, rest.trim_end_matches('}')),
+                None => (s, ""),
+            };
+            let have: Vec<&str> = labels.split("\",").map(|w| w.trim_end_matches('"')).collect();
+            (n == name && wanted.iter().all(|w| have.contains(w))).then(|| v.parse::<f64>().ok())?
+        })
+        .sum()
 }
 
 /// A chat request body.

@@ -50,14 +50,22 @@ struct Node {
 
 /// Runs a prefill or decode node until SIGTERM or SIGINT.
 pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
-    let loaded = LoadedModel::open(&cfg.model)?;
-    let engine = start_engine(&cfg, &loaded)?;
+    let mut served = cfg.served();
+    if served.len() != 1 {
+        return Err(StartupError::Config(format!(
+            "a {role} node serves one model, and this configuration names {} ([[models]]): give each model its own nodes; the router serves them all",
+            served.len()
+        )));
+    }
+    let served = served.remove(0);
+    let loaded = LoadedModel::open(&served.path)?;
+    let engine = start_engine(&cfg, &served, &loaded)?;
     let digest =
-        super::file_digest(&cfg.model).map_err(StartupError::io(format!("reading {}", cfg.model.display())))?;
+        super::file_digest(&served.path).map_err(StartupError::io(format!("reading {}", served.path.display())))?;
     let limits = engine.limits();
     let info = NodeInfo {
         role,
-        model: crate::loaded::model_id(&cfg.model),
+        model: served.name.clone(),
         digest,
         page_size: cfg.kv.page_size,
         max_context: limits.max_context,
@@ -68,14 +76,14 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
     };
     let page_bytes = KvPool::page_bytes(engine.pool().shape(), engine.pool().n_layers());
     let metrics = Arc::new(Metrics::default());
-    let handle = LocalEngine::start(engine, cfg.limits.queue, metrics.clone())
+    let handle = LocalEngine::start(engine, served.limits.queue, metrics.model(&served.name))
         .map_err(StartupError::io("starting the engine thread"))?;
     let node = Arc::new(Node {
         info,
         metrics,
         engine: handle,
         page_bytes,
-        queue: cfg.limits.queue,
+        queue: served.limits.queue,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,7 +1,9 @@
 //! The router's engine: the cluster's nodes behind [`crate::runner::EngineHandle`] ([`RouterEngine`]).
 //!
-//! At start it asks every configured node what it serves and refuses to serve until all agree
-//! on the model, the page size and the maximum context. Each job (one choice of an admitted
+//! At start it asks every configured node what it serves, and gives each of its models a
+//! [`Router`] over the nodes that serve that model's file: it refuses to serve while a model has
+//! no prefill or no decode node, a node serves none of its models, or the nodes of one model
+//! disagree on the page size or the maximum context. Each job (one choice of an admitted
 //! request) then gets a connection to a decode node, naming the prefill node for its prompt; the
 //! decode node's messages become the job's updates, the job's usage is booked from its `Done`,
 //! and the job's end (its client gone, its plugin's stop) reaches the node as the connection's
@@ -23,7 +25,7 @@ use crate::config::Role;
 use crate::engine::TenantSettings;
 use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
 use crate::kv::{PageHandle, PageInfo};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ModelMetrics};
 use crate::plugin::KvAccessError;
 use crate::runner::{
     Busy, END_STOP, EngineCallError, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label,
@@ -31,7 +33,7 @@ use crate::runner::{
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
 
-/// The cluster as the router sees it.
+/// One model's part of the cluster, as the router sees it.
 pub struct Router {
     prefill: Vec<SocketAddr>,
     decode: Vec<SocketAddr>,
@@ -39,12 +41,12 @@ pub struct Router {
     health: Arc<Health>,
     next: AtomicUsize,
     limits: Limits,
-    metrics: Arc<Metrics>,
+    metrics: ModelMetrics,
     in_flight: AtomicUsize,
     idle: Notify,
     /// Raised when shutdown's deadline passes: jobs still running end.
     closing: watch::Sender<bool>,
-    /// What every node agreed on.
+    /// What every node of the model agreed on.
     agreed: NodeInfo,
     /// The smallest pool's figures.
     smallest: NodeInfo,
@@ -69,19 +71,31 @@ pub enum ConnectError {
         /// The role it says it has.
         actual: Role,
     },
-    /// The nodes serve another model file than the router's.
+    /// A node serves a model file that is none of the router's.
     #[error(
-        "{node} serves another model file than the router's (sha256 {digest} here): every node and the router serve the same model"
+        "{node} serves a model file that is none of the router's (theirs: {digests}): every node serves one of the router's models"
     )]
     OtherModel {
         /// The node, described.
         node: String,
-        /// The start of the router's model digest.
+        /// The starts of the router's models' digests.
+        digests: String,
+    },
+    /// One of the router's models has no node of a role.
+    #[error(
+        "no {role} node serves model {model} (sha256 {digest}): a router serves a model only when a prefill and a decode node serve its file"
+    )]
+    Unserved {
+        /// The model's id.
+        model: String,
+        /// The role it lacks.
+        role: Role,
+        /// The start of its file's digest.
         digest: String,
     },
-    /// Two nodes disagree on model, page size or max context.
+    /// Two nodes of one model disagree on page size or max context.
     #[error(
-        "the nodes disagree: {first} but {other}; the router serves only when every node agrees on model, page size and max context"
+        "the nodes disagree: {first} but {other}; the router serves a model only when every node of it agrees on model, page size and max context"
     )]
     Disagree {
         /// The first node, described.
@@ -105,9 +119,15 @@ pub enum ConnectError {
 
 impl Router {
     /// Asks every node in `cluster` what it serves, waiting up to `cluster.connect_timeout_s`
-    /// for each; refuses when a node has the wrong role, or when the nodes (and the router's own
-    /// model file, `digest`) disagree on the model, the page size or the maximum context.
-    pub async fn connect(cluster: &ClusterConfig, digest: &str, metrics: Arc<Metrics>) -> Result<Self, ConnectError> {
+    /// for each, and returns one router for each of `models` (id, digest of its file), in
+    /// order, over the nodes that serve that file. Refuses when a node has the wrong role or
+    /// serves none of the models, when a model has no prefill or no decode node, or when one
+    /// model's nodes disagree on the page size or the maximum context.
+    pub async fn connect(
+        cluster: &ClusterConfig,
+        models: &[(String, String)],
+        metrics: Arc<Metrics>,
+    ) -> Result<Vec<Self>, ConnectError> {
         if cluster.prefill.is_empty() || cluster.decode.is_empty() {
             return Err(ConnectError::NoNodes);
         }
@@ -129,15 +149,43 @@ impl Router {
                 });
             }
             println!("cluster: {}", info.describe(addr));
+            if !models.iter().any(|(_, d)| *d == info.digest) {
+                return Err(ConnectError::OtherModel {
+                    node: info.describe(addr),
+                    digests: models
+                        .iter()
+                        .map(|(m, d)| format!("{m} {}", &d[..d.len().min(12)]))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                });
+            }
             infos.push((addr, info));
         }
-        let (first_addr, first) = infos[0].clone();
-        if first.digest != digest {
-            return Err(ConnectError::OtherModel {
-                node: first.describe(first_addr),
-                digest: digest[..digest.len().min(12)].to_string(),
-            });
+        let mut routers = Vec::with_capacity(models.len());
+        for (model, digest) in models {
+            let mine: Vec<(SocketAddr, NodeInfo)> =
+                infos.iter().filter(|(_, i)| i.digest == *digest).cloned().collect();
+            for role in [Role::Prefill, Role::Decode] {
+                if !mine.iter().any(|(_, i)| i.role == role) {
+                    return Err(ConnectError::Unserved {
+                        model: model.clone(),
+                        role,
+                        digest: digest[..digest.len().min(12)].to_string(),
+                    });
+                }
+            }
+            routers.push(Self::of_nodes(cluster, &mine, metrics.model(model))?);
         }
+        Ok(routers)
+    }
+
+    /// The router of one model over `infos`, the nodes that serve its file (of both roles).
+    fn of_nodes(
+        cluster: &ClusterConfig,
+        infos: &[(SocketAddr, NodeInfo)],
+        metrics: ModelMetrics,
+    ) -> Result<Self, ConnectError> {
+        let (first_addr, first) = infos[0].clone();
         for (addr, info) in &infos[1..] {
             if info.agreement() != first.agreement() {
                 return Err(ConnectError::Disagree {
@@ -153,12 +201,16 @@ impl Router {
             pinnable_pages: infos.iter().map(|(_, i)| i.pinnable_pages).min().unwrap_or(0),
             ..first.clone()
         };
-        let health = Arc::new(Health::new(&nodes, metrics.clone()));
+        let of_role =
+            |role| -> Vec<SocketAddr> { infos.iter().filter(|(_, i)| i.role == role).map(|(a, _)| *a).collect() };
+        let (prefill, decode) = (of_role(Role::Prefill), of_role(Role::Decode));
+        let nodes: Vec<(SocketAddr, Role)> = infos.iter().map(|(a, i)| (*a, i.role)).collect();
+        let health = Arc::new(Health::new(&nodes, metrics.registry().clone()));
         let closing = watch::channel(false).0;
         tokio::spawn(health.clone().probe(first.agreement(), closing.subscribe()));
         Ok(Self {
-            prefill: cluster.prefill.clone(),
-            decode: cluster.decode.clone(),
+            prefill,
+            decode,
             health,
             next: AtomicUsize::new(0),
             limits: cluster.transfer_limits(),

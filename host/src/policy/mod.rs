@@ -278,17 +278,22 @@ pub struct PolicyError {
     pub message: String,
 }
 
-/// What the server knows of itself, to refuse impossible policies.
+/// What the server knows of itself, to refuse impossible policies. A tenant's KV policy
+/// applies in each served model's pool, so a server of several models gives its smallest pool's
+/// figures.
 #[derive(Debug, Clone, Copy)]
 pub struct Bounds {
-    /// KV pages in the pool.
+    /// KV pages in the (smallest) pool.
     pub kv_pages: u64,
     /// Token slots per KV page.
     pub page_size: usize,
-    /// KV pages that may be pinned at all (what the pool keeps beyond one request of the
-    /// maximum context); public prefixes are pinned.
+    /// KV pages that may be pinned at all (what the (smallest) pool keeps beyond one request of
+    /// the maximum context); public prefixes are pinned.
     pub pin_pages: u64,
 }
+
+/// A public prefix: its name, and its tokens for each served model (in the server's order).
+type PublicPrefix = (String, Vec<Vec<u32>>);
 
 /// Longest text of one public prefix, in bytes.
 pub const MAX_PUBLIC_PREFIX_BYTES: usize = 64 << 10;
@@ -302,15 +307,15 @@ pub struct PolicySet {
     pub generation: u64,
     default: Policy,
     tenants: HashMap<String, Policy>,
-    /// The public prefixes, by name, tokenized.
-    public: Vec<(String, Vec<u32>)>,
+    /// The public prefixes, by name, tokenized for each served model (in the server's order).
+    public: Vec<PublicPrefix>,
 }
 
 impl PolicySet {
     /// The policies of `dir`: `default.toml` (optional; absent means the built-in defaults) and
     /// `tenants/*.toml`. Any bad file refuses the whole set. `tokenize` turns a public prefix's
-    /// text into the tokens prompts begin with.
-    pub fn load(dir: &Path, bounds: Bounds, tokenize: &dyn Fn(&str) -> Vec<u32>) -> Result<Self, PolicyError> {
+    /// text into the tokens prompts begin with, one list for each served model.
+    pub fn load(dir: &Path, bounds: Bounds, tokenize: &dyn Fn(&str) -> Vec<Vec<u32>>) -> Result<Self, PolicyError> {
         let mut files: BTreeMap<String, (PathBuf, String)> = BTreeMap::new();
         let read = |p: &Path| {
             std::fs::read_to_string(p).map_err(|e| PolicyError {
@@ -357,7 +362,7 @@ impl PolicySet {
     pub fn from_files(
         files: &BTreeMap<String, (PathBuf, String)>,
         bounds: Bounds,
-        tokenize: &dyn Fn(&str) -> Vec<u32>,
+        tokenize: &dyn Fn(&str) -> Vec<Vec<u32>>,
     ) -> Result<Self, PolicyError> {
         let mut digest = sha2::Sha256::new();
         for (name, (_, text)) in files {
@@ -430,24 +435,25 @@ impl PolicySet {
         self.tenants.iter().map(|(n, p)| (n.as_str(), p))
     }
 
-    /// The public prefixes' tokens, in the order of their names.
-    pub fn public_prefixes(&self) -> Vec<Vec<u32>> {
-        self.public.iter().map(|(_, t)| t.clone()).collect()
+    /// The public prefixes' tokens for the `model`th served model, in the order of their names.
+    pub fn public_prefixes(&self, model: usize) -> Vec<Vec<u32>> {
+        self.public.iter().filter_map(|(_, t)| t.get(model).cloned()).collect()
     }
 }
 
 /// The `[public_prefixes]` of `default.toml` (`f`), tokenized and checked: names of letters,
 /// digits, `-` and `_`; texts of at most [`MAX_PUBLIC_PREFIX_BYTES`] and at least one KV page of
-/// tokens; all of them within the pages that may be pinned.
+/// tokens; all of them within the pages that may be pinned. With several models, each model's
+/// tokens are checked.
 fn public_prefixes(
     path: &Path,
     text: &str,
     f: &PolicyFile,
     bounds: Bounds,
-    tokenize: &dyn Fn(&str) -> Vec<u32>,
-) -> Result<Vec<(String, Vec<u32>)>, PolicyError> {
+    tokenize: &dyn Fn(&str) -> Vec<Vec<u32>>,
+) -> Result<Vec<PublicPrefix>, PolicyError> {
     let mut out = Vec::new();
-    let mut pages = 0u64;
+    let mut pages: Vec<u64> = Vec::new();
     for (name, prefix) in f.public_prefixes.iter().flatten() {
         let err = |message: String| PolicyError {
             file: path.into(),
@@ -469,19 +475,22 @@ fn public_prefixes(
             )));
         }
         let tokens = tokenize(prefix);
-        if tokens.len() < bounds.page_size {
-            return Err(err(format!(
-                "{} tokens, less than one KV page ({} tokens): nothing of it could be shared",
-                tokens.len(),
-                bounds.page_size
-            )));
-        }
-        pages += (tokens.len() / bounds.page_size) as u64;
-        if pages > bounds.pin_pages {
-            return Err(err(format!(
-                "the public prefixes need {pages} KV pages kept cached, more than the {} the pool can pin",
-                bounds.pin_pages
-            )));
+        pages.resize(tokens.len(), 0);
+        for (t, pages) in tokens.iter().zip(&mut pages) {
+            if t.len() < bounds.page_size {
+                return Err(err(format!(
+                    "{} tokens, less than one KV page ({} tokens): nothing of it could be shared",
+                    t.len(),
+                    bounds.page_size
+                )));
+            }
+            *pages += (t.len() / bounds.page_size) as u64;
+            if *pages > bounds.pin_pages {
+                return Err(err(format!(
+                    "the public prefixes need {pages} KV pages kept cached, more than the {} the pool can pin",
+                    bounds.pin_pages
+                )));
+            }
         }
         out.push((name.clone(), tokens));
     }
@@ -637,7 +646,7 @@ mod tests {
 
     /// Loads `d` with a tokenizer that makes every byte a token.
     fn load(d: &Path) -> Result<PolicySet, PolicyError> {
-        PolicySet::load(d, BOUNDS, &|t: &str| t.bytes().map(u32::from).collect())
+        PolicySet::load(d, BOUNDS, &|t: &str| vec![t.bytes().map(u32::from).collect()])
     }
 
     fn dir(tag: &str, files: &[(&str, &str)]) -> PathBuf {
@@ -752,7 +761,7 @@ mod tests {
         );
         let s = load(&d).unwrap();
         // In name order, tokenized (a byte a token here).
-        let p = s.public_prefixes();
+        let p = s.public_prefixes(0);
         assert_eq!((p.len(), p[0].len(), p[1].len()), (2, 40, 480));
         let a = s.of("a").tenant_settings();
         assert!(a.prefix_cache && a.public_prefixes);

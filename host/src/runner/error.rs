@@ -4,10 +4,16 @@ use crate::engine::EngineError;
 use crate::kv::KvError;
 use crate::loaded::LoadError;
 
-/// The engine the configuration describes could not start.
+/// The engine the configuration describes for a model could not start.
 #[derive(Debug, thiserror::Error)]
-#[error("starting the engine (see [kv] and [limits] in the config)")]
-pub struct StartError(#[source] pub EngineError);
+#[error("starting the engine of model {model} (see [kv], [limits] and its [[models]] entry in the config)")]
+pub struct StartError {
+    /// The model's id.
+    pub model: String,
+    /// Why.
+    #[source]
+    pub source: EngineError,
+}
 
 /// Why a process could not start serving: its model, its engine, or a file, socket or thread
 /// step on the way (what every role's start shares).
@@ -19,6 +25,9 @@ pub enum StartupError {
     /// The engine does not start (the pool, the configuration).
     #[error(transparent)]
     Start(#[from] StartError),
+    /// The configuration asks for what this role cannot do.
+    #[error("{0}")]
+    Config(String),
     /// A file, socket or thread operation failed.
     #[error("{what}")]
     Io {

@@ -23,14 +23,14 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::config::ServeConfig;
+use crate::config::{ServeConfig, ServedModel};
 use crate::engine::request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
 use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
 use crate::kv::{KvError, KvPool, PageHandle, PageInfo};
 use crate::loaded::LoadedModel;
-use crate::metrics::Metrics;
+use crate::metrics::ModelMetrics;
 use crate::plugin::{BoxFuture, KvAccess, KvAccessError, PluginFailure};
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
@@ -248,16 +248,17 @@ impl SeqSlot {
 #[derive(Debug)]
 pub struct Busy;
 
-/// The engine `cfg` describes for `loaded`; refused when its pool cannot hold the maximum
-/// context it sets (invariant 4) or a setting is impossible. Without `limits.max_context`, the
-/// limit is the model's trained context or, when the KV budget holds less (a model trained on
-/// 32k or 128k tokens, a budget of hundreds of MiB), what the budget holds: the server starts,
-/// and says so.
-pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> Result<Engine, StartError> {
+/// The engine of `served` (one of `cfg`'s models) for `loaded`, its file; refused when its pool
+/// cannot hold the maximum context it sets (invariant 4) or a setting is impossible. Without
+/// `limits.max_context`, the limit is the model's trained context or, when its KV budget holds
+/// less (a model trained on 32k or 128k tokens, a budget of hundreds of MiB), what the budget
+/// holds: the server starts, and says so.
+pub fn start_engine(cfg: &ServeConfig, served: &ServedModel, loaded: &LoadedModel) -> Result<Engine, StartError> {
+    let lim = &served.limits;
     let mut ec = EngineConfig::for_model(&loaded.model);
     ec.page_size = cfg.kv.page_size;
-    ec.kv_memory_bytes = cfg.kv.memory_mib << 20;
-    match cfg.limits.max_context {
+    ec.kv_memory_bytes = served.kv_memory_bytes;
+    match lim.max_context {
         Some(m) => ec.max_context = m,
         None => {
             let c = loaded.model.config();
@@ -265,20 +266,25 @@ pub fn start_engine(cfg: &ServeConfig, loaded: &LoadedModel) -> Result<Engine, S
             let holds = ec.kv_memory_bytes / per_page.max(1) * ec.page_size;
             if holds > 0 && holds < ec.max_context {
                 println!(
-                    "max context {holds} tokens: what the {} MiB KV budget holds (the model was trained on {}; raise kv.memory_mib or set limits.max_context to change it)",
-                    cfg.kv.memory_mib, ec.max_context
+                    "{}: max context {holds} tokens: what its {} MiB KV budget holds (the model was trained on {}; raise kv.memory_mib or its kv_share, or set limits.max_context, to change it)",
+                    served.name,
+                    ec.kv_memory_bytes >> 20,
+                    ec.max_context
                 );
                 ec.max_context = holds;
             }
         }
     }
-    ec.max_batch_tokens = cfg.limits.max_batch_tokens;
-    ec.step_target = (cfg.limits.step_target_ms > 0).then(|| Duration::from_millis(cfg.limits.step_target_ms));
-    ec.max_running = cfg.limits.max_running;
-    ec.max_waiting = cfg.limits.queue;
+    ec.max_batch_tokens = lim.max_batch_tokens;
+    ec.step_target = (lim.step_target_ms > 0).then(|| Duration::from_millis(lim.step_target_ms));
+    ec.max_running = lim.max_running;
+    ec.max_waiting = lim.queue;
     ec.prefix_cache = cfg.kv.prefix_cache;
     ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
-    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec).map_err(StartError)
+    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec).map_err(|source| StartError {
+        model: served.name.clone(),
+        source,
+    })
 }
 
 /// A future an [`EngineHandle`] returns.
@@ -340,7 +346,7 @@ struct Live {
 
 impl LocalEngine {
     /// Starts the engine thread with a queue of `queue` jobs.
-    pub fn start(engine: Engine, queue: usize, metrics: Arc<Metrics>) -> std::io::Result<Self> {
+    pub fn start(engine: Engine, queue: usize, metrics: ModelMetrics) -> std::io::Result<Self> {
         let (tx, rx) = std::sync::mpsc::sync_channel(queue);
         let (kv, kv_rx) = std::sync::mpsc::sync_channel(KV_QUEUE);
         let alive = Arc::new(AtomicBool::new(true));
@@ -614,7 +620,7 @@ fn start(
     ends: &mut Ends,
     live: &mut HashMap<RequestId, Live>,
     applied: &mut Applied,
-    metrics: &Metrics,
+    metrics: &ModelMetrics,
     job: Box<Job>,
     submitted: Instant,
     opened: Option<Opening>,
@@ -663,7 +669,7 @@ fn start(
     }
 }
 
-fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &Metrics) {
+fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &ModelMetrics) {
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut applied = Applied::default();
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
@@ -900,13 +906,17 @@ mod tests {
         let trained = loaded.model.config().context_length;
         let mut cfg = ServeConfig::default();
         cfg.kv.memory_mib = 16;
-        let engine = start_engine(&cfg, &loaded).expect("starts within its budget");
+        let served = &cfg.served()[0];
+        let engine = start_engine(&cfg, served, &loaded).expect("starts within its budget");
         let held = engine.limits().max_context;
         assert!(held < trained, "{held} tokens of {trained}");
         let c = loaded.model.config();
         let per_page = KvPool::page_bytes(&c.attn_shape(cfg.kv.page_size), c.n_layers);
         assert_eq!(held, (16 << 20) / per_page * cfg.kv.page_size);
         cfg.limits.max_context = Some(trained);
-        assert!(start_engine(&cfg, &loaded).is_err(), "a set limit the pool cannot hold");
+        let Err(e) = start_engine(&cfg, &cfg.served()[0], &loaded) else {
+            panic!("a set limit the pool cannot hold");
+        };
+        assert!(e.to_string().contains("SmolLM2-135M-Instruct.Q4_1"), "{e}");
     }
 }

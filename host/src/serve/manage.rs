@@ -281,7 +281,10 @@ pub fn plugin(
             let t = store
                 .tenant(tenant)?
                 .ok_or_else(|| StoreError::NoTenant(tenant.into()))?;
-            let g = crate::gguf::Gguf::open(&cfg.model).map_err(|e| ManageError::Model(cfg.model.clone(), e))?;
+            // The smoke call of an upload runs against the first model's tokenizer, as the
+            // server's does.
+            let first = cfg.served().remove(0).path;
+            let g = crate::gguf::Gguf::open(&first).map_err(|e| ManageError::Model(first.clone(), e))?;
             let tokenizer = std::sync::Arc::new(crate::tokenizer::Tokenizer::from_gguf(&g)?);
             let compiler = super::plugins::compiler()?;
             let p = super::plugins::Plugins::new(store.clone(), cfg.plugins.clone(), data_dir, tokenizer, &compiler)?;

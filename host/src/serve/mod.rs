@@ -32,15 +32,15 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
-use crate::config::ServeConfig;
-use crate::loaded::{LoadedModel, model_id};
+use crate::config::{ServeConfig, ServedModel};
+use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
 use crate::net::{accept, shutdown_signal};
 use crate::policy::PolicyError;
 use crate::runner::{EngineCallError, EngineHandle, StartupError};
 use openai::RequestLimits;
 use plugins::SetupError;
-use state::State;
+use state::{Served, State};
 use store::{Store, StoreError};
 use tls::TlsError;
 
@@ -53,9 +53,9 @@ pub enum ServeError {
     /// The policies do not load.
     #[error("loading the tenants' policies (see `policies` in the config)")]
     Policies(#[source] PolicyError),
-    /// The policies' public prefixes could not be computed.
-    #[error("computing the public prefixes of the policies (public_prefixes in default.toml)")]
-    PublicPrefixes(#[source] EngineCallError),
+    /// The policies' public prefixes could not be computed on a model.
+    #[error("computing the public prefixes of the policies (public_prefixes in default.toml) on model {0}")]
+    PublicPrefixes(String, #[source] EngineCallError),
     /// The plugin service could not start.
     #[error(transparent)]
     Plugins(#[from] SetupError),
@@ -92,17 +92,26 @@ pub fn server_info_path(data_dir: &Path) -> PathBuf {
     data_dir.join("server.json")
 }
 
-/// What the boot code hands the server: the model, the engine (this process's engine thread or
-/// a router's cluster), the runtime the engine's tasks live on, and the metrics they share.
+/// What the boot code hands the server: each model with its engine (this process's engine
+/// thread or a router's cluster), the runtime the engines' tasks live on, and the metrics they
+/// share.
 pub struct Parts {
-    /// The model file, opened.
-    pub loaded: LoadedModel,
-    /// The engine.
-    pub engine: Arc<dyn EngineHandle>,
+    /// The models, in the configuration's order.
+    pub models: Vec<ModelParts>,
     /// The server's async runtime (see [`runtime`]).
     pub rt: tokio::runtime::Runtime,
     /// The metrics registry.
     pub metrics: Arc<Metrics>,
+}
+
+/// One served model, ready.
+pub struct ModelParts {
+    /// How the configuration serves it.
+    pub served: ServedModel,
+    /// Its file, opened.
+    pub loaded: LoadedModel,
+    /// Its engine.
+    pub engine: Arc<dyn EngineHandle>,
 }
 
 /// The server's async runtime: two workers for the HTTP side (the engine has its own thread).
@@ -117,39 +126,37 @@ pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 /// Runs the API in front of `parts.engine` until SIGTERM or SIGINT, then shuts down gracefully.
 /// `insecure_http` serves plain HTTP instead of HTTPS.
 pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), ServeError> {
-    let Parts {
-        loaded,
-        engine,
-        rt,
-        metrics,
-    } = parts;
-    let model_id = model_id(&cfg.model);
-    let admission = engine.admission();
-    let (pages, pinnable) = engine.pool_pages();
+    let Parts { models, rt, metrics } = parts;
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
+    // A tenant's KV policy applies in every model's pool: the smallest pool bounds it.
+    let pools: Vec<(usize, usize)> = models.iter().map(|m| m.engine.pool_pages()).collect();
     let bounds = crate::policy::Bounds {
-        kv_pages: pages as u64,
+        kv_pages: pools.iter().map(|p| p.0).min().unwrap_or(0) as u64,
         page_size: cfg.kv.page_size,
-        pin_pages: pinnable as u64,
+        pin_pages: pools.iter().map(|p| p.1).min().unwrap_or(0) as u64,
     };
-    let tk = loaded.tokenizer.clone();
-    let tokenize: quota::Tokenize = Arc::new(move |text: &str| tk.encode(text, true));
+    let tokenizers: Vec<_> = models.iter().map(|m| m.loaded.tokenizer.clone()).collect();
+    let tokenize: quota::Tokenize =
+        Arc::new(move |text: &str| tokenizers.iter().map(|tk| tk.encode(text, true)).collect());
     let quotas = Arc::new(
         quota::Quotas::new(cfg.policies.clone(), bounds, tokenize, usage::UsageBook::open(&store)?)
             .map_err(ServeError::Policies)?,
     );
     let set = quotas.set();
     rt.block_on(async {
-        for t in store.tenants()? {
-            engine
-                .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
-                .await;
+        for (i, m) in models.iter().enumerate() {
+            for t in store.tenants()? {
+                m.engine
+                    .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
+                    .await;
+            }
+            m.engine
+                .set_public_prefixes(set.public_prefixes(i))
+                .await
+                .map_err(|e| ServeError::PublicPrefixes(m.served.name.clone(), e))?;
         }
-        engine
-            .set_public_prefixes(set.public_prefixes())
-            .await
-            .map_err(ServeError::PublicPrefixes)
+        Ok::<(), ServeError>(())
     })?;
     println!(
         "policies from {}: version {}",
@@ -160,7 +167,9 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         store.clone(),
         cfg.plugins.clone(),
         &cfg.data_dir,
-        loaded.tokenizer.clone(),
+        // An upload's smoke call runs against the first model's tokenizer; requests' calls
+        // against their own model's.
+        models[0].loaded.tokenizer.clone(),
         &plugins::compiler()?,
     )?;
     let tls = if insecure_http {
@@ -175,20 +184,31 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         );
         Some(t)
     };
+    let served = models
+        .into_iter()
+        .enumerate()
+        .map(|(index, m)| {
+            Arc::new(Served {
+                admission: m.engine.admission(),
+                request_limits: RequestLimits {
+                    default_max_tokens: m.served.limits.default_max_tokens,
+                    max_n: cfg.limits.max_n,
+                },
+                queue: m.served.limits.queue,
+                id: m.served.name,
+                index,
+                tokenizer: m.loaded.tokenizer,
+                chat: m.loaded.chat,
+                engine: m.engine,
+            })
+        })
+        .collect();
     let state = Arc::new(State {
-        request_limits: RequestLimits {
-            default_max_tokens: cfg.limits.default_max_tokens,
-            max_n: cfg.limits.max_n,
-        },
         cfg,
         store,
-        engine,
+        models: served,
         plugins,
         metrics,
-        tokenizer: loaded.tokenizer,
-        chat: loaded.chat,
-        model_id,
-        admission,
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
@@ -264,16 +284,16 @@ async fn watch_policies(state: Arc<State>) {
                 last_error.clear();
                 let set = state.quotas.set();
                 println!("policies: version {} in force", set.version);
-                if let Err(e) = state.engine.set_public_prefixes(set.public_prefixes()).await {
-                    eprintln!(
-                        "policies: the public prefixes of version {} are not all cached: {e}",
-                        set.version
-                    );
-                }
-                if let Ok(tenants) = state.store.tenants() {
-                    for t in tenants {
-                        state
-                            .engine
+                let tenants = state.store.tenants().unwrap_or_default();
+                for m in &state.models {
+                    if let Err(e) = m.engine.set_public_prefixes(set.public_prefixes(m.index)).await {
+                        eprintln!(
+                            "policies: the public prefixes of version {} are not all cached on model {}: {e}",
+                            set.version, m.id
+                        );
+                    }
+                    for t in &tenants {
+                        m.engine
                             .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
                             .await;
                     }
@@ -311,7 +331,8 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     let info_path = server_info_path(&cfg.data_dir);
     let described = serde_json::to_vec_pretty(&info).map_err(ServeError::ServerInfo)?;
     std::fs::write(&info_path, described).map_err(StartupError::io(format!("writing {}", info_path.display())))?;
-    println!("serving {} on {}", state.model_id, info.url);
+    let ids: Vec<&str> = state.models.iter().map(|m| m.id.as_str()).collect();
+    println!("serving {} on {}", ids.join(", "), info.url);
     state
         .metrics
         .policy(&state.quotas.set().version, state.quotas.reload_failures());
@@ -378,7 +399,12 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     state.shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
     drop(listener);
     let deadline = Instant::now() + Duration::from_secs(cfg.timeouts.shutdown_s);
-    state.engine.shutdown(deadline).await;
+    let mut engines = tokio::task::JoinSet::new();
+    for m in &state.models {
+        let e = m.engine.clone();
+        engines.spawn(async move { e.shutdown(deadline).await });
+    }
+    engines.join_all().await;
     // Streams have ended; give connections a moment to send their last bytes.
     let _ = tokio::time::timeout(Duration::from_secs(5), graceful.shutdown()).await;
     state.quotas.usage.flush()?;

@@ -167,8 +167,9 @@ impl QuotaError {
     }
 }
 
-/// Turns a public prefix's text into the tokens a prompt that begins with it begins with.
-pub type Tokenize = Arc<dyn Fn(&str) -> Vec<u32> + Send + Sync>;
+/// Turns a public prefix's text into the tokens a prompt that begins with it begins with, one
+/// list for each served model, in the server's order.
+pub type Tokenize = Arc<dyn Fn(&str) -> Vec<Vec<u32>> + Send + Sync>;
 
 /// The policies in force and every tenant's limiters.
 pub struct Quotas {

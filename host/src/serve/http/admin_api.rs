@@ -50,7 +50,9 @@ pub(super) async fn route(
             state.quotas.usage.forget(id)?;
             // Its prefix cache goes too (its ids are never reused, so this frees memory; it is
             // not what keeps tenants apart).
-            state.engine.forget_tenant(id).await;
+            for e in state.engines() {
+                e.forget_tenant(id).await;
+            }
             ok(json!({"deleted": name}))
         }
         (["tenants", _], _) => Err(not_allowed()),

@@ -21,7 +21,7 @@ use crate::serve::error::ApiError;
 use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape};
 use crate::serve::plugins::pipeline::{Hooks, Reporter};
 use crate::serve::quota::Grant;
-use crate::serve::state::State;
+use crate::serve::state::{Served, State};
 use crate::serve::store::Tenant;
 use crate::serve::stream::{Api, Responder, SseBody};
 
@@ -55,6 +55,8 @@ fn request_id(prefix: &str) -> String {
 
 /// A request its tenant's policy let in.
 struct Admitted {
+    /// The model it named.
+    model: Arc<Served>,
     /// The tenant's policy, from the set in force when the request arrived.
     policy: Policy,
     /// That set's generation.
@@ -67,10 +69,8 @@ struct Admitted {
 
 /// What the tenant's policy allows a request before anything of it runs: the model (403), its
 /// concurrency and requests per minute (429).
-fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<Admitted, ApiError> {
-    if model != state.model_id {
-        return Err(model_not_found(model));
-    }
+fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>) -> Result<Admitted, ApiError> {
+    let model = served.id.as_str();
     let set = state.quotas.set();
     let policy = set.of(&t.name).clone();
     if !policy.allows_model(model) {
@@ -84,12 +84,13 @@ fn admit(state: &Arc<State>, t: &Tenant, model: &str) -> Result<Admitted, ApiErr
         ));
     }
     let grant = Arc::new(state.quotas.admit(t, &policy)?);
-    let mut lim = state.request_limits;
+    let mut lim = served.request_limits;
     if let Some(m) = policy.max_tokens.get() {
         // A request that names no max_tokens gets the policy's, if that is lower.
         lim.default_max_tokens = lim.default_max_tokens.min(m as usize);
     }
     Ok(Admitted {
+        model: served,
         policy,
         generation: set.generation,
         grant,
@@ -132,35 +133,70 @@ fn limit(state: &State, t: &Tenant, a: &Admitted, plan: Plan, prompt: Vec<u32>) 
     }
     a.grant.reserve(prompt_len + max_tokens * plan.shape.n as u64, policy)?;
     plan.params
-        .with_prompt(t.id, prompt, &state.admission)
+        .with_prompt(t.id, prompt, &a.model.admission)
         .map_err(|reason| {
-            state.metrics.rejected(&t.name, reason.code());
+            state.metrics.rejected(&t.name, Some(&a.model.id), reason.code());
             reason.into()
         })
 }
 
+/// Counts a refused request in its tenant's usage, by error code, and in the metrics when its
+/// tenant's policy or quotas refused it; `model` is the served model it named, once known.
+fn counted(
+    state: &State,
+    t: &Tenant,
+    model: Option<&str>,
+    r: Result<Response<Body>, ApiError>,
+) -> Result<Response<Body>, ApiError> {
+    if let Err(e) = &r {
+        state.quotas.usage.reject(t.id, &t.name, e.code);
+        if e.status == StatusCode::TOO_MANY_REQUESTS || e.status == StatusCode::FORBIDDEN {
+            state.metrics.rejected(&t.name, model, e.code);
+        }
+    }
+    r
+}
+
 pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
-    let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
-    let a = admit(state, &t, &r.common.model)?;
-    let asked = Asked::Chat(r.chat_messages()?);
-    let plan = r.common.plan(&a.lim, r.logprobs()?)?;
-    let id = request_id("chatcmpl");
-    let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
-    let shape = plan.shape;
-    let req = limit(state, &t, &a, plan, prompt)?;
-    generate(state, &t, req, shape, Api::Chat, id, hooks, a).await
+    let mut model = None;
+    let r = async {
+        let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
+        let served = state
+            .model(&r.common.model)
+            .ok_or_else(|| model_not_found(&r.common.model))?;
+        model = Some(served.id.clone());
+        let a = admit(state, &t, served.clone())?;
+        let asked = Asked::Chat(r.chat_messages()?);
+        let plan = r.common.plan(&a.lim, r.logprobs()?)?;
+        let id = request_id("chatcmpl");
+        let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+        let shape = plan.shape;
+        let req = limit(state, &t, &a, plan, prompt)?;
+        generate(state, &t, req, shape, Api::Chat, id, hooks, a).await
+    }
+    .await;
+    counted(state, &t, model.as_deref(), r)
 }
 
 pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
-    let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
-    let a = admit(state, &t, &r.common.model)?;
-    let asked = r.asked()?;
-    let plan = r.common.plan(&a.lim, None)?;
-    let id = request_id("cmpl");
-    let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
-    let shape = plan.shape;
-    let req = limit(state, &t, &a, plan, prompt)?;
-    generate(state, &t, req, shape, Api::Completion, id, hooks, a).await
+    let mut model = None;
+    let r = async {
+        let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
+        let served = state
+            .model(&r.common.model)
+            .ok_or_else(|| model_not_found(&r.common.model))?;
+        model = Some(served.id.clone());
+        let a = admit(state, &t, served.clone())?;
+        let asked = r.asked()?;
+        let plan = r.common.plan(&a.lim, None)?;
+        let id = request_id("cmpl");
+        let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+        let shape = plan.shape;
+        let req = limit(state, &t, &a, plan, prompt)?;
+        generate(state, &t, req, shape, Api::Completion, id, hooks, a).await
+    }
+    .await;
+    counted(state, &t, model.as_deref(), r)
 }
 
 /// Runs the request's plugin (`plugin`, or the tenant's default), if it has one, on what it asks
@@ -207,7 +243,7 @@ async fn prepare(
             resolved,
             state.plugins.limits_for(&a.policy),
             share,
-            state.tokenizer.clone(),
+            a.model.tokenizer.clone(),
             seed,
             reporter,
             state.cfg.limits.body_bytes,
@@ -216,7 +252,7 @@ async fn prepare(
         let metadata = vec![
             ("tenant".to_string(), t.name.clone()),
             ("request-id".into(), id.to_string()),
-            ("model".into(), state.model_id.clone()),
+            ("model".into(), a.model.id.clone()),
         ];
         (asked, plan.params) = h.preprocess(asked, plan.params, metadata).await?;
         hooks = Some(h);
@@ -224,18 +260,18 @@ async fn prepare(
     let prompt = match asked {
         Asked::Tokens(ids) => ids,
         Asked::Text(text) => {
-            let tk = state.tokenizer.clone();
+            let tk = a.model.tokenizer.clone();
             off_runtime(move || Ok(tk.encode(&text, true))).await?
         }
         Asked::Chat(messages) => {
-            let template = state.chat.as_ref().ok_or_else(|| {
+            let template = a.model.chat.as_ref().ok_or_else(|| {
                 ApiError::new(
                     StatusCode::BAD_REQUEST,
                     "no_chat_template",
                     "this model has no chat template; use /v1/completions",
                 )
             })?;
-            let (template, tk) = (template.clone(), state.tokenizer.clone());
+            let (template, tk) = (template.clone(), a.model.tokenizer.clone());
             off_runtime(move || {
                 let text = template
                     .render(&messages, true)
@@ -261,7 +297,7 @@ async fn generate(
     hooks: Option<Hooks>,
     a: Admitted,
 ) -> Result<Response<Body>, ApiError> {
-    let (settings, policy_generation, grant) = (a.policy.tenant_settings(), a.generation, a.grant);
+    let (settings, policy_generation, grant, model) = (a.policy.tenant_settings(), a.generation, a.grant, a.model);
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -278,7 +314,7 @@ async fn generate(
                 .iter()
                 .zip(&slots)
                 .map(|(stop, slot)| {
-                    let kv: Arc<dyn KvAccess> = Arc::new(EngineKv::new(state.engine.clone(), t.id, slot.clone()));
+                    let kv: Arc<dyn KvAccess> = Arc::new(EngineKv::new(model.engine.clone(), t.id, slot.clone()));
                     (stop.clone(), kv)
                 })
                 .collect();
@@ -299,18 +335,18 @@ async fn generate(
             policy_generation,
             grant: Some(grant.clone()),
         };
-        if let Err(Busy) = state.engine.submit(job) {
+        if let Err(Busy) = model.engine.submit(job) {
             // The choices already queued end before they get a slot, and book nothing.
             for stop in &stops[..i] {
                 stop.cancel();
             }
-            state.metrics.rejected(&t.name, "queue_full");
+            state.metrics.rejected(&t.name, Some(&model.id), "queue_full");
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "queue_full",
                 format!(
-                    "the request queue is full ({} waiting); retry later",
-                    state.cfg.limits.queue
+                    "the request queue of model {} is full ({} waiting); retry later",
+                    model.id, model.queue
                 ),
             ));
         }
@@ -322,11 +358,11 @@ async fn generate(
     };
     let mut responder = Responder::new(
         api,
-        &state.model_id,
+        &model.id,
         shape.n,
         shape.stream,
         shape.include_usage,
-        state.tokenizer.clone(),
+        model.tokenizer.clone(),
         id,
         now(),
     );

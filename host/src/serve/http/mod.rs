@@ -22,8 +22,7 @@ use self::body::read_body;
 pub use self::reply::Body;
 use self::reply::{error_response, full, json_response, method_not_allowed, model_not_found};
 use super::error::ApiError;
-use super::state::State;
-use super::store::Tenant;
+use super::state::{Served, State};
 
 /// Handles one request.
 pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, std::convert::Infallible> {
@@ -66,7 +65,7 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         ["readyz"] => {
             allow(&[Method::GET])?;
-            if state.engine.is_alive() && !state.shutting_down.load(Ordering::SeqCst) {
+            if state.engines().all(|e| e.is_alive()) && !state.shutting_down.load(Ordering::SeqCst) {
                 Ok(full(StatusCode::OK, "text/plain", "ready\n"))
             } else {
                 Err(ApiError::new(
@@ -87,31 +86,38 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         ["v1", "models"] => {
             allow(&[Method::GET])?;
-            tenant(state, &req)?;
-            Ok(json_response(
-                StatusCode::OK,
-                &json!({"object": "list", "data": [model_card(state)]}),
-            ))
+            let t = tenant(state, &req)?;
+            let policy = state.quotas.set().of(&t.name).clone();
+            let cards: Vec<Value> = state
+                .models
+                .iter()
+                .filter(|m| policy.allows_model(&m.id))
+                .map(|m| model_card(state, m))
+                .collect();
+            Ok(json_response(StatusCode::OK, &json!({"object": "list", "data": cards})))
         }
-        ["v1", "models", id] => {
+        ["v1", "models", id @ ..] if !id.is_empty() => {
             allow(&[Method::GET])?;
-            tenant(state, &req)?;
-            if *id != state.model_id {
-                return Err(model_not_found(id));
+            let t = tenant(state, &req)?;
+            // A model id may hold '/' (`org/name`).
+            let id = id.join("/");
+            let policy = state.quotas.set().of(&t.name).clone();
+            match state.model(&id) {
+                Some(m) if policy.allows_model(&m.id) => Ok(json_response(StatusCode::OK, &model_card(state, m))),
+                _ => Err(model_not_found(&id)),
             }
-            Ok(json_response(StatusCode::OK, &model_card(state)))
         }
         ["v1", "chat", "completions"] => {
             allow(&[Method::POST])?;
             let t = tenant(state, &req)?;
             let body = read_body(state, req).await?;
-            counted(state, &t, generate::chat(state, t.clone(), &body).await)
+            generate::chat(state, t, &body).await
         }
         ["v1", "completions"] => {
             allow(&[Method::POST])?;
             let t = tenant(state, &req)?;
             let body = read_body(state, req).await?;
-            counted(state, &t, generate::completions(state, t.clone(), &body).await)
+            generate::completions(state, t, &body).await
         }
         ["v1", "usage"] => {
             allow(&[Method::GET])?;
@@ -134,17 +140,6 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
     }
 }
 
-/// Counts a refused request in its tenant's usage, by error code.
-fn counted(state: &State, t: &Tenant, r: Result<Response<Body>, ApiError>) -> Result<Response<Body>, ApiError> {
-    if let Err(e) = &r {
-        state.quotas.usage.reject(t.id, &t.name, e.code);
-        if e.status == StatusCode::TOO_MANY_REQUESTS || e.status == StatusCode::FORBIDDEN {
-            state.metrics.rejected(&t.name, e.code);
-        }
-    }
-    r
-}
-
-fn model_card(state: &State) -> Value {
-    json!({"id": state.model_id, "object": "model", "created": state.started, "owned_by": "warden"})
+fn model_card(state: &State, m: &Served) -> Value {
+    json!({"id": m.id, "object": "model", "created": state.started, "owned_by": "warden", "max_model_len": m.admission.max_context})
 }
