@@ -16,7 +16,9 @@ Needs llama.cpp built as ../shared/PEER.md says (pass the folder holding llama-s
 llama-quantize) and Warden's example built:
 
     cargo build --release -p warden --example numerics
-    python3 scripts/numerics.py $B
+    python3 scripts/numerics.py $B [TYPE ...]
+
+With types named, only those are measured (the mean row then covers them alone).
 """
 import json
 import subprocess
@@ -82,6 +84,10 @@ def quantize(bindir, src, dest, ty):
 
 def main():
     bindir = Path(sys.argv[1])
+    types = sys.argv[2:] or TYPES
+    unknown = [t for t in types if t not in TYPES]
+    if unknown:
+        sys.exit(f"not a type this study covers: {unknown} (the types: {TYPES})")
     tmp = Path(tempfile.mkdtemp(prefix="warden-numerics-"))
     s = Server(bindir, BASE)
     prompts = []
@@ -92,7 +98,7 @@ def main():
     print("| type | Warden | llama.cpp | closer |")
     print("|---|---|---|---|")
     totals = {"warden": [], "llama": []}
-    for ty in TYPES:
+    for ty in types:
         model, ref = tmp / f"{ty}.gguf", tmp / f"{ty}-f32.gguf"
         quantize(bindir, BASE, model, ty)
         quantize(bindir, model, ref, "F32")
@@ -125,8 +131,8 @@ def main():
         print(f"| {ty} | {mw:.4f} | {ml:.4f} | {'Warden' if mw <= ml else 'llama.cpp'} |", flush=True)
         model.unlink()
         ref.unlink()
-    mw = sum(totals["warden"]) / len(TYPES)
-    ml = sum(totals["llama"]) / len(TYPES)
+    mw = sum(totals["warden"]) / len(types)
+    ml = sum(totals["llama"]) / len(types)
     print(f"| mean | {mw:.4f} | {ml:.4f} | {'Warden' if mw <= ml else 'llama.cpp'} |")
 
 

@@ -61,59 +61,93 @@ pub fn gemma() -> (Arc<Model>, Arc<crate::tokenizer::Tokenizer>) {
         .clone()
 }
 
-/// One prompt of the Gemma oracle (`scripts/gemma-oracle.py`).
+/// One prompt of a llama.cpp oracle (`scripts/oracle.py`).
 #[derive(Debug, Deserialize)]
-pub struct GemmaPrompt {
+pub struct OraclePrompt {
+    /// A chat prompt's messages (the prompt is what llama.cpp's template engine made of them).
+    pub messages: Option<Vec<crate::chat::ChatMessage>>,
     /// The prompt text (special tokens written out).
     pub prompt: String,
-    /// llama.cpp's tokenization of it, BOS first.
+    /// llama.cpp's tokenization of it, BOS first where the model wants one.
     pub prompt_tokens: Vec<u32>,
     /// Each greedy position: llama.cpp's token and its top five `(id, logprob)`.
-    pub steps: Vec<GemmaStep>,
+    pub steps: Vec<OracleStep>,
 }
 
-/// One generated position of the Gemma oracle.
+/// One generated position of an oracle.
 #[derive(Debug, Deserialize)]
-pub struct GemmaStep {
+pub struct OracleStep {
     /// The token llama.cpp chose.
     pub id: u32,
     /// Its five most likely tokens and their log-probabilities, most likely first.
     pub top5: Vec<(u32, f32)>,
 }
 
-/// The Gemma oracle's prompts, by name: llama.cpp with its default (flash) attention, and with
-/// flash attention off.
-pub fn gemma_oracle() -> (
-    std::collections::BTreeMap<String, GemmaPrompt>,
-    std::collections::BTreeMap<String, GemmaPrompt>,
-) {
+/// An oracle's prompts, by name.
+pub type Oracle = std::collections::BTreeMap<String, OraclePrompt>;
+
+fn parse_oracle(text: &str) -> Oracle {
     #[derive(Deserialize)]
     struct File {
-        prompts: std::collections::BTreeMap<String, GemmaPrompt>,
+        prompts: Oracle,
     }
-    let parse = |text: &str| -> std::collections::BTreeMap<String, GemmaPrompt> {
-        serde_json::from_str::<File>(text)
-            .expect("the Gemma oracle fixture parses")
-            .prompts
-    };
+    serde_json::from_str::<File>(text)
+        .expect("the oracle fixture parses")
+        .prompts
+}
+
+/// The Gemma oracle: llama.cpp with its default (flash) attention, and with flash attention off.
+pub fn gemma_oracle() -> (Oracle, Oracle) {
     (
-        parse(include_str!("../tests/fixtures/gemma3-270m-q4_k_m-greedy.json")),
-        parse(include_str!("../tests/fixtures/gemma3-270m-q4_k_m-greedy-fa-off.json")),
+        parse_oracle(include_str!("../tests/fixtures/gemma3-270m-q4_k_m-greedy.json")),
+        parse_oracle(include_str!("../tests/fixtures/gemma3-270m-q4_k_m-greedy-fa-off.json")),
+    )
+}
+
+/// The F32 reference for the SmolLM2 oracle: the same weights, dequantized, with an F32 KV
+/// cache and flash attention off, fed the oracle's tokens.
+pub fn smollm_reference() -> Oracle {
+    parse_oracle(include_str!("../tests/fixtures/smollm2-q4_1-steps-reference.json"))
+}
+
+/// The SmolLM2 Q4_1 oracle (raw and chat prompts), likewise.
+pub fn smollm_oracle() -> (Oracle, Oracle) {
+    (
+        parse_oracle(include_str!("../tests/fixtures/smollm2-q4_1-steps.json")),
+        parse_oracle(include_str!("../tests/fixtures/smollm2-q4_1-steps-fa-off.json")),
     )
 }
 
 /// The logits after `prompt` and after each of `then` fed one at a time (teacher forcing): one
 /// row per token of `then`, the first for the position right after the prompt.
 pub fn teacher_forced(m: &Model, prompt: &[u32], then: &[u32]) -> Vec<Vec<f32>> {
+    feed(m, prompt, then.len(), |k, _| then[k])
+}
+
+/// `n` greedy tokens after `prompt`, each fed back in turn.
+pub fn greedy(m: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut got = Vec::with_capacity(n);
+    feed(m, prompt, n, |_, logits| {
+        let t = crate::engine::sampling::argmax(logits);
+        got.push(t);
+        t
+    });
+    got
+}
+
+/// `n` positions after `prompt`: the logits of each, and the token `next` picks from them
+/// (given its index) fed in turn.
+fn feed(m: &Model, prompt: &[u32], n: usize, mut next: impl FnMut(usize, &[f32]) -> u32) -> Vec<Vec<f32>> {
     use crate::kv::{KvPool, SeqId};
     use crate::model::{Forward, Scratch, StepSeq};
-    let n = prompt.len() + then.len();
+    let total = prompt.len() + n;
     let mut pool = KvPool::new(m.config().attn_shape(16), m.config().n_layers, 64 << 20).expect("pool");
-    pool.open(SeqId(1), tenant(1), pool.pages_for(n), &[]).expect("open");
+    pool.open(SeqId(1), tenant(1), pool.pages_for(total), &[])
+        .expect("open");
     let (mut pos, mut feed) = (0, prompt.to_vec());
     let mut scratch = Scratch::default();
-    let mut rows = Vec::with_capacity(then.len());
-    for &next in then {
+    let mut rows = Vec::with_capacity(n);
+    for k in 0..n {
         pool.ensure(SeqId(1), pos + feed.len()).expect("ensure");
         pool.commit_slots(SeqId(1), pos + feed.len()).expect("commit");
         let step = [StepSeq {
@@ -127,9 +161,9 @@ pub fn teacher_forced(m: &Model, prompt: &[u32], then: &[u32]) -> Vec<Vec<f32>> 
             .remove(0)
             .expect("no error")
             .expect("logits");
-        rows.push(logits);
         pos += feed.len();
-        feed = vec![next];
+        feed = vec![next(k, &logits)];
+        rows.push(logits);
     }
     rows
 }
@@ -145,41 +179,6 @@ impl Detokenizer for IdDetok {
     fn is_eog(&self, id: u32) -> bool {
         [0, 2, 4].contains(&id)
     }
-}
-
-/// One prompt of the llama.cpp oracle.
-#[derive(Debug, Deserialize)]
-pub struct OraclePrompt {
-    /// The prompt text.
-    pub prompt: String,
-    /// llama.cpp's tokenization of it.
-    pub prompt_tokens: Vec<u32>,
-    /// llama.cpp's greedy continuation.
-    pub generated_tokens: Vec<u32>,
-    /// The five highest logits at the first generated position.
-    pub first_position_top5: Vec<OracleLogit>,
-}
-
-/// A logit in the oracle.
-#[derive(Debug, Deserialize)]
-pub struct OracleLogit {
-    /// Token id.
-    pub id: u32,
-    /// Raw logit.
-    pub logit: f32,
-}
-
-#[derive(Deserialize)]
-struct Oracle {
-    end_of_generation_ids: Vec<u32>,
-    prompts: std::collections::BTreeMap<String, OraclePrompt>,
-}
-
-/// The oracle's prompts and its end-of-generation ids.
-pub fn oracle() -> (Vec<OraclePrompt>, Vec<u32>) {
-    let o: Oracle = serde_json::from_str(include_str!("../tests/fixtures/smollm2-q4_1-greedy.json"))
-        .expect("the oracle fixture parses");
-    (o.prompts.into_values().collect(), o.end_of_generation_ids)
 }
 
 /// Tenant `n` (tests number their tenants from 1).

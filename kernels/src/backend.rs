@@ -19,6 +19,10 @@ pub trait Backend: Send + Sync {
     fn dequantize_row(&self, ty: GgmlType, data: &[u8], out: &mut [f32]);
     /// Quantizes `x`, rows of `cols`, into `acts` for the matmuls that follow.
     fn quantize(&self, acts: &mut QActs, x: &[f32], cols: usize);
+    /// As [`quantize`](Self::quantize), with 8-bit residuals as well: as good as 16-bit
+    /// activations for the matmuls that read them, at twice their multiply-adds (see
+    /// [`QActs::quantize_fine`]).
+    fn quantize_fine(&self, acts: &mut QActs, x: &[f32], cols: usize);
     /// `out[t·rows + n] = Σ_k W[n][k] · x[t][k]`.
     fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]);
     /// `x += y` (the residual stream).
@@ -69,6 +73,10 @@ impl Backend for CpuBackend {
 
     fn quantize(&self, acts: &mut QActs, x: &[f32], cols: usize) {
         acts.quantize(x, cols)
+    }
+
+    fn quantize_fine(&self, acts: &mut QActs, x: &[f32], cols: usize) {
+        acts.quantize_fine(x, cols)
     }
 
     fn matmul(&self, w: &QMatrix, x: &QActs, out: &mut [f32]) {

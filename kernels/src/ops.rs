@@ -195,11 +195,22 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     });
 }
 
-/// Rotary position embedding tables for one model: `cos`/`sin` of `pos · base^(−2i/d)`.
+/// Rotary position embedding tables for one model: `cos`/`sin` of `pos · base^(−2i/d)`, each
+/// pair's angle divided by its frequency factor and multiplied by the linear scale.
+///
+/// Angles are computed as llama.cpp computes them (`ggml_rope_cache_init`): `pos · θⁱ` by
+/// repeated f32 multiplication with `θ = base^(−2/d)`, then `/ factor`, then `· scale`. A
+/// closed-form `base^(−2i/d)` differs in the last bits, growing with `i` and the position; the
+/// files were trained and are checked against llama.cpp's angles.
 #[derive(Debug, Clone)]
 pub struct Rope {
     head_dim: usize,
-    inv_freq: Vec<f32>,
+    pairs: usize,
+    theta_scale: f32,
+    /// Each pair's frequency factor (1 without `rope_freqs`).
+    factors: Vec<f32>,
+    /// llama.cpp's `freq_scale`: 1 / the factor of linear RoPE scaling.
+    scale: f32,
     neox: bool,
 }
 
@@ -207,12 +218,12 @@ impl Rope {
     /// Tables for heads of `head_dim` (even) rotated over `rot_dim ≤ head_dim` dimensions.
     pub fn new(head_dim: usize, rot_dim: usize, base: f32) -> Self {
         assert!(rot_dim.is_multiple_of(2) && rot_dim <= head_dim);
-        let inv_freq = (0..rot_dim / 2)
-            .map(|i| base.powf(-2.0 * i as f32 / rot_dim as f32))
-            .collect();
         Self {
             head_dim,
-            inv_freq,
+            pairs: rot_dim / 2,
+            theta_scale: base.powf(-2.0 / rot_dim as f32),
+            factors: vec![1.0; rot_dim / 2],
+            scale: 1.0,
             neox: false,
         }
     }
@@ -220,11 +231,7 @@ impl Rope {
     /// Multiplies every angle by `scale` (llama.cpp's `freq_scale`: 1 / the factor of linear
     /// RoPE scaling).
     pub fn scaled(mut self, scale: f32) -> Self {
-        if scale != 1.0 {
-            for f in &mut self.inv_freq {
-                *f *= scale;
-            }
-        }
+        self.scale *= scale;
         self
     }
 
@@ -235,7 +242,7 @@ impl Rope {
         self
     }
 
-    /// As [`new`](Self::new), with each pair's frequency divided by its factor: llama.cpp's rope
+    /// As [`new`](Self::new), with each pair's angle divided by its factor: llama.cpp's rope
     /// frequency factors, which Llama 3.1-style files carry as `rope_freqs.weight` (their
     /// long-context scaling, computed at conversion).
     ///
@@ -243,28 +250,27 @@ impl Rope {
     /// If there is not one factor per rotated pair.
     pub fn with_freq_factors(head_dim: usize, rot_dim: usize, base: f32, factors: &[f32]) -> Self {
         assert_eq!(factors.len(), rot_dim / 2, "one factor per rotated pair");
-        let mut r = Self::new(head_dim, rot_dim, base);
-        for (f, &ff) in r.inv_freq.iter_mut().zip(factors) {
-            *f /= ff;
+        Self {
+            factors: factors.to_vec(),
+            ..Self::new(head_dim, rot_dim, base)
         }
-        r
     }
 
     /// The cosines and sines for rows at `positions`, computed once per step and shared by every
     /// layer's queries and keys.
     pub fn table(&self, positions: &[u32]) -> RopeTable {
-        let cs = positions
-            .iter()
-            .flat_map(|&pos| {
-                self.inv_freq.iter().map(move |&f| {
-                    let (s, c) = (pos as f32 * f).sin_cos();
-                    [c, s]
-                })
-            })
-            .collect();
+        let mut cs = Vec::with_capacity(positions.len() * self.pairs);
+        for &pos in positions {
+            let mut theta = pos as f32;
+            for &ff in &self.factors {
+                let (s, c) = (self.scale * (theta / ff)).sin_cos();
+                cs.push([c, s]);
+                theta *= self.theta_scale;
+            }
+        }
         RopeTable {
             head_dim: self.head_dim,
-            pairs: self.inv_freq.len(),
+            pairs: self.pairs,
             neox: self.neox,
             cs,
         }

@@ -48,7 +48,12 @@ impl std::ops::BitOr for ActNeeds {
 /// (all of them unless told otherwise).
 #[derive(Debug, Clone)]
 pub struct QActs {
+    /// Rows the kernels read: the tokens, or twice as many for [`quantize_fine`]
+    /// (Self::quantize_fine).
     pub(super) tokens: usize,
+    /// Whether the rows after the first half are the residuals of the first (see
+    /// [`quantize_fine`](Self::quantize_fine)).
+    pub(super) fine: bool,
     pub(super) cols: usize,
     needs: ActNeeds,
     /// Forms the last [`quantize`](Self::quantize) made.
@@ -71,12 +76,15 @@ pub struct QActs {
     pub(super) kbs16: Vec<i16>,
     /// Sums of each 32 super-block values, 8 per super-block.
     pub(super) kbs32: Vec<i16>,
+    /// Scratch for [`quantize_fine`](Self::quantize_fine): the residuals and their quantization.
+    residual: Option<Box<(Vec<f32>, QActs)>>,
 }
 
 impl Default for QActs {
     fn default() -> Self {
         Self {
             tokens: 0,
+            fine: false,
             cols: 0,
             needs: ActNeeds::ALL,
             has: ActNeeds::NONE,
@@ -89,6 +97,7 @@ impl Default for QActs {
             kq: Vec::new(),
             kbs16: Vec::new(),
             kbs32: Vec::new(),
+            residual: None,
         }
     }
 }
@@ -110,7 +119,69 @@ impl QActs {
 
     /// Tokens held.
     pub fn tokens(&self) -> usize {
-        self.tokens
+        if self.fine { self.tokens / 2 } else { self.tokens }
+    }
+
+    /// As [`quantize`](Self::quantize), then each quantized form's residual, `x` less what its
+    /// 8-bit values and scale give back, quantized the same way as as many rows again. A matmul
+    /// adds the two halves' results, so its inputs are as good as 16-bit ones (the residual's
+    /// own rounding is 1/254 of the first): llama.cpp's 8-bit activations are what most of its
+    /// distance from full-precision logits comes from, and the attention projections, whose
+    /// errors every query–key product multiplies, suffer most. It doubles the multiply-adds of
+    /// the matrices that read it, not the weights they load. The inputs form gets zero rows:
+    /// float matrices read the inputs themselves.
+    ///
+    /// # Panics
+    /// As [`quantize`](Self::quantize).
+    pub fn quantize_fine(&mut self, x: &[f32], cols: usize) {
+        self.quantize_fine_with(x, cols, true)
+    }
+
+    pub(super) fn quantize_fine_with(&mut self, x: &[f32], cols: usize, simd: bool) {
+        self.quantize_with(x, cols, simd);
+        let mut res = self.residual.take().unwrap_or_default();
+        let (r, acts) = &mut *res;
+        r.resize(x.len(), 0.0);
+        if self.has.blocks {
+            for (b, (rs, xs)) in r.chunks_exact_mut(QK).zip(x.chunks_exact(QK)).enumerate() {
+                let (d, q) = (self.d[b], &self.q[b * QK..(b + 1) * QK]);
+                for ((ri, &xi), &qi) in rs.iter_mut().zip(xs).zip(q) {
+                    *ri = xi - d * qi as f32;
+                }
+            }
+            acts.set_needs(ActNeeds {
+                blocks: true,
+                ..ActNeeds::NONE
+            });
+            acts.quantize_with(r, cols, simd);
+            self.d.extend_from_slice(&acts.d);
+            self.s.extend_from_slice(&acts.s);
+            self.bs.extend_from_slice(&acts.bs);
+            self.q.extend_from_slice(&acts.q);
+        }
+        if self.has.superblocks {
+            for (b, (rs, xs)) in r.chunks_exact_mut(QK_K).zip(x.chunks_exact(QK_K)).enumerate() {
+                let (d, q) = (self.kd[b], &self.kq[b * QK_K..(b + 1) * QK_K]);
+                for ((ri, &xi), &qi) in rs.iter_mut().zip(xs).zip(q) {
+                    *ri = xi - d * qi as f32;
+                }
+            }
+            acts.set_needs(ActNeeds {
+                superblocks: true,
+                ..ActNeeds::NONE
+            });
+            acts.quantize_with(r, cols, simd);
+            self.kd.extend_from_slice(&acts.kd);
+            self.kq.extend_from_slice(&acts.kq);
+            self.kbs16.extend_from_slice(&acts.kbs16);
+            self.kbs32.extend_from_slice(&acts.kbs32);
+        }
+        if self.has.inputs {
+            self.x.resize(2 * x.len(), 0.0);
+        }
+        self.residual = Some(res);
+        self.tokens *= 2;
+        self.fine = true;
     }
 
     /// Quantizes `x` (`tokens × cols`, row-major) into the forms needed:
@@ -132,6 +203,7 @@ impl QActs {
     pub(super) fn quantize_with(&mut self, x: &[f32], cols: usize, simd: bool) {
         assert!(cols > 0 && x.len().is_multiple_of(cols), "activation shape");
         self.tokens = x.len() / cols;
+        self.fine = false;
         self.cols = cols;
         self.has = ActNeeds {
             inputs: self.needs.inputs,
@@ -338,9 +410,11 @@ fn quantize_blocks(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [f32], bs: &m
             *qi = r as i8;
             sum += r;
         }
-        // llama.cpp stores both as f16; so do we, to compute what it computes.
+        // llama.cpp stores both as f16. The scale stays so (the values were rounded against
+        // the exact one; the kernels' sums use the stored one); the scaled sum is that scale
+        // times the sum exactly, not rounded again, so a minimum's term carries no error of its own.
         d[b] = f16::from_f32(db).to_f32();
-        s[b] = f16::from_f32(db * sum as f32).to_f32();
+        s[b] = d[b] * sum as f32;
         bs[b] = sum as i16;
     }
 }
@@ -381,7 +455,7 @@ unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut [f32], s: &mut [
                 _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
             _mm256_storeu_si256(q.as_mut_ptr().add(b * QK).cast(), bytes);
             d[b] = f16::from_f32(db).to_f32();
-            s[b] = f16::from_f32(db * total as f32).to_f32();
+            s[b] = d[b] * total as f32;
             bs[b] = total as i16;
         }
     }

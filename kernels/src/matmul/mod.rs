@@ -343,6 +343,21 @@ impl QMatrix {
 
     /// As [`matmul`](Self::matmul) with an explicit kernel choice (tests and benches).
     pub fn matmul_with(&self, x: &QActs, out: &mut [f32], kernel: Kernel) {
+        if !x.fine {
+            return self.matmul_rows(x, out, kernel);
+        }
+        // The first half's products plus the residuals' (see `QActs::quantize_fine`).
+        assert_eq!(out.len(), x.tokens() * self.rows, "output size");
+        let mut both = vec![0f32; 2 * out.len()];
+        self.matmul_rows(x, &mut both, kernel);
+        let (coarse, residual) = both.split_at(out.len());
+        for ((o, &c), &r) in out.iter_mut().zip(coarse).zip(residual) {
+            *o = c + r;
+        }
+    }
+
+    /// One output row per row of `x` (both halves of fine activations).
+    fn matmul_rows(&self, x: &QActs, out: &mut [f32], kernel: Kernel) {
         x.check(self.cols, self.needs());
         assert_eq!(out.len(), x.tokens * self.rows, "output size");
         // Every (segment, tile) pair, in row order.
