@@ -143,12 +143,7 @@ impl QActs {
         let (r, acts) = &mut *res;
         r.resize(x.len(), 0.0);
         if self.has.blocks {
-            for (b, (rs, xs)) in r.chunks_exact_mut(QK).zip(x.chunks_exact(QK)).enumerate() {
-                let (d, q) = (self.d[b], &self.q[b * QK..(b + 1) * QK]);
-                for ((ri, &xi), &qi) in rs.iter_mut().zip(xs).zip(q) {
-                    *ri = xi - d * qi as f32;
-                }
-            }
+            residual(x, &self.d, &self.q, QK, r);
             acts.set_needs(ActNeeds {
                 blocks: true,
                 ..ActNeeds::NONE
@@ -160,12 +155,7 @@ impl QActs {
             self.q.extend_from_slice(&acts.q);
         }
         if self.has.superblocks {
-            for (b, (rs, xs)) in r.chunks_exact_mut(QK_K).zip(x.chunks_exact(QK_K)).enumerate() {
-                let (d, q) = (self.kd[b], &self.kq[b * QK_K..(b + 1) * QK_K]);
-                for ((ri, &xi), &qi) in rs.iter_mut().zip(xs).zip(q) {
-                    *ri = xi - d * qi as f32;
-                }
-            }
+            residual(x, &self.kd, &self.kq, QK_K, r);
             acts.set_needs(ActNeeds {
                 superblocks: true,
                 ..ActNeeds::NONE
@@ -288,6 +278,20 @@ impl QActs {
             "activations quantized without a form a matrix needs ({form:?}; made {:?})",
             self.has
         );
+    }
+}
+
+/// `r = x −` what the `block`-wide blocks of values `q` with scales `d` give back.
+fn residual(x: &[f32], d: &[f32], q: &[i8], block: usize, r: &mut [f32]) {
+    for (((rs, xs), qs), &d) in r
+        .chunks_exact_mut(block)
+        .zip(x.chunks_exact(block))
+        .zip(q.chunks_exact(block))
+        .zip(d)
+    {
+        for ((ri, &xi), &qi) in rs.iter_mut().zip(xs).zip(qs) {
+            *ri = xi - d * qi as f32;
+        }
     }
 }
 

@@ -346,14 +346,22 @@ impl QMatrix {
         if !x.fine {
             return self.matmul_rows(x, out, kernel);
         }
-        // The first half's products plus the residuals' (see `QActs::quantize_fine`).
+        // The first half's products plus the residuals' (see `QActs::quantize_fine`), in a
+        // buffer this thread keeps (every element is written before it is read). It is taken
+        // out while in use: a worker waiting inside this matmul may run another step's (another
+        // model's engine shares the pool), which then finds none and makes its own.
+        thread_local! {
+            static BOTH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+        }
         assert_eq!(out.len(), x.tokens() * self.rows, "output size");
-        let mut both = vec![0f32; 2 * out.len()];
+        let mut both = BOTH.take();
+        both.resize(2 * out.len(), 0.0);
         self.matmul_rows(x, &mut both, kernel);
         let (coarse, residual) = both.split_at(out.len());
         for ((o, &c), &r) in out.iter_mut().zip(coarse).zip(residual) {
             *o = c + r;
         }
+        BOTH.set(both);
     }
 
     /// One output row per row of `x` (both halves of fine activations).
