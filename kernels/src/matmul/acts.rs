@@ -48,8 +48,8 @@ impl std::ops::BitOr for ActNeeds {
 /// (all of them unless told otherwise).
 #[derive(Debug, Clone)]
 pub struct QActs {
-    /// Rows the kernels read: the tokens, or twice as many for [`quantize_fine`]
-    /// (Self::quantize_fine).
+    /// Rows the kernels read: the tokens, or twice as many after
+    /// [`quantize_fine`](Self::quantize_fine).
     pub(super) tokens: usize,
     /// Whether the rows after the first half are the residuals of the first (see
     /// [`quantize_fine`](Self::quantize_fine)).
