@@ -145,7 +145,7 @@ fn solo(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
 /// closer than that (a near-tie either engine's rounding may flip). A wrong norm, window, RoPE,
 /// scale, template or activation moves logprobs by whole nats.
 ///
-/// On average we must be as close to the truth as llama.cpp is. We compute Q, K and V from
+/// On average we must be as close to the truth as llama.cpp is. We compute V from
 /// 16-bit-grade activations where llama.cpp rounds them to 8 bits, which brings us closer to
 /// full-precision logits and so away from llama.cpp's by that rounding (`scripts/numerics.py`).
 /// With a `reference` (the same weights run by llama.cpp in F32 with an F32 KV cache, fed the

@@ -126,10 +126,10 @@ impl QActs {
     /// 8-bit values and scale give back, quantized the same way as as many rows again. A matmul
     /// adds the two halves' results, so its inputs are as good as 16-bit ones (the residual's
     /// own rounding is 1/254 of the first): llama.cpp's 8-bit activations are what most of its
-    /// distance from full-precision logits comes from, and the attention projections, whose
-    /// errors every query–key product multiplies, suffer most. It doubles the multiply-adds of
-    /// the matrices that read it, not the weights they load. The inputs form gets zero rows:
-    /// float matrices read the inputs themselves.
+    /// distance from full-precision logits comes from. It doubles the multiply-adds of the rows
+    /// that read the residuals (see [`QMatrix::with_fine_rows`](super::QMatrix::with_fine_rows)),
+    /// not the weights they load. The inputs form gets zero rows: float matrices read the inputs
+    /// themselves.
     ///
     /// # Panics
     /// As [`quantize`](Self::quantize).

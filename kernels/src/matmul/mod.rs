@@ -204,6 +204,9 @@ pub struct QMatrix {
     rows: usize,
     cols: usize,
     segments: Vec<Segment>,
+    /// The first row that reads the residual half of fine activations (see
+    /// [`with_fine_rows`](Self::with_fine_rows)); 0: every row.
+    fine_from: usize,
 }
 
 /// Errors building a [`QMatrix`].
@@ -304,7 +307,27 @@ impl QMatrix {
             rows: row0,
             cols,
             segments,
+            fine_from: 0,
         })
+    }
+
+    /// Makes only rows `from..` (whole row tiles, so from the start of the tile holding `from`)
+    /// read the residual half of fine activations ([`QActs::quantize_fine`]): the rows before
+    /// get 8-bit inputs and cost no more than with plain activations. A stacked Q/K/V matrix
+    /// gives V its fine inputs this way, where they matter most for the cost.
+    pub fn with_fine_rows(mut self, from: usize) -> Self {
+        self.fine_from = from.min(self.rows);
+        self
+    }
+
+    /// The first row whose tile reads the residual half: the start of the tile holding
+    /// `fine_from` (the matrix's row count when no row does).
+    fn fine_start(&self) -> usize {
+        self.segments
+            .iter()
+            .find(|seg| self.fine_from < seg.row0 + seg.rows)
+            .map(|seg| seg.row0 + (self.fine_from - seg.row0) / ROW_TILE * ROW_TILE)
+            .unwrap_or(self.rows)
     }
 
     /// Output rows.
@@ -344,7 +367,7 @@ impl QMatrix {
     /// As [`matmul`](Self::matmul) with an explicit kernel choice (tests and benches).
     pub fn matmul_with(&self, x: &QActs, out: &mut [f32], kernel: Kernel) {
         if !x.fine {
-            return self.matmul_rows(x, out, kernel);
+            return self.matmul_rows(x, out, kernel, self.rows);
         }
         // The first half's products plus the residuals' (see `QActs::quantize_fine`), in a
         // buffer this thread keeps (every element is written before it is read). It is taken
@@ -356,16 +379,26 @@ impl QMatrix {
         assert_eq!(out.len(), x.tokens() * self.rows, "output size");
         let mut both = BOTH.take();
         both.resize(2 * out.len(), 0.0);
-        self.matmul_rows(x, &mut both, kernel);
+        let from = self.fine_start();
+        self.matmul_rows(x, &mut both, kernel, from);
         let (coarse, residual) = both.split_at(out.len());
-        for ((o, &c), &r) in out.iter_mut().zip(coarse).zip(residual) {
-            *o = c + r;
+        for ((o, c), r) in out
+            .chunks_exact_mut(self.rows)
+            .zip(coarse.chunks_exact(self.rows))
+            .zip(residual.chunks_exact(self.rows))
+        {
+            o[..from].copy_from_slice(&c[..from]);
+            for ((o, &c), &r) in o[from..].iter_mut().zip(&c[from..]).zip(&r[from..]) {
+                *o = c + r;
+            }
         }
         BOTH.set(both);
     }
 
-    /// One output row per row of `x` (both halves of fine activations).
-    fn matmul_rows(&self, x: &QActs, out: &mut [f32], kernel: Kernel) {
+    /// One output row per row of `x` (both halves of fine activations), but for tiles before
+    /// row `fine_from`, which compute the first half only (rows `0..tokens/2`; the rest of
+    /// their part of `out` is left as it was).
+    fn matmul_rows(&self, x: &QActs, out: &mut [f32], kernel: Kernel, fine_from: usize) {
         x.check(self.cols, self.needs());
         assert_eq!(out.len(), x.tokens * self.rows, "output size");
         // Every (segment, tile) pair, in row order.
@@ -383,12 +416,17 @@ impl QMatrix {
             let mut tile_out = [0f32; ROW_TILE * TOKEN_TILE];
             for &(s, tile) in chunk {
                 let seg = &self.segments[s];
+                let r0 = seg.row0 + tile * ROW_TILE;
+                let nr = (seg.rows - tile * ROW_TILE).min(ROW_TILE);
+                let tokens = if x.fine && r0 < fine_from {
+                    x.tokens / 2
+                } else {
+                    x.tokens
+                };
                 let mut tok = 0;
-                while tok < x.tokens {
-                    let nt = (x.tokens - tok).min(TOKEN_TILE);
+                while tok < tokens {
+                    let nt = (tokens - tok).min(TOKEN_TILE);
                     seg.tile(self.cols, tile, x, tok, nt, kernel, &mut tile_out);
-                    let r0 = seg.row0 + tile * ROW_TILE;
-                    let nr = (seg.rows - tile * ROW_TILE).min(ROW_TILE);
                     for t in 0..nt {
                         // SAFETY: this task alone writes rows r0..r0+nr of every token; the
                         // ranges `(tok+t)·rows + r0 .. +nr` of distinct tiles are disjoint and in

@@ -261,6 +261,39 @@ fn fine_activations_are_as_good_as_16_bit_ones() {
             );
         }
     }
+    // Only the rows from a given one on (whole tiles) read the residuals; the others are
+    // exactly what plain 8-bit activations give.
+    let (ty, rows, cols, tokens) = (GgmlType::Q5_0, 40, 64, 3);
+    let w = random_weights(ty, rows, cols, 80);
+    let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap().with_fine_rows(24);
+    let x: Vec<f32> = (0..tokens * cols)
+        .map(|i| ((i * 53) % 89) as f32 / 30.0 - 1.4)
+        .collect();
+    let want = reference(ty, rows, cols, &w, &x);
+    let scale = want.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+    let (mut coarse, mut fine) = (QActs::new(), QActs::new());
+    coarse.quantize(&x, cols);
+    fine.quantize_fine(&x, cols);
+    for k in Kernel::available() {
+        let (mut c, mut f) = (vec![0f32; tokens * rows], vec![0f32; tokens * rows]);
+        m.matmul_with(&coarse, &mut c, k);
+        m.matmul_with(&fine, &mut f, k);
+        for t in 0..tokens {
+            for r in 0..rows {
+                let i = t * rows + r;
+                if r < 16 {
+                    assert_eq!(f[i], c[i], "{k:?} row {r}: before the fine tile");
+                } else {
+                    assert!(
+                        (f[i] - want[i]).abs() <= 2e-4 * scale,
+                        "{k:?} row {r}: {} against {}",
+                        f[i],
+                        want[i]
+                    );
+                }
+            }
+        }
+    }
     // A stack of a block part and a super-block part reads each form's own residuals.
     let (cols, tokens) = (512, 2);
     let (wa, wb) = (
