@@ -495,8 +495,9 @@ impl ServeConfig {
             name: name.to_string(),
             message,
         };
+        let served = self.served();
         let mut seen = std::collections::HashSet::new();
-        for (i, m) in self.served().iter().enumerate() {
+        for (i, m) in served.iter().enumerate() {
             if !valid_model_name(&m.name) {
                 return Err(bad(
                     i,
@@ -511,14 +512,14 @@ impl ServeConfig {
                 return Err(bad(i, &m.name, "two models have this id; give one a name".into()));
             }
         }
-        for (i, m) in self.models.iter().enumerate() {
-            let name = m.name.clone().unwrap_or_else(|| model_id(&m.path));
+        for (i, (m, resolved)) in self.models.iter().zip(&served).enumerate() {
+            let name = &resolved.name;
             if let Some(s) = m.kv_share
                 && !(s > 0.0 && s <= 1.0)
             {
                 return Err(bad(
                     i,
-                    &name,
+                    name,
                     format!("kv_share = {s}: must be more than 0 and at most 1"),
                 ));
             }
@@ -531,7 +532,7 @@ impl ServeConfig {
                 ("queue", own.queue),
             ] {
                 if v == Some(0) {
-                    return Err(bad(i, &name, format!("limits.{key} = 0: must be at least 1")));
+                    return Err(bad(i, name, format!("limits.{key} = 0: must be at least 1")));
                 }
             }
         }
@@ -548,10 +549,9 @@ impl ServeConfig {
         if let Some(i) = self.models.iter().position(|m| m.kv_share.is_none())
             && self.unshared_kv() <= 0.0
         {
-            let name = self.served()[i].name.clone();
             return Err(bad(
                 i,
-                &name,
+                &served[i].name,
                 "it has no kv_share and the others' take the whole budget: give it one".into(),
             ));
         }
