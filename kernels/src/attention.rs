@@ -214,6 +214,44 @@ const ROW_MAJOR_ROWS: usize = 4;
 /// Key columns are padded to a multiple of this, for the SIMD score loop.
 const KEY_BLOCK: usize = 16;
 
+/// Which SIMD path the score and weighted-sum loops take. Every path computes each output lane
+/// with the same operations in the same order, so all of them equal the scalar reference bit for
+/// bit; the tests check each one this CPU has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Isa {
+    Scalar,
+    /// AVX2 with FMA and F16C: eight lanes.
+    Avx2,
+    /// AVX-512F: sixteen lanes.
+    Avx512,
+}
+
+impl Isa {
+    /// The widest path this CPU supports.
+    fn best() -> Isa {
+        if crate::ops::has_avx512() {
+            Isa::Avx512
+        } else if crate::ops::has_avx2() {
+            Isa::Avx2
+        } else {
+            Isa::Scalar
+        }
+    }
+
+    /// Every path this CPU supports, the reference first.
+    #[cfg(test)]
+    fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        if crate::ops::has_avx2() {
+            v.push(Isa::Avx2);
+        }
+        if crate::ops::has_avx512() {
+            v.push(Isa::Avx512);
+        }
+        v
+    }
+}
+
 /// [`attend_one`] with its buffers. The visible K/V are gathered into f32 once for the whole
 /// range (K transposed, so scores for many keys come out of one pass with no horizontal sums),
 /// growing chunk by chunk; then each query row's scores, softmax and weighted sum of V.
@@ -235,6 +273,7 @@ fn attend_gathered(
     let group = shape.n_heads / shape.n_kv_heads;
     let qdim = shape.n_heads * hd;
     let scale = kind.scale;
+    let isa = Isa::best();
     // Keys are gathered from the first position the range's first query sees (`base`, 0 without
     // a window) to the last one its last query sees; buffers are indexed from `base`.
     let base = kind.first_visible(s.pos0 + a);
@@ -296,7 +335,7 @@ fn attend_gathered(
                 }
             }
         } else {
-            scores(&bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
+            scores(isa, &bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
         }
         for r in 0..rows {
             // Query `c0 + r/group` at position `p` sees `first..=p`.
@@ -304,7 +343,14 @@ fn attend_gathered(
             let first = kind.first_visible(p) - base;
             let sc = &mut bufs.scores[r * cols + first..r * cols + p + 1 - base];
             let o = &mut out[((c0 - a) * group + r) * hd..][..hd];
-            softmax_v_f16(sc, &mut bufs.rise_at, &mut bufs.rise_by, &bufs.vals[first * hd..], o);
+            softmax_v_f16(
+                isa,
+                sc,
+                &mut bufs.rise_at,
+                &mut bufs.rise_by,
+                &bufs.vals[first * hd..],
+                o,
+            );
         }
     }
     out
@@ -335,7 +381,7 @@ fn score_dot(q: &[f32], k: &[f32]) -> f32 {
 
 /// `out[r·cols + j] = q_r · k_j` for every query row `r` of `qs` (rows of `hd`) and every key
 /// column `j < cols` of `kt` (`hd × ld`, transposed keys).
-fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [f32]) {
+fn scores(isa: Isa, qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [f32]) {
     let rows = qs.len() / hd;
     assert!(
         qs.len() == rows * hd
@@ -344,11 +390,16 @@ fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [
             && cols <= ld
             && cols.is_multiple_of(KEY_BLOCK)
     );
-    #[cfg(target_arch = "x86_64")]
-    if crate::ops::has_avx2() {
-        // SAFETY: avx2 and fma were detected at run time; the shapes were asserted above.
-        unsafe { simd::scores(qs, hd, kt, ld, cols, out) };
-        return;
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only chosen where avx512f was detected at run time; the
+        // shapes were asserted above.
+        Isa::Avx512 => return unsafe { simd::scores_avx512(qs, hd, kt, ld, cols, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only chosen where avx2 and fma were detected at run time; the
+        // shapes were asserted above.
+        Isa::Avx2 => return unsafe { simd::scores(qs, hd, kt, ld, cols, out) },
+        _ => {}
     }
     for r in 0..rows {
         let o = &mut out[r * cols..(r + 1) * cols];
@@ -365,7 +416,14 @@ fn scores(qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [
 /// logits then stay within 0.5 of llama.cpp's, as its reference outputs demand; an f32 running
 /// output drifts further.) `sc` holds the raw scores and is overwritten; `rise_at` and `rise_by`
 /// are scratch.
-fn softmax_v_f16(sc: &mut [f32], rise_at: &mut Vec<usize>, rise_by: &mut Vec<f32>, vals: &[f32], out: &mut [f32]) {
+fn softmax_v_f16(
+    isa: Isa,
+    sc: &mut [f32],
+    rise_at: &mut Vec<usize>,
+    rise_by: &mut Vec<f32>,
+    vals: &[f32],
+    out: &mut [f32],
+) {
     let hd = out.len();
     assert!(vals.len() >= sc.len() * hd);
     // Running maxima: key j is weighed by e^(s_j − m_j), and where the maximum rises (key
@@ -381,19 +439,42 @@ fn softmax_v_f16(sc: &mut [f32], rise_at: &mut Vec<usize>, rise_by: &mut Vec<f32
             sum += w;
         }
     }
-    #[cfg(target_arch = "x86_64")]
-    if crate::ops::has_avx2() && hd.is_multiple_of(64) {
-        // Every element of the output is computed on its own, so heads of any multiple of 64
-        // go 64 columns (eight registers of sums) at a time.
-        for c in (0..hd).step_by(64) {
-            // SAFETY: avx2, fma and f16c were detected at run time; `vals[c..]` holds `sc.len()`
-            // rows `hd` apart with 64 values from each; `rise_at` is increasing, starts at 0
-            // and ends below `sc.len()`.
-            unsafe { simd::accumulate_f16::<8>(sc, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 64]) };
+    weighted_sum(isa, sc, rise_at, rise_by, vals, sum, out);
+}
+
+/// The weighted sum of [`softmax_v_f16`] on path `isa`. Every element of the output is computed
+/// on its own, so the SIMD paths take heads of any multiple of 64 a slice of columns at a time
+/// (eight registers of sums), and others go element by element.
+fn weighted_sum(isa: Isa, w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], sum: f32, out: &mut [f32]) {
+    let hd = out.len();
+    // SAFETY (each call below): the path's CPU features were detected at run time (`Isa::best`);
+    // `vals[c..]` holds `w.len()` rows `hd` apart with the slice's columns in each;
+    // `rise_at` is increasing, starts at 0 and ends below `w.len()`, as long as `rise_by`.
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if hd.is_multiple_of(128) => {
+            for c in (0..hd).step_by(128) {
+                unsafe {
+                    simd::accumulate_f16_avx512::<8>(w, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 128])
+                };
+            }
         }
-        return;
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if hd.is_multiple_of(64) => {
+            for c in (0..hd).step_by(64) {
+                unsafe {
+                    simd::accumulate_f16_avx512::<4>(w, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 64])
+                };
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if hd.is_multiple_of(64) => {
+            for c in (0..hd).step_by(64) {
+                unsafe { simd::accumulate_f16::<8>(w, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 64]) };
+            }
+        }
+        _ => accumulate_f16(w, rise_at, rise_by, vals, sum, out),
     }
-    accumulate_f16(sc, rise_at, rise_by, vals, sum, out);
 }
 
 /// The weighted sum of [`softmax_v_f16`] with its running output in f16, element by element (the
@@ -611,6 +692,117 @@ mod simd {
             }
         }
     }
+
+    /// [`accumulate_f16`] sixteen lanes to a register, for `head_dim == 16·NV`.
+    ///
+    /// # Safety
+    /// The CPU must support avx512f; otherwise as [`accumulate_f16`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_f16_avx512<const NV: usize>(
+        w: &[f32],
+        rise_at: &[usize],
+        rise_by: &[f32],
+        vals: &[f32],
+        stride: usize,
+        sum: f32,
+        out: &mut [f32],
+    ) {
+        assert!(out.len() == 16 * NV && (w.is_empty() || (w.len() - 1) * stride + 16 * NV <= vals.len()));
+        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        let round = |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v));
+        let mut acc = [_mm512_setzero_ps(); NV];
+        // SAFETY (pointer accesses): j < w.len() and row j is inside `vals`; `out` is hd long.
+        unsafe {
+            for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
+                let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
+                let rv = _mm512_set1_ps(by);
+                for a in acc.iter_mut() {
+                    *a = round(_mm512_mul_ps(*a, rv));
+                }
+                for j in start..end {
+                    let wv = _mm512_set1_ps(*w.get_unchecked(j));
+                    let row = vals.as_ptr().add(j * stride);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        *a = round(_mm512_add_ps(*a, _mm512_mul_ps(wv, _mm512_loadu_ps(row.add(16 * i)))));
+                    }
+                }
+            }
+            let sv = _mm512_set1_ps(sum);
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_div_ps(*a, sv));
+            }
+        }
+    }
+
+    /// As [`scores`], four query rows by 32 keys (16 at the end of an odd row) per register
+    /// tile.
+    ///
+    /// # Safety
+    /// The CPU must support avx512f; shapes as `super::scores` asserts.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_avx512(qs: &[f32], hd: usize, kt: &[f32], ld: usize, cols: usize, out: &mut [f32]) {
+        let rows = qs.len() / hd;
+        let (qp, kp, op) = (qs.as_ptr(), kt.as_ptr(), out.as_mut_ptr());
+        let mut r = 0;
+        // SAFETY (pointer accesses): r + k < rows, d < hd, j + 16·NK ≤ cols ≤ ld: inside each
+        // buffer.
+        unsafe {
+            while r < rows {
+                let nr = (rows - r).min(4);
+                let mut j = 0;
+                while j < cols {
+                    if j + 32 <= cols {
+                        score_tile::<2>(qp, hd, kp, ld, op, cols, r, nr, j);
+                        j += 32;
+                    } else {
+                        score_tile::<1>(qp, hd, kp, ld, op, cols, r, nr, j);
+                        j += 16;
+                    }
+                }
+                r += nr;
+            }
+        }
+    }
+
+    /// Query rows `r..r + nr` against keys `j..j + 16·NK` for [`scores_avx512`].
+    ///
+    /// # Safety
+    /// As [`scores_avx512`], with every access named there inside its buffer.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn score_tile<const NK: usize>(
+        qp: *const f32,
+        hd: usize,
+        kp: *const f32,
+        ld: usize,
+        op: *mut f32,
+        cols: usize,
+        r: usize,
+        nr: usize,
+        j: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); NK]; 4];
+        // SAFETY: the caller's contract.
+        unsafe {
+            for d in 0..hd {
+                let mut k = [_mm512_setzero_ps(); NK];
+                for (c, kc) in k.iter_mut().enumerate() {
+                    *kc = _mm512_loadu_ps(kp.add(d * ld + j + 16 * c));
+                }
+                for (i, a) in acc.iter_mut().enumerate().take(nr) {
+                    let qv = _mm512_set1_ps(*qp.add((r + i) * hd + d));
+                    for (c, ac) in a.iter_mut().enumerate() {
+                        *ac = _mm512_fmadd_ps(qv, k[c], *ac);
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate().take(nr) {
+                for (c, ac) in a.iter().enumerate() {
+                    _mm512_storeu_ps(op.add((r + i) * cols + j + 16 * c), *ac);
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -807,17 +999,21 @@ mod tests {
         (r.remove(0), out)
     }
 
-    /// The SIMD weighted sum equals the element-by-element one bit for bit, for heads of 64, 128
-    /// and 256 (Gemma's), with the running maximum rising several times.
+    /// Every SIMD weighted sum this CPU has equals the element-by-element one bit for bit, for
+    /// heads of 64, 128, 192 and 256 (Gemma's), with the running maximum rising several times.
     #[test]
     fn simd_weighted_sum_equals_scalar() {
-        for hd in [64, 128, 256] {
+        println!("paths: {:?}", Isa::available());
+        for (hd, isa) in [64, 128, 192, 256]
+            .into_iter()
+            .flat_map(|hd| Isa::available().into_iter().map(move |i| (hd, i)))
+        {
             let n = 37;
             let scores: Vec<f32> = (0..n).map(|j| val(j, hd) * 6.0 + j as f32 * 0.2).collect();
             let vals: Vec<f32> = (0..n * hd).map(|i| val(i, 7)).collect();
             let (mut rise_at, mut rise_by) = (Vec::new(), Vec::new());
             let mut a = vec![0f32; hd];
-            softmax_v_f16(&mut scores.clone(), &mut rise_at, &mut rise_by, &vals, &mut a);
+            softmax_v_f16(isa, &mut scores.clone(), &mut rise_at, &mut rise_by, &vals, &mut a);
             let mut w = scores.clone();
             subtract_running_max(&mut w, &mut rise_at, &mut rise_by);
             assert!(rise_at.len() > 2, "the maximum rises");
@@ -833,7 +1029,27 @@ mod tests {
             }
             let mut b = vec![0f32; hd];
             accumulate_f16(&w, &rise_at, &rise_by, &vals, sum, &mut b);
-            assert_eq!(a, b, "head width {hd}");
+            assert_eq!(a, b, "head width {hd}, {isa:?}");
+        }
+    }
+
+    /// Every SIMD score loop this CPU has equals the scalar one bit for bit (each score sums its
+    /// products in the same order), for row counts that leave partial row tiles and key counts
+    /// that leave a half tile.
+    #[test]
+    fn simd_scores_equal_scalar() {
+        for (rows, cols, hd) in [(1, 16, 64), (5, 48, 64), (7, 64, 256), (12, 80, 128)] {
+            let ld = cols + 16;
+            let qs: Vec<f32> = (0..rows * hd).map(|i| val(i, 3)).collect();
+            let kt: Vec<f32> = (0..hd * ld).map(|i| val(i, 4)).collect();
+            let mut want = vec![0f32; rows * cols];
+            scores(Isa::Scalar, &qs, hd, &kt, ld, cols, &mut want);
+            assert!(want.iter().any(|&x| x != 0.0));
+            for isa in Isa::available() {
+                let mut got = vec![f32::NAN; rows * cols];
+                scores(isa, &qs, hd, &kt, ld, cols, &mut got);
+                assert_eq!(got, want, "{rows}x{cols}, head width {hd}, {isa:?}");
+            }
         }
     }
 

@@ -26,6 +26,20 @@ pub fn has_avx2() -> bool {
     false
 }
 
+/// Whether the AVX-512 paths of these loops may run (avx512f on top of [`has_avx2`]; checked
+/// once).
+#[inline]
+pub fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| has_avx2() && std::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Dot product.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
