@@ -353,11 +353,13 @@ fn gelu_tanh(x: f32) -> f32 {
 }
 
 /// GELU of every f16 value, rounded to f16: the table llama.cpp's CPU backend looks GELU up in.
+/// One zero entry follows the 65536, so that a 32-bit gather at any entry stays inside.
 fn gelu_table() -> &'static [f16] {
     static TABLE: std::sync::OnceLock<Vec<f16>> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| {
         (0..=u16::MAX)
             .map(|b| f16::from_f32(gelu_tanh(f16::from_bits(b).to_f32())))
+            .chain([f16::ZERO])
             .collect()
     })
 }
@@ -367,6 +369,11 @@ fn gelu_table() -> &'static [f16] {
 /// or above 10, and between them GELU of the gate rounded to f16, looked up in a table of f16
 /// results.
 pub fn geglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
+    geglu_with(has_avx512(), gate_up, width, out)
+}
+
+/// [`geglu`] with the AVX-512 path taken where `simd` (which the caller has detected) or not.
+fn geglu_with(simd: bool, gate_up: &[f32], width: usize, out: &mut [f32]) {
     assert!(gate_up.len() == 2 * out.len() && out.len().is_multiple_of(width));
     let table = gelu_table();
     par_rows(out, width, |r0, out| {
@@ -375,7 +382,16 @@ pub fn geglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
             .zip(out.chunks_exact_mut(width))
         {
             let (g, u) = gu.split_at(width);
-            for ((oi, &gi), &ui) in o.iter_mut().zip(g).zip(u) {
+            let mut done = 0;
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: avx512f was detected at run time (the caller's `simd`); `g`, `u` and
+                // `o` are `width` long; the table has its padding entry.
+                done = unsafe { geglu_avx512(table, g, u, o) };
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = simd;
+            for ((oi, &gi), &ui) in o[done..].iter_mut().zip(&g[done..]).zip(&u[done..]) {
                 let gelu = if gi <= -10.0 {
                     0.0
                 } else if gi >= 10.0 {
@@ -387,6 +403,41 @@ pub fn geglu(gate_up: &[f32], width: usize, out: &mut [f32]) {
             }
         }
     });
+}
+
+/// GeGLU over the multiple-of-sixteen prefix, sixteen table entries to one gather; returns its
+/// length. The same comparisons, rounding and lookups as the scalar loop, so the same bits.
+///
+/// # Safety
+/// The CPU must support avx512f; the three slices have equal length; `table` holds the 65536
+/// entries and the padding one.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn geglu_avx512(table: &[f16], g: &[f32], u: &[f32], o: &mut [f32]) -> usize {
+    assert!(table.len() > usize::from(u16::MAX) + 1);
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    let n = o.len() / 16 * 16;
+    let (lo, hi) = (_mm512_set1_ps(-10.0), _mm512_set1_ps(10.0));
+    let low16 = _mm512_set1_epi32(0xffff);
+    for i in (0..n).step_by(16) {
+        // SAFETY: i + 16 ≤ n ≤ the length of each slice; each gather reads the four bytes at
+        // entry `idx ≤ 65535` of `table`, inside it with the padding entry.
+        unsafe {
+            let gv = _mm512_loadu_ps(g.as_ptr().add(i));
+            let idx = _mm512_cvtepu16_epi32(_mm512_cvtps_ph::<NEAREST>(gv));
+            let pairs = _mm512_i32gather_epi32::<2>(idx, table.as_ptr().cast());
+            let looked = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_and_si512(pairs, low16)));
+            // Below or at −10: 0; at or above 10: the gate itself (both false for NaN).
+            let below = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(gv, lo);
+            let above = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(gv, hi);
+            let gelu = _mm512_mask_blend_ps(above, _mm512_maskz_mov_ps(!below, looked), gv);
+            _mm512_storeu_ps(
+                o.as_mut_ptr().add(i),
+                _mm512_mul_ps(gelu, _mm512_loadu_ps(u.as_ptr().add(i))),
+            );
+        }
+    }
+    n
 }
 
 /// `out[i] = silu(gate[i]) · up[i]` where each row of `gate_up` is `[gate | up]`, `width` each.
@@ -620,6 +671,34 @@ mod tests {
         }
         assert_eq!(&b[6..], &x[6..], "dimensions past the rotary ones stay");
         assert_ne!(a, b);
+    }
+
+    /// The AVX-512 GeGLU (where this CPU has it) gives the scalar loop's bits, over gates that
+    /// cross both cut-offs, sit on them, and reach every part of the table.
+    #[test]
+    fn simd_geglu_equals_scalar() {
+        if !has_avx512() {
+            println!("no AVX-512 on this CPU: the scalar GeGLU alone runs here");
+            return;
+        }
+        let width = 16 * 37 + 5;
+        let rows = 80;
+        let mut gu = Vec::with_capacity(2 * width * rows);
+        for r in 0..rows {
+            gu.extend((0..width).map(|i| match (r + i) % 97 {
+                0 => -10.0,
+                1 => 10.0,
+                2 => f32::NAN,
+                3 => 1e30,
+                k => ((r * width + i) as f32 * 0.618).sin() * 13.0 + k as f32 * 1e-3,
+            }));
+            gu.extend((0..width).map(|i| ((r + 3 * i) % 11) as f32 - 5.0));
+        }
+        let (mut a, mut b) = (vec![0f32; width * rows], vec![0f32; width * rows]);
+        geglu_with(false, &gu, width, &mut a);
+        geglu_with(true, &gu, width, &mut b);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a), bits(&b));
     }
 
     #[test]
