@@ -61,6 +61,44 @@ pub(super) fn pack<'a>(
     buf
 }
 
+/// Tile `tile` of 16-bit float rows (`f` is F16 or BF16) as an F32 tile of one tile's length in
+/// `dst`: every value exactly, in the same column-major layout, so a kernel reading `dst` as tile
+/// 0 of an F32 matrix makes the same products in the same order as on the 16-bit tile.
+/// Prefill widens each tile once for all its tokens, where the kernel would otherwise convert
+/// every column again for every four tokens.
+pub(super) fn widen_tile(f: FloatFormat, p: &[u8], tile: usize, cols: usize, dst: &mut AlignedBytes) {
+    assert!(f != FloatFormat::F32, "only 16-bit tiles are widened");
+    let n = cols * ROW_TILE;
+    let src = &p[tile * n * 2..(tile + 1) * n * 2];
+    if dst.len != n * 4 {
+        *dst = AlignedBytes::zeroed(n * 4);
+    }
+    let out = dst.as_mut_slice();
+    match f {
+        FloatFormat::F16 => {
+            // A run of values at a time, converted in one call (F16C where the CPU has it).
+            let mut halves = [f16::ZERO; 256];
+            let mut wide = [0f32; 256];
+            for (chunk, o) in src.chunks(512).zip(out.chunks_mut(1024)) {
+                let m = chunk.len() / 2;
+                for (h, b) in halves.iter_mut().zip(chunk.chunks_exact(2)) {
+                    *h = f16::from_le_bytes([b[0], b[1]]);
+                }
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(&halves[..m], &mut wide[..m]);
+                for (o, v) in o.chunks_exact_mut(4).zip(&wide[..m]) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+        FloatFormat::BF16 | FloatFormat::F32 => {
+            // A bf16 value is the high half of the f32 with the same bits.
+            for (o, b) in out.chunks_exact_mut(4).zip(src.chunks_exact(2)) {
+                o.copy_from_slice(&[0, 0, b[0], b[1]]);
+            }
+        }
+    }
+}
+
 fn value(f: FloatFormat, p: &[u8], at: usize) -> f32 {
     match f {
         FloatFormat::F32 => f32::from_le_bytes([p[at], p[at + 1], p[at + 2], p[at + 3]]),

@@ -66,7 +66,7 @@ type TileOut = [f32; ROW_TILE * TOKEN_TILE];
 #[repr(C, align(64))]
 struct Line([u8; 64]);
 
-#[derive(Clone)]
+#[derive(Clone, Default)]
 struct AlignedBytes {
     lines: Vec<Line>,
     len: usize,
@@ -185,18 +185,39 @@ impl Segment {
                 unsafe { kquant::avx2::tile(*f, b.as_slice(), tile, cols, x, tok, nt, out) }
             }
             (Packed::K(f, b), Kernel::Scalar) => kquant::scalar_tile(*f, b.as_slice(), tile, cols, x, tok, nt, out),
-            (Packed::Float(f, b), Kernel::Avx512Vnni) => {
-                // SAFETY: as above.
-                unsafe { float::avx512::tile(*f, b.as_slice(), tile, cols, x, tok, nt, out) }
-            }
-            (Packed::Float(f, b), Kernel::Avx2) => {
-                // SAFETY: as above.
-                unsafe { float::avx2::tile(*f, b.as_slice(), tile, cols, x, tok, nt, out) }
-            }
-            (Packed::Float(f, b), Kernel::Scalar) => float::scalar_tile(*f, b.as_slice(), tile, cols, x, tok, nt, out),
+            (Packed::Float(f, b), _) => float_tile(*f, b.as_slice(), cols, tile, x, tok, nt, kernel, out),
         }
     }
 }
+
+/// One float row tile (of bytes `p` in format `f`) against tokens `tok..tok + nt`.
+#[allow(clippy::too_many_arguments)]
+fn float_tile(
+    f: float::FloatFormat,
+    p: &[u8],
+    cols: usize,
+    tile: usize,
+    x: &QActs,
+    tok: usize,
+    nt: usize,
+    kernel: Kernel,
+    out: &mut TileOut,
+) {
+    match kernel {
+        // SAFETY: `Kernel::Avx512Vnni` is only constructed after runtime detection of avx512f,
+        // avx512bw and avx512vnni (see `Kernel::best`).
+        Kernel::Avx512Vnni => unsafe { float::avx512::tile(f, p, tile, cols, x, tok, nt, out) },
+        // SAFETY: `Kernel::Avx2` is only constructed after runtime detection of avx2, fma and
+        // f16c (see `Kernel::best`).
+        Kernel::Avx2 => unsafe { float::avx2::tile(f, p, tile, cols, x, tok, nt, out) },
+        Kernel::Scalar => float::scalar_tile(f, p, tile, cols, x, tok, nt, out),
+    }
+}
+
+/// Tokens from which a 16-bit float tile is widened to f32 once ([`float::widen_tile`]) rather
+/// than converted again for every [`TOKEN_TILE`] tokens: the conversion is a third of the
+/// kernel's vector work per column, and widening costs about one pass of it.
+const WIDEN_FROM_TOKENS: usize = 3 * TOKEN_TILE;
 
 /// A weight matrix of `rows × cols`, repacked for the matmul kernels.
 #[derive(Clone)]
@@ -413,6 +434,11 @@ impl QMatrix {
         // Chunks of tiles per task: enough tasks to balance, few enough to keep overhead low.
         let per_task = tiles.len().div_ceil(rayon::current_num_threads() * 4).max(1);
         let run = |chunk: &[(usize, usize)]| {
+            thread_local! {
+                /// A widened 16-bit float tile, taken out while in use (as `BOTH` in `matmul_with`).
+                static WIDE: std::cell::Cell<AlignedBytes> = std::cell::Cell::default();
+            }
+            let mut wide = WIDE.take();
             let mut tile_out = [0f32; ROW_TILE * TOKEN_TILE];
             for &(s, tile) in chunk {
                 let seg = &self.segments[s];
@@ -423,10 +449,22 @@ impl QMatrix {
                 } else {
                     x.tokens
                 };
+                let widened = match &seg.packed {
+                    Packed::Float(f, b) if *f != float::FloatFormat::F32 && tokens >= WIDEN_FROM_TOKENS => {
+                        float::widen_tile(*f, b.as_slice(), tile, self.cols, &mut wide);
+                        true
+                    }
+                    _ => false,
+                };
                 let mut tok = 0;
                 while tok < tokens {
                     let nt = (tokens - tok).min(TOKEN_TILE);
-                    seg.tile(self.cols, tile, x, tok, nt, kernel, &mut tile_out);
+                    if widened {
+                        let f32s = float::FloatFormat::F32;
+                        float_tile(f32s, wide.as_slice(), self.cols, 0, x, tok, nt, kernel, &mut tile_out);
+                    } else {
+                        seg.tile(self.cols, tile, x, tok, nt, kernel, &mut tile_out);
+                    }
                     for t in 0..nt {
                         // SAFETY: this task alone writes rows r0..r0+nr of every token; the
                         // ranges `(tok+t)·rows + r0 .. +nr` of distinct tiles are disjoint and in
@@ -439,6 +477,7 @@ impl QMatrix {
                     tok += nt;
                 }
             }
+            WIDE.set(wide);
         };
         if tiles.len() <= per_task {
             run(&tiles);

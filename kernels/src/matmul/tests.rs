@@ -124,6 +124,34 @@ fn every_type_matches_the_dequantized_reference() {
     }
 }
 
+/// A prompt's 16-bit float tiles are widened to f32 once for all its tokens: the products and
+/// their order are those of the token-by-token path, so every kernel gives the same bits both
+/// ways (and the widened tiles are each tile's own: rows past the first tile, any row length).
+#[test]
+fn widened_float_tiles_give_the_bits_of_the_unwidened() {
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        let (rows, cols, tokens) = (40, 172, WIDEN_FROM_TOKENS + 5);
+        let w = random_weights(ty, rows, cols, 9);
+        let m = QMatrix::from_ggml(ty, rows, cols, &w).unwrap();
+        let x: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i * 7919) % 201) as f32 / 100.0 - 1.0)
+            .collect();
+        for k in Kernel::available() {
+            let mut qa = QActs::new();
+            qa.quantize(&x, cols);
+            let mut all = vec![0f32; tokens * rows];
+            m.matmul_with(&qa, &mut all, k);
+            for t in 0..tokens {
+                let mut one = QActs::new();
+                one.quantize(&x[t * cols..(t + 1) * cols], cols);
+                let mut o = vec![0f32; rows];
+                m.matmul_with(&one, &mut o, k);
+                assert_eq!(&all[t * rows..(t + 1) * rows], &o[..], "{ty} {k:?} token {t}");
+            }
+        }
+    }
+}
+
 /// The K kernels compute llama.cpp's sums exactly: against the dequantized weights times the
 /// dequantized Q8_K activations (each value `d_x·q_x`), summed in f64, every kernel is within
 /// float rounding (1e-5 of the output scale); a mistake in a scale, minimum, offset or value
