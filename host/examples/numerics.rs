@@ -46,6 +46,7 @@ fn main() -> anyhow::Result<()> {
             tokens: prompt,
             pos0: 0,
             want_logits: true,
+            prompt: true,
         }];
         let logits = m
             .forward(&mut pool, &step, TagCheck::Enforce, &mut Scratch::default())

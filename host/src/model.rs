@@ -477,6 +477,10 @@ pub struct StepSeq<'a> {
     pub pos0: usize,
     /// Whether to compute logits for the last new token.
     pub want_logits: bool,
+    /// Whether the new tokens are prompt tokens (a step's tokens of one sequence are all prompt
+    /// or all output): prompt rows take llama.cpp's prefill attention, output rows its decode
+    /// attention ([`AttnSeq::tiled`]).
+    pub prompt: bool,
 }
 
 /// What the engine needs of a model: its shape, and a step's forward pass over the KV pool.
@@ -870,6 +874,7 @@ impl Model {
                     pages: t,
                     pos0: sq.pos0,
                     n_new: sq.tokens.len(),
+                    tiled: sq.prompt,
                 })
                 .collect();
             let r = be.attention(

@@ -155,6 +155,7 @@ fn feed(m: &Model, prompt: &[u32], n: usize, mut next: impl FnMut(usize, &[f32])
             tokens: &feed,
             pos0: pos,
             want_logits: true,
+            prompt: k == 0,
         }];
         let logits = m
             .forward(&mut pool, &step, warden_kernels::tag::TagCheck::Enforce, &mut scratch)

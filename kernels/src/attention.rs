@@ -84,6 +84,15 @@ pub struct AttnSeq<'a> {
     pub pos0: usize,
     /// New tokens this step: its rows of `q` and `out`.
     pub n_new: usize,
+    /// Whether its new tokens are prompt tokens, which take llama.cpp's prefill attention
+    /// (`ggml_compute_forward_flash_attn_ext_tiled`): queries in f32, scores scaled after the dot
+    /// product, an online softmax over tiles of [`KV_TILE`] keys aligned by position, an f32
+    /// running output. Output tokens take its one-query decode attention: queries rounded to f16
+    /// and pre-scaled, the maximum followed key by key, the running output kept in f16. The
+    /// choice is the token's, never the step's: a row's attention is the same however its
+    /// prompt was chunked, batched with others or found in the prefix cache. The prefill form is
+    /// also the more exact (no f16 rounding) and the faster (no conversions in its inner loop).
+    pub tiled: bool,
 }
 
 /// Causal attention for a batch of sequences over their pages.
@@ -156,18 +165,7 @@ pub fn paged_attention(
 /// Queries scored together: bounds the score buffer to `QCHUNK · group` rows.
 const QCHUNK: usize = 32;
 
-/// New tokens of one sequence from which its attention runs as llama.cpp's prefill does
-/// (`ggml_compute_forward_flash_attn_ext_tiled`, which it takes for 64 or more query rows):
-/// queries in f32, scores scaled after the dot product, an online softmax over tiles of
-/// [`KV_TILE`] keys and an f32 running output. Fewer new tokens (decode, a short prompt or a
-/// prompt's short last chunk) run as its one-query path does: queries rounded to f16 and
-/// pre-scaled, the maximum followed key by key, the running output kept in f16. Each path is the
-/// one llama.cpp takes for the same work, so our logits stay with its logits either way; the
-/// tiled one is also the more exact (no f16 rounding) and the faster (no conversions in its
-/// inner loop).
-pub const TILED_FROM: usize = 64;
-
-/// Keys per tile of the tiled path, aligned to multiples of it by position.
+/// Keys per tile of the prefill path ([`AttnSeq::tiled`]), aligned to multiples of it by position.
 const KV_TILE: usize = 64;
 
 /// Splits queries `0..n` (query `i` sees `pos0 + i + 1` keys) into at most `parts` ranges of about
@@ -288,7 +286,7 @@ fn attend_gathered(
     let qdim = shape.n_heads * hd;
     let scale = kind.scale;
     let isa = Isa::best();
-    let tiled = s.n_new >= TILED_FROM;
+    let tiled = s.tiled;
     // Keys are gathered from the first position the range's first query sees (`base`, 0 without
     // a window) to the last one its last query sees; buffers are indexed from `base`.
     let base = kind.first_visible(s.pos0 + a);
@@ -1127,7 +1125,7 @@ mod tests {
         fn paged_equals_dense(
             kv_heads in 1usize..4, group in 1usize..4, hd in prop::sample::select(vec![4usize, 8, 12, 16, 64, 128]), ps in 1usize..9,
             pos0 in 0usize..40, n_new in 1usize..100, perm_seed in 0u64..1000,
-            window in prop::option::of(1usize..50),
+            window in prop::option::of(1usize..50), tiled in any::<bool>(),
         ) {
             let shape = AttnShape { n_heads: kv_heads * group, n_kv_heads: kv_heads, head_dim: hd, page_size: ps };
             let positions = pos0 + n_new;
@@ -1143,7 +1141,7 @@ mod tests {
             let table = f.give(&order[..positions.div_ceil(ps)], 7, positions);
             let q: Vec<f32> = (0..n_new * shape.n_heads * shape.head_dim).map(|i| val(i, 3)).collect();
             let mut out = vec![0f32; q.len()];
-            let seqs = [AttnSeq { owner: o(7), pages: &table, pos0, n_new }];
+            let seqs = [AttnSeq { owner: o(7), pages: &table, pos0, n_new, tiled }];
             let kind = AttnKind { window, ..AttnKind::causal(hd) };
             let r = paged_attention(KvLayer { k: &f.k, v: &f.v }, &f.tags, &shape, &kind, &seqs, &q, &mut out, TagCheck::Enforce);
             prop_assert!(r[0].is_ok());
@@ -1197,6 +1195,7 @@ mod tests {
             pages: table,
             pos0,
             n_new,
+            tiled: false,
         }];
         let mut r = paged_attention(
             KvLayer { k: &f.k, v: &f.v },
@@ -1250,7 +1249,7 @@ mod tests {
     #[test]
     fn simd_f32_weighted_sum_equals_scalar() {
         for hd in [64, 128, 192, 256] {
-            let n = 150;
+            let n = 150usize;
             let w: Vec<f32> = (0..n).map(|j| (val(j, hd) + 1.0) * 0.5).collect();
             let vals: Vec<f32> = (0..n * hd).map(|i| val(i, 5)).collect();
             let (rise_at, rise_by) = (vec![0, 40, 64, 129], vec![0.0, 0.25, 0.7, 0.01]);
@@ -1265,50 +1264,116 @@ mod tests {
         }
     }
 
-    /// A prompt of at least `TILED_FROM` new tokens takes the tiled f32 path: without f16
-    /// rounding of queries or of the running output it is within 2e-5 of attention computed in
-    /// f64 (the f16 path's error is about 1e-3), over several 64-key tiles, after earlier
-    /// positions, with and without a window, on heads of 64 and 256.
+    /// Prompt rows (`tiled`) take the f32 prefill path: without f16 rounding of queries or of
+    /// the running output it is within 2e-5 of attention computed in f64 (the decode path is
+    /// about 3e-3 off on the same rows), over several 64-key tiles, after earlier positions, with
+    /// and without a window, on heads of 64 and 256.
     #[test]
-    fn tiled_prefill_is_f32_exact() {
+    fn the_prefill_path_is_f32_exact() {
         for (hd, window) in [(64, None), (256, None), (64, Some(70)), (256, Some(100))] {
+            let (out, want) = prefill_against_dense(hd, window, true);
+            let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 2e-5, "head width {hd}, window {window:?}: off by {worst}");
+        }
+        // The decode path on the same rows: its f16 running output is what the bound excludes.
+        let (out, want) = prefill_against_dense(64, None, false);
+        let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst > 1e-4, "the decode path is off by only {worst}");
+    }
+
+    /// 120 new rows after 30 cached positions, in one call, on either path; and attention computed
+    /// in f64 on the same rows.
+    fn prefill_against_dense(hd: usize, window: Option<usize>, tiled: bool) -> (Vec<f32>, Vec<f32>) {
+        let shape = AttnShape {
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: hd,
+            page_size: 16,
+        };
+        let (pos0, n_new) = (30usize, 120usize);
+        let positions = pos0 + n_new;
+        let mut f = Fixture::new(shape, positions.div_ceil(16));
+        let pages: Vec<u32> = (0..positions.div_ceil(16) as u32).rev().collect();
+        let table = f.give(&pages, 3, positions);
+        let q: Vec<f32> = (0..n_new * shape.n_heads * hd).map(|i| val(i, 9) * 3.0).collect();
+        let mut out = vec![0f32; q.len()];
+        let seqs = [AttnSeq {
+            owner: o(3),
+            pages: &table,
+            pos0,
+            n_new,
+            tiled,
+        }];
+        let kind = AttnKind {
+            window,
+            ..AttnKind::causal(hd)
+        };
+        let r = paged_attention(
+            KvLayer { k: &f.k, v: &f.v },
+            &f.tags,
+            &shape,
+            &kind,
+            &seqs,
+            &q,
+            &mut out,
+            TagCheck::Enforce,
+        );
+        assert!(r[0].is_ok());
+        (out, dense(&f, &table, pos0, n_new, &q, window))
+    }
+
+    /// A prompt row's attention is the same bits however the prompt is cut into steps (and so
+    /// whatever else shares them, and whether its start came from the prefix cache): 150 rows in
+    /// one call equal the same rows in calls of 40, 1, 63 and 46. (Output rows are computed one
+    /// per step, so the decode path needs no such property.)
+    #[test]
+    fn a_prompt_rows_attention_does_not_depend_on_its_chunk() {
+        for hd in [64, 256] {
             let shape = AttnShape {
                 n_heads: 4,
                 n_kv_heads: 1,
                 head_dim: hd,
                 page_size: 16,
             };
-            let (pos0, n_new) = (30, TILED_FROM + 90);
-            let positions = pos0 + n_new;
-            let mut f = Fixture::new(shape, positions.div_ceil(16));
-            let pages: Vec<u32> = (0..positions.div_ceil(16) as u32).rev().collect();
-            let table = f.give(&pages, 3, positions);
-            let q: Vec<f32> = (0..n_new * shape.n_heads * hd).map(|i| val(i, 9) * 3.0).collect();
-            let mut out = vec![0f32; q.len()];
-            let seqs = [AttnSeq {
-                owner: o(3),
-                pages: &table,
-                pos0,
-                n_new,
-            }];
-            let kind = AttnKind {
-                window,
-                ..AttnKind::causal(hd)
+            let n = 150usize;
+            let mut f = Fixture::new(shape, n.div_ceil(16));
+            let pages: Vec<u32> = (0..n.div_ceil(16) as u32).collect();
+            let table = f.give(&pages, 5, n);
+            let qdim = shape.n_heads * hd;
+            let q: Vec<f32> = (0..n * qdim).map(|i| val(i, 11) * 2.0).collect();
+            let kind = AttnKind::causal(hd);
+            let attend = |pos0: usize, n_new: usize| {
+                let mut out = vec![0f32; n_new * qdim];
+                let seqs = [AttnSeq {
+                    owner: o(5),
+                    pages: &table,
+                    pos0,
+                    n_new,
+                    tiled: true,
+                }];
+                let qs = &q[pos0 * qdim..(pos0 + n_new) * qdim];
+                let r = paged_attention(
+                    KvLayer { k: &f.k, v: &f.v },
+                    &f.tags,
+                    &shape,
+                    &kind,
+                    &seqs,
+                    qs,
+                    &mut out,
+                    TagCheck::Enforce,
+                );
+                assert!(r[0].is_ok());
+                out
             };
-            let r = paged_attention(
-                KvLayer { k: &f.k, v: &f.v },
-                &f.tags,
-                &shape,
-                &kind,
-                &seqs,
-                &q,
-                &mut out,
-                TagCheck::Enforce,
-            );
-            assert!(r[0].is_ok());
-            let want = dense(&f, &table, pos0, n_new, &q, window);
-            let worst = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(worst < 2e-5, "head width {hd}, window {window:?}: off by {worst}");
+            let whole = attend(0, n);
+            let mut pieces = Vec::new();
+            let mut at = 0;
+            for len in [40, 1, 63, 46] {
+                pieces.extend(attend(at, len));
+                at += len;
+            }
+            assert_eq!(at, n);
+            assert!(whole == pieces, "head width {hd}");
         }
     }
 
@@ -1366,6 +1431,7 @@ mod tests {
                 pages: &table,
                 pos0: 11,
                 n_new: 1,
+                tiled: false,
             }];
             let mut out = vec![0f32; 16];
             let r = paged_attention(
@@ -1431,6 +1497,7 @@ mod tests {
             pages: &table,
             pos0: 127,
             n_new: 1,
+            tiled: false,
         }];
         let r = paged_attention(
             KvLayer { k: &f.k, v: &f.v },
@@ -1466,12 +1533,14 @@ mod tests {
                 pages: &b,
                 pos0: 3,
                 n_new: 1,
+                tiled: false,
             },
             AttnSeq {
                 owner: o(1),
                 pages: &a,
                 pos0: 3,
                 n_new: 1,
+                tiled: false,
             },
         ];
         let r = paged_attention(

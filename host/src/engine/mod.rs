@@ -757,6 +757,7 @@ impl Engine {
                         tokens: &s.tokens[s.computed..s.computed + n],
                         pos0: s.computed,
                         want_logits: s.samples_at(s.computed + n),
+                        prompt: s.computed < s.prompt_len,
                     }
                 })
                 .collect();

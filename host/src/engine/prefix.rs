@@ -94,6 +94,7 @@ impl Engine {
                 tokens: &tokens[at..at + n],
                 pos0: at,
                 want_logits: false,
+                prompt: true,
             }];
             for r in self
                 .model

@@ -459,6 +459,7 @@ fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
         tokens: &prompt,
         pos0: 0,
         want_logits: true,
+        prompt: true,
     }];
     assert!(m.forward(&mut pool, &step, TagCheck::Enforce, &mut Scratch::default())[0].is_ok());
 
@@ -469,6 +470,7 @@ fn attending_over_unwritten_pages_is_an_isolation_error_not_output() {
         tokens: &prompt[..1],
         pos0: 127,
         want_logits: true,
+        prompt: false,
     }];
     let r = m.forward(&mut pool, &step, TagCheck::Enforce, &mut Scratch::default());
     match &r[0] {
