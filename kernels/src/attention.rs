@@ -465,41 +465,51 @@ fn softmax_v_f16(
             sum += w;
         }
     }
-    weighted_sum(isa, sc, rise_at, rise_by, vals, sum, out);
+    weighted_sum::<true>(isa, sc, rise_at, rise_by, vals, sum, out);
 }
 
-/// The weighted sum of [`softmax_v_f16`] on path `isa`. Every element of the output is computed
-/// on its own, so the SIMD paths take heads of any multiple of 64 a slice of columns at a time
-/// (eight registers of sums), and others go element by element.
-fn weighted_sum(isa: Isa, w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], sum: f32, out: &mut [f32]) {
+/// The weighted sum of [`softmax_v_f16`] (`F16`: the running output rounded to f16 after every
+/// operation, then divided by `sum`) or of [`softmax_v_tiled`] (f32 multiply-adds, left unscaled)
+/// on path `isa`. Every element of the output is computed on its own, so the SIMD paths take
+/// heads of any multiple of 64 a slice of columns at a time (eight registers of sums), and
+/// others go element by element; each lane makes the scalar loop's operations, so each path
+/// gives its bits.
+fn weighted_sum<const F16: bool>(
+    isa: Isa,
+    w: &[f32],
+    rise_at: &[usize],
+    rise_by: &[f32],
+    vals: &[f32],
+    sum: f32,
+    out: &mut [f32],
+) {
     let hd = out.len();
     // SAFETY (each call below): the path's CPU features were detected at run time (`Isa::best`);
-    // `vals[c..]` holds `w.len()` rows `hd` apart with the slice's columns in each;
-    // `rise_at` is increasing, starts at 0 and ends below `w.len()`, as long as `rise_by`.
+    // `vals[c..]` holds `w.len()` rows `hd` apart with the slice's columns in each.
     match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if hd.is_multiple_of(128) => {
             for c in (0..hd).step_by(128) {
-                unsafe {
-                    simd::accumulate_f16_avx512::<8>(w, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 128])
-                };
+                let o = &mut out[c..c + 128];
+                unsafe { simd::accumulate_avx512::<8, F16>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
             }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if hd.is_multiple_of(64) => {
             for c in (0..hd).step_by(64) {
-                unsafe {
-                    simd::accumulate_f16_avx512::<4>(w, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 64])
-                };
+                let o = &mut out[c..c + 64];
+                unsafe { simd::accumulate_avx512::<4, F16>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
             }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if hd.is_multiple_of(64) => {
             for c in (0..hd).step_by(64) {
-                unsafe { simd::accumulate_f16::<8>(w, rise_at, rise_by, &vals[c..], hd, sum, &mut out[c..c + 64]) };
+                let o = &mut out[c..c + 64];
+                unsafe { simd::accumulate_avx2::<8, F16>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
             }
         }
-        _ => accumulate_f16(w, rise_at, rise_by, vals, sum, out),
+        _ if F16 => accumulate_f16(w, rise_at, rise_by, vals, sum, out),
+        _ => accumulate_f32(w, rise_at, rise_by, vals, out),
     }
 }
 
@@ -575,55 +585,23 @@ fn softmax_v_tiled(
         sum = (sum as f64 + sc[j..end].iter().map(|&w| w as f64).sum::<f64>()) as f32;
         j = end;
     }
-    weighted_sum_f32(isa, sc, rise_at, rise_by, vals, out);
+    weighted_sum::<false>(isa, sc, rise_at, rise_by, vals, sum, out);
     let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
     out.iter_mut().for_each(|o| *o *= inv);
 }
 
-/// The f32 running output of [`softmax_v_tiled`] on path `isa`: `acc = 0`; at each rise `k`,
-/// `acc ·= rise_by[k]`; then `acc = fma(w_j, v_j, acc)` key by key. The SIMD paths take heads of
-/// any multiple of 64 a slice of columns at a time (as [`weighted_sum`]); each lane makes the
-/// scalar loop's operations, so they give its bits.
-fn weighted_sum_f32(isa: Isa, w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], out: &mut [f32]) {
-    let hd = out.len();
-    // SAFETY (each call below): the path's CPU features were detected at run time (`Isa::best`);
-    // `vals[c..]` holds `w.len()` rows `hd` apart with the slice's columns in each;
-    // `rise_at` is increasing and below `w.len()`, as long as `rise_by`.
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if hd.is_multiple_of(128) => {
-            for c in (0..hd).step_by(128) {
-                unsafe { simd::accumulate_f32_avx512::<8>(w, rise_at, rise_by, &vals[c..], hd, &mut out[c..c + 128]) };
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 if hd.is_multiple_of(64) => {
-            for c in (0..hd).step_by(64) {
-                unsafe { simd::accumulate_f32_avx512::<4>(w, rise_at, rise_by, &vals[c..], hd, &mut out[c..c + 64]) };
-            }
-        }
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 if hd.is_multiple_of(64) => {
-            for c in (0..hd).step_by(64) {
-                unsafe { simd::accumulate_f32_avx2(w, rise_at, rise_by, &vals[c..], hd, &mut out[c..c + 64]) };
-            }
-        }
-        _ => accumulate_f32(w, rise_at, rise_by, vals, out),
-    }
-}
-
-/// The scalar reference of [`weighted_sum_f32`].
+/// The scalar reference of [`weighted_sum`]'s f32 form: `acc = 0`; at each rise `k`,
+/// `acc ·= rise_by[k]`; then `acc = fma(w_j, v_j, acc)` key by key.
 fn accumulate_f32(w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], out: &mut [f32]) {
     let hd = out.len();
     out.fill(0.0);
-    let mut k = 0;
-    for (j, &wj) in w.iter().enumerate() {
-        if rise_at.get(k) == Some(&j) {
-            out.iter_mut().for_each(|a| *a *= rise_by[k]);
-            k += 1;
-        }
-        for (a, &v) in out.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
-            *a = wj.mul_add(v, *a);
+    for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
+        let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
+        out.iter_mut().for_each(|a| *a *= by);
+        for j in start..end {
+            for (a, &v) in out.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
+                *a = w[j].mul_add(v, *a);
+            }
         }
     }
 }
@@ -778,16 +756,16 @@ mod simd {
         n
     }
 
-    /// As the scalar loop of [`super::softmax_v_f16`] for `head_dim == 8·NV`: the running output
-    /// lives in registers as f32 values rounded to f16 after every operation, which is exactly an
-    /// f16 accumulator.
+    /// [`super::weighted_sum`] for `head_dim == 8·NV`, eight lanes to a register. With `F16`
+    /// the running output lives in registers as f32 values rounded to f16 after every
+    /// operation, which is exactly an f16 accumulator.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows `stride` apart, each
-    /// at least `8·NV` long, and `out` is `8·NV` long; `rise_at` is increasing and below
-    /// `w.len()`, as long as `rise_by`.
+    /// at least `8·NV` long, and `out` is `8·NV` long.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn accumulate_f16<const NV: usize>(
+    pub(super) unsafe fn accumulate_avx2<const NV: usize, const F16: bool>(
         w: &[f32],
         rise_at: &[usize],
         rise_by: &[f32],
@@ -797,38 +775,51 @@ mod simd {
         out: &mut [f32],
     ) {
         assert!(out.len() == 8 * NV && (w.is_empty() || (w.len() - 1) * stride + 8 * NV <= vals.len()));
-        let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v));
+        let round = |v: __m256| {
+            if F16 {
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v))
+            } else {
+                v
+            }
+        };
         let mut acc = [_mm256_setzero_ps(); NV];
-        // SAFETY (pointer accesses): j < w.len() and row j is inside `vals`; `out` is hd long.
-        unsafe {
-            for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
-                let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
-                let rv = _mm256_set1_ps(by);
-                for a in acc.iter_mut() {
-                    *a = round(_mm256_mul_ps(*a, rv));
-                }
-                for j in start..end {
-                    let wv = _mm256_set1_ps(*w.get_unchecked(j));
-                    let row = vals.as_ptr().add(j * stride);
-                    for (i, a) in acc.iter_mut().enumerate() {
+        for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
+            let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
+            let rv = _mm256_set1_ps(by);
+            for a in acc.iter_mut() {
+                *a = round(_mm256_mul_ps(*a, rv));
+            }
+            for (j, &wj) in w.iter().enumerate().take(end).skip(start) {
+                let wv = _mm256_set1_ps(wj);
+                // SAFETY: j < w.len(), so row j (8·NV values from `j·stride`) is inside `vals`.
+                let row = unsafe { vals.as_ptr().add(j * stride) };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    let v = unsafe { _mm256_loadu_ps(row.add(8 * i)) };
+                    *a = if F16 {
                         // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
-                        *a = round(_mm256_add_ps(*a, _mm256_mul_ps(wv, _mm256_loadu_ps(row.add(8 * i)))));
-                    }
+                        round(_mm256_add_ps(*a, _mm256_mul_ps(wv, v)))
+                    } else {
+                        _mm256_fmadd_ps(wv, v, *a)
+                    };
                 }
             }
-            let sv = _mm256_set1_ps(sum);
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_div_ps(*a, sv));
-            }
+        }
+        let sv = _mm256_set1_ps(sum);
+        for (i, a) in acc.iter().enumerate() {
+            let o = if F16 { _mm256_div_ps(*a, sv) } else { *a };
+            // SAFETY: `out` is 8·NV long.
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), o) };
         }
     }
 
-    /// [`accumulate_f16`] sixteen lanes to a register, for `head_dim == 16·NV`.
+    /// [`accumulate_avx2`] sixteen lanes to a register, for `head_dim == 16·NV`.
     ///
     /// # Safety
-    /// The CPU must support avx512f; otherwise as [`accumulate_f16`].
+    /// The CPU must support avx512f; otherwise as [`accumulate_avx2`] with `16·NV` columns.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_f16_avx512<const NV: usize>(
+    pub(super) unsafe fn accumulate_avx512<const NV: usize, const F16: bool>(
         w: &[f32],
         rise_at: &[usize],
         rise_by: &[f32],
@@ -839,28 +830,40 @@ mod simd {
     ) {
         assert!(out.len() == 16 * NV && (w.is_empty() || (w.len() - 1) * stride + 16 * NV <= vals.len()));
         const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        let round = |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v));
+        let round = |v: __m512| {
+            if F16 {
+                _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v))
+            } else {
+                v
+            }
+        };
         let mut acc = [_mm512_setzero_ps(); NV];
-        // SAFETY (pointer accesses): j < w.len() and row j is inside `vals`; `out` is hd long.
-        unsafe {
-            for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
-                let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
-                let rv = _mm512_set1_ps(by);
-                for a in acc.iter_mut() {
-                    *a = round(_mm512_mul_ps(*a, rv));
-                }
-                for j in start..end {
-                    let wv = _mm512_set1_ps(*w.get_unchecked(j));
-                    let row = vals.as_ptr().add(j * stride);
-                    for (i, a) in acc.iter_mut().enumerate() {
-                        *a = round(_mm512_add_ps(*a, _mm512_mul_ps(wv, _mm512_loadu_ps(row.add(16 * i)))));
-                    }
+        for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
+            let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
+            let rv = _mm512_set1_ps(by);
+            for a in acc.iter_mut() {
+                *a = round(_mm512_mul_ps(*a, rv));
+            }
+            for (j, &wj) in w.iter().enumerate().take(end).skip(start) {
+                let wv = _mm512_set1_ps(wj);
+                // SAFETY: j < w.len(), so row j (16·NV values from `j·stride`) is inside `vals`.
+                let row = unsafe { vals.as_ptr().add(j * stride) };
+                for (i, a) in acc.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    let v = unsafe { _mm512_loadu_ps(row.add(16 * i)) };
+                    *a = if F16 {
+                        round(_mm512_add_ps(*a, _mm512_mul_ps(wv, v)))
+                    } else {
+                        _mm512_fmadd_ps(wv, v, *a)
+                    };
                 }
             }
-            let sv = _mm512_set1_ps(sum);
-            for (i, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_div_ps(*a, sv));
-            }
+        }
+        let sv = _mm512_set1_ps(sum);
+        for (i, a) in acc.iter().enumerate() {
+            let o = if F16 { _mm512_div_ps(*a, sv) } else { *a };
+            // SAFETY: `out` is 16·NV long.
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), o) };
         }
     }
 
@@ -931,86 +934,6 @@ mod simd {
                     _mm512_storeu_ps(op.add((r + i) * cols + j + 16 * c), *ac);
                 }
             }
-        }
-    }
-
-    /// As [`super::accumulate_f32`] for `head_dim == 16·NV`, sixteen lanes to a register.
-    ///
-    /// # Safety
-    /// The CPU must support avx512f; `vals` holds `w.len()` rows `stride` apart, each at least
-    /// `16·NV` long, and `out` is `16·NV` long; `rise_at` is increasing and below `w.len()`, as
-    /// long as `rise_by`.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_f32_avx512<const NV: usize>(
-        w: &[f32],
-        rise_at: &[usize],
-        rise_by: &[f32],
-        vals: &[f32],
-        stride: usize,
-        out: &mut [f32],
-    ) {
-        assert!(out.len() == 16 * NV && (w.is_empty() || (w.len() - 1) * stride + 16 * NV <= vals.len()));
-        let mut acc = [_mm512_setzero_ps(); NV];
-        let mut k = 0;
-        for (j, &wj) in w.iter().enumerate() {
-            if rise_at.get(k) == Some(&j) {
-                let rv = _mm512_set1_ps(rise_by[k]);
-                for a in acc.iter_mut() {
-                    *a = _mm512_mul_ps(*a, rv);
-                }
-                k += 1;
-            }
-            let wv = _mm512_set1_ps(wj);
-            // SAFETY: j < w.len(), so row j (16·NV values from `j·stride`) is inside `vals`.
-            unsafe {
-                let row = vals.as_ptr().add(j * stride);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm512_fmadd_ps(wv, _mm512_loadu_ps(row.add(16 * i)), *a);
-                }
-            }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: `out` is 16·NV long.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), *a) };
-        }
-    }
-
-    /// As [`super::accumulate_f32`] for `head_dim == 64`, eight lanes to a register.
-    ///
-    /// # Safety
-    /// The CPU must support avx2 and fma; otherwise as [`accumulate_f32_avx512`] with 64 columns.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn accumulate_f32_avx2(
-        w: &[f32],
-        rise_at: &[usize],
-        rise_by: &[f32],
-        vals: &[f32],
-        stride: usize,
-        out: &mut [f32],
-    ) {
-        assert!(out.len() == 64 && (w.is_empty() || (w.len() - 1) * stride + 64 <= vals.len()));
-        let mut acc = [_mm256_setzero_ps(); 8];
-        let mut k = 0;
-        for (j, &wj) in w.iter().enumerate() {
-            if rise_at.get(k) == Some(&j) {
-                let rv = _mm256_set1_ps(rise_by[k]);
-                for a in acc.iter_mut() {
-                    *a = _mm256_mul_ps(*a, rv);
-                }
-                k += 1;
-            }
-            let wv = _mm256_set1_ps(wj);
-            // SAFETY: j < w.len(), so row j (64 values from `j·stride`) is inside `vals`.
-            unsafe {
-                let row = vals.as_ptr().add(j * stride);
-                for (i, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_fmadd_ps(wv, _mm256_loadu_ps(row.add(8 * i)), *a);
-                }
-            }
-        }
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: `out` is 64 long.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), *a) };
         }
     }
 }
@@ -1258,7 +1181,7 @@ mod tests {
             assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
             for isa in Isa::available() {
                 let mut got = vec![f32::NAN; hd];
-                weighted_sum_f32(isa, &w, &rise_at, &rise_by, &vals, &mut got);
+                weighted_sum::<false>(isa, &w, &rise_at, &rise_by, &vals, 1.0, &mut got);
                 assert_eq!(got, want, "head width {hd}, {isa:?}");
             }
         }
