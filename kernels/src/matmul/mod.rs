@@ -215,8 +215,9 @@ fn float_tile(
 }
 
 /// Tokens from which a 16-bit float tile is widened to f32 once ([`float::widen_tile`]) rather
-/// than converted again for every [`TOKEN_TILE`] tokens: the conversion is a third of the
-/// kernel's vector work per column, and widening costs about one pass of it.
+/// than converted again for every [`TOKEN_TILE`] tokens (widening costs about one pass of the
+/// conversions). The kernel is bound by its multiply-adds, so what this saves is small: on
+/// `matmul_bench` it stayed within a noisy machine's spread.
 const WIDEN_FROM_TOKENS: usize = 3 * TOKEN_TILE;
 
 /// A weight matrix of `rows × cols`, repacked for the matmul kernels.
