@@ -9,9 +9,10 @@
 //!   Q4_0 and Q5_0 subtract their offset (8, 16) as integers, `d_w·d_x·(Σ q_w q_x − off·Σ q_x)`,
 //!   and Q4_1 and Q5_1 add their minimum, `d_w·d_x·Σ q_w q_x + m_w·(d_x Σ q_x)`: llama.cpp's
 //!   formulas.
-//! * Q8_0: per tile block, the values (byte `g·64 + lane·4 + j` is element `4g + j`), 16 i16
-//!   sums of each row's values, and 16 f16 scales: `d_w·d_x·Σ q_w q_x`, the AVX-512 kernel biasing
-//!   the activations to unsigned bytes and taking `128·Σ q_w` back off as an integer.
+//! * Q8_0: per tile block, the values biased by 128 to unsigned bytes (byte `g·64 + lane·4 + j`
+//!   is element `4g + j`) and 16 f16 scales, 34 bytes per 32 values as in the file:
+//!   `d_w·d_x·(Σ (q_w + 128) q_x − 128·Σ q_x)`, the offset taken off as an integer from the
+//!   activations' block sum (as for Q4_0), so no per-row sum is stored.
 
 use half::f16;
 
@@ -52,8 +53,11 @@ impl NibbleFormat {
     }
 }
 
-/// Bytes of a Q8 tile block: values, 16 i16 sums, 16 f16 scales.
-const Q8_TILE_BLOCK_BYTES: usize = 512 + 32 + 32;
+/// Bytes of a Q8 tile block: biased values, 16 f16 scales.
+const Q8_TILE_BLOCK_BYTES: usize = 512 + 32;
+
+/// Where a Q8 tile block's scales start.
+const Q8_D_AT: usize = 512;
 
 /// A 32-element block's unsigned values, scale and minimum (zero for the offset types).
 fn nibble_block(ty: GgmlType, b: &[u8]) -> ([u8; QK], f16, f16) {
@@ -125,14 +129,12 @@ pub(super) fn pack_q8<'a>(rows: usize, cols: usize, row_of: impl Fn(usize) -> (G
         let (tile, lane) = (r / ROW_TILE, r % ROW_TILE);
         for b in 0..nb {
             let blk = &bytes[b * 34..(b + 1) * 34];
-            let qs = &blk[2..34];
-            let sum: i16 = qs.iter().map(|&q| q as i8 as i16).sum();
             let base = (tile * nb + b) * Q8_TILE_BLOCK_BYTES;
-            for g in 0..8 {
-                out[base + g * 64 + lane * 4..][..4].copy_from_slice(&qs[g * 4..g * 4 + 4]);
+            for (i, &q) in blk[2..34].iter().enumerate() {
+                // Flipping the sign bit adds 128: -128..=127 becomes 0..=255.
+                out[base + (i / 4) * 64 + lane * 4 + i % 4] = q ^ 0x80;
             }
-            out[base + 512 + lane * 2..][..2].copy_from_slice(&sum.to_le_bytes());
-            out[base + 544 + lane * 2..][..2].copy_from_slice(&blk[0..2]);
+            out[base + Q8_D_AT + lane * 2..][..2].copy_from_slice(&blk[0..2]);
         }
     }
     buf
@@ -189,16 +191,18 @@ pub(super) fn scalar_q8_tile(p: &[u8], tile: usize, nb: usize, x: &QActs, tok: u
     for b in 0..nb {
         let base = (tile * nb + b) * Q8_TILE_BLOCK_BYTES;
         for lane in 0..ROW_TILE {
-            let d = f16::from_le_bytes([p[base + 544 + lane * 2], p[base + 545 + lane * 2]]).to_f32();
+            let at = base + Q8_D_AT + lane * 2;
+            let d = f16::from_le_bytes([p[at], p[at + 1]]).to_f32();
             for t in 0..nt {
                 let xb = (tok + t) * nb + b;
                 let xq = &x.q[xb * QK..(xb + 1) * QK];
                 let mut isum = 0i32;
                 for g in 0..8 {
                     for j in 0..4 {
-                        isum += (p[base + g * 64 + lane * 4 + j] as i8) as i32 * xq[g * 4 + j] as i32;
+                        isum += p[base + g * 64 + lane * 4 + j] as i32 * xq[g * 4 + j] as i32;
                     }
                 }
+                isum -= 128 * x.bs[xb] as i32;
                 out[t * ROW_TILE + lane] += isum as f32 * (d * x.d[xb]);
             }
         }
@@ -339,15 +343,13 @@ pub(super) mod avx512 {
         unsafe { by_tokens!(nt, q8_tokens(p, tile, nb, x, tok, out)) }
     }
 
-    /// [`q8_tile`] for exactly `NT` tokens. `vpdpbusd` multiplies unsigned by signed bytes, so
-    /// the activations go in biased by 128 (their sign bit flipped) and `128·Σ q_w` comes back
-    /// off as an integer.
+    /// [`q8_tile`] for exactly `NT` tokens. `vpdpbusd` multiplies unsigned by signed bytes: the
+    /// weights are stored biased to unsigned, and `128·Σ q_x` comes back off as an integer.
     ///
     /// # Safety
     /// As [`q8_tile`], with its bounds checked for `nt == NT`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn q8_tokens<const NT: usize>(p: &[u8], tile: usize, nb: usize, x: &QActs, tok: usize, out: &mut TileOut) {
-        let flip = _mm512_set1_epi8(-128);
         let mut acc = [_mm512_setzero_ps(); NT];
         let xq = x.q.as_ptr();
         for b in 0..nb {
@@ -358,17 +360,16 @@ pub(super) mod avx512 {
                 for (g, wg) in w.iter_mut().enumerate() {
                     *wg = _mm512_loadu_si512(base.add(g * 64).cast());
                 }
-                let bias = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(base.add(512).cast())), 7);
-                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(544).cast()));
+                let dw = _mm512_cvtph_ps(_mm256_loadu_si256(base.add(Q8_D_AT).cast()));
                 for t in 0..NT {
                     let xb = (tok + t) * nb + b;
                     let xp = xq.add(xb * QK).cast::<i32>();
                     let mut s = _mm512_setzero_si512();
                     for (g, &wg) in w.iter().enumerate() {
-                        let xu = _mm512_xor_si512(_mm512_set1_epi32(xp.add(g).read_unaligned()), flip);
-                        s = _mm512_dpbusd_epi32(s, xu, wg);
+                        s = _mm512_dpbusd_epi32(s, wg, _mm512_set1_epi32(xp.add(g).read_unaligned()));
                     }
-                    let s = _mm512_sub_epi32(s, bias);
+                    let bs = *x.bs.get_unchecked(xb) as i32;
+                    let s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * bs));
                     let dx = _mm512_set1_ps(*x.d.get_unchecked(xb));
                     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dw, dx), acc[t]);
                 }
@@ -501,9 +502,10 @@ pub(super) mod avx2 {
         }
     }
 
-    /// One Q8 row tile against up to four tokens, eight rows at a time. Signed × signed products
-    /// use `|w| · sign(x, w)`: `|w|` ≤ 128 is exact as an unsigned byte (even for w = −128), and
-    /// the pair sums (at most 2·128·127) fit i16.
+    /// One Q8 row tile against up to four tokens, eight rows at a time. The stored bias comes
+    /// off first (`vpmaddubsw` pair sums of `(q_w + 128)·q_x` could reach 2·255·127 and
+    /// saturate i16); signed × signed products then use `|w| · sign(x, w)`: `|w|` ≤ 128 is exact
+    /// as an unsigned byte (even for w = −128), and the pair sums (at most 2·128·127) fit i16.
     ///
     /// # Safety
     /// As [`nibble_tile`].
@@ -529,6 +531,7 @@ pub(super) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q8_tokens<const NT: usize>(p: &[u8], tile: usize, nb: usize, x: &QActs, tok: usize, out: &mut TileOut) {
         let xq = x.q.as_ptr();
+        let flip = _mm256_set1_epi8(-128);
         for half in 0..2 {
             let mut acc = [_mm256_setzero_ps(); NT];
             for b in 0..nb {
@@ -538,7 +541,7 @@ pub(super) mod avx2 {
                     let xp: [*const i32; NT] = std::array::from_fn(|t| xq.add(((tok + t) * nb + b) * QK).cast());
                     let mut s = [_mm256_setzero_si256(); NT];
                     for g in 0..8 {
-                        let w = _mm256_loadu_si256(base.add(g * 64 + half * 32).cast());
+                        let w = _mm256_xor_si256(_mm256_loadu_si256(base.add(g * 64 + half * 32).cast()), flip);
                         let wabs = _mm256_abs_epi8(w);
                         for t in 0..NT {
                             let xv = _mm256_set1_epi32(xp[t].add(g).read_unaligned());
@@ -546,7 +549,7 @@ pub(super) mod avx2 {
                             s[t] = _mm256_add_epi32(s[t], widen!(prod));
                         }
                     }
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(base.add(544 + half * 16).cast()));
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(base.add(Q8_D_AT + half * 16).cast()));
                     for t in 0..NT {
                         let dx = _mm256_set1_ps(*x.d.get_unchecked((tok + t) * nb + b));
                         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), _mm256_mul_ps(dw, dx), acc[t]);
