@@ -218,7 +218,15 @@ struct Buffers {
     rise_at: Vec<usize>,
     rise_by: Vec<f32>,
     row: Vec<f32>,
+    /// The tiled path's tile ends, factors per row and tile, and sums per row.
+    ends: Vec<usize>,
+    by: Vec<f32>,
+    sums: Vec<f32>,
 }
+
+/// Rows whose tiled weighted sums are computed together (sixteen accumulator registers of
+/// AVX-512 at four per row).
+const TILED_ROWS: usize = 4;
 
 /// Query rows per task up to which keys are kept in rows rather than transposed.
 const ROW_MAJOR_ROWS: usize = 4;
@@ -356,26 +364,63 @@ fn attend_gathered(
         } else {
             scores(isa, &bufs.qs, hd, &bufs.kt, ld, cols, &mut bufs.scores[..rows * cols]);
         }
-        for r in 0..rows {
-            // Query `c0 + r/group` at position `p` sees `first..=p`.
-            let p = s.pos0 + c0 + r / group;
-            let first = kind.first_visible(p) - base;
-            let sc = &mut bufs.scores[r * cols + first..r * cols + p + 1 - base];
-            let o = &mut out[((c0 - a) * group + r) * hd..][..hd];
-            let vals = &bufs.vals[first * hd..];
-            if tiled {
-                softmax_v_tiled(
+        if tiled {
+            // A query's rows (its group's heads) see the same keys in the same tiles: their
+            // weighted sums go together, each value row read once for up to four of them.
+            for i in 0..c1 - c0 {
+                let p = s.pos0 + c0 + i;
+                let first = kind.first_visible(p) - base;
+                let n = p + 1 - base - first;
+                tile_ends(base + first, n, &mut bufs.ends);
+                let nt = bufs.ends.len();
+                let r0 = i * group;
+                bufs.by.clear();
+                bufs.sums.clear();
+                for g in 0..group {
+                    let sc = &mut bufs.scores[(r0 + g) * cols + first..][..n];
+                    let sum = tiled_weights(
+                        sc,
+                        &bufs.ends,
+                        scale,
+                        &mut bufs.rise_at,
+                        &mut bufs.rise_by,
+                        &mut bufs.by,
+                    );
+                    bufs.sums.push(sum);
+                }
+                let o = &mut out[((c0 - a) * group + r0) * hd..][..group * hd];
+                for g0 in (0..group).step_by(TILED_ROWS) {
+                    let g1 = (g0 + TILED_ROWS).min(group);
+                    weighted_sum_tiled(
+                        isa,
+                        &bufs.scores[(r0 + g0) * cols + first..],
+                        cols,
+                        &bufs.ends,
+                        &bufs.by[g0 * nt..g1 * nt],
+                        &bufs.vals[first * hd..],
+                        &mut o[g0 * hd..g1 * hd],
+                    );
+                }
+                for (row, &sum) in o.chunks_exact_mut(hd).zip(&bufs.sums) {
+                    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+                    row.iter_mut().for_each(|v| *v *= inv);
+                }
+            }
+        } else {
+            for r in 0..rows {
+                // Query `c0 + r/group` at position `p` sees `first..=p`.
+                let p = s.pos0 + c0 + r / group;
+                let first = kind.first_visible(p) - base;
+                let sc = &mut bufs.scores[r * cols + first..r * cols + p + 1 - base];
+                let o = &mut out[((c0 - a) * group + r) * hd..][..hd];
+                softmax_v_f16(
                     isa,
                     sc,
-                    base + first,
-                    scale,
                     &mut bufs.rise_at,
                     &mut bufs.rise_by,
-                    vals,
+                    &bufs.vals[first * hd..],
                     o,
                 );
-            } else {
-                softmax_v_f16(isa, sc, &mut bufs.rise_at, &mut bufs.rise_by, vals, o);
             }
         }
     }
@@ -465,24 +510,15 @@ fn softmax_v_f16(
             sum += w;
         }
     }
-    weighted_sum::<true>(isa, sc, rise_at, rise_by, vals, sum, out);
+    weighted_sum(isa, sc, rise_at, rise_by, vals, sum, out);
 }
 
-/// The weighted sum of [`softmax_v_f16`] (`F16`: the running output rounded to f16 after every
-/// operation, then divided by `sum`) or of [`softmax_v_tiled`] (f32 multiply-adds, left unscaled)
-/// on path `isa`. Every element of the output is computed on its own, so the SIMD paths take
-/// heads of any multiple of 64 a slice of columns at a time (eight registers of sums), and
-/// others go element by element; each lane makes the scalar loop's operations, so each path
-/// gives its bits.
-fn weighted_sum<const F16: bool>(
-    isa: Isa,
-    w: &[f32],
-    rise_at: &[usize],
-    rise_by: &[f32],
-    vals: &[f32],
-    sum: f32,
-    out: &mut [f32],
-) {
+/// The weighted sum of [`softmax_v_f16`] (the running output rounded to f16 after every
+/// operation, then divided by `sum`) on path `isa`. Every element of the output is computed on
+/// its own, so the SIMD paths take heads of any multiple of 64 a slice of columns at a time
+/// (eight registers of sums), and others go element by element; each lane makes the scalar
+/// loop's operations, so each path gives its bits.
+fn weighted_sum(isa: Isa, w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], sum: f32, out: &mut [f32]) {
     let hd = out.len();
     // SAFETY (each call below): the path's CPU features were detected at run time (`Isa::best`);
     // `vals[c..]` holds `w.len()` rows `hd` apart with the slice's columns in each.
@@ -491,25 +527,24 @@ fn weighted_sum<const F16: bool>(
         Isa::Avx512 if hd.is_multiple_of(128) => {
             for c in (0..hd).step_by(128) {
                 let o = &mut out[c..c + 128];
-                unsafe { simd::accumulate_avx512::<8, F16>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
+                unsafe { simd::accumulate_avx512::<8>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
             }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if hd.is_multiple_of(64) => {
             for c in (0..hd).step_by(64) {
                 let o = &mut out[c..c + 64];
-                unsafe { simd::accumulate_avx512::<4, F16>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
+                unsafe { simd::accumulate_avx512::<4>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
             }
         }
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 if hd.is_multiple_of(64) => {
             for c in (0..hd).step_by(64) {
                 let o = &mut out[c..c + 64];
-                unsafe { simd::accumulate_avx2::<8, F16>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
+                unsafe { simd::accumulate_avx2::<8>(w, rise_at, rise_by, &vals[c..], hd, sum, o) };
             }
         }
-        _ if F16 => accumulate_f16(w, rise_at, rise_by, vals, sum, out),
-        _ => accumulate_f32(w, rise_at, rise_by, vals, out),
+        _ => accumulate_f16(w, rise_at, rise_by, vals, sum, out),
     }
 }
 
@@ -534,38 +569,42 @@ fn accumulate_f16(w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], s
     }
 }
 
-/// `out = softmax(scale · sc) · V` as llama.cpp's tiled flash attention computes it: the keys, the
-/// first at position `pos`, go in tiles of [`KV_TILE`] positions; at each tile whose maximum
-/// raises the running maximum, the output and the sum so far are rescaled by `e^(m_old − m_new)`;
-/// each key is weighed by `e^(s − m)` with the maximum after its tile; the running output is f32,
-/// each tile's weights summed in f64 into the f32 sum; the output is multiplied by the sum's
-/// reciprocal. `sc` holds the raw dot products and is overwritten; `rise_at` and `rise_by` are
-/// scratch.
-#[allow(clippy::too_many_arguments)]
-fn softmax_v_tiled(
-    isa: Isa,
+/// The ends of the tiles of `n` keys, the first at position `pos`: tiles of [`KV_TILE`]
+/// positions aligned by position, so a key's tile does not depend on where its row's step began.
+fn tile_ends(pos: usize, n: usize, ends: &mut Vec<usize>) {
+    ends.clear();
+    let mut end = 0;
+    while end < n {
+        end = (((pos + end) / KV_TILE + 1) * KV_TILE - pos).min(n);
+        ends.push(end);
+    }
+}
+
+/// The softmax weights of one prompt row as llama.cpp's tiled flash attention computes them:
+/// the scores scaled after the dot product; at each tile (ends `ends`) whose maximum raises the
+/// running maximum, the output and the sum so far rescaled by `e^(m_old − m_new)`; each key
+/// weighed by `e^(s − m)` with the maximum after its tile; each tile's weights summed in f64 into
+/// the f32 sum, which is returned. `sc` holds the raw dot products and becomes the weights; one
+/// factor per tile is appended to `by` (1, which multiplies exactly, where the maximum did not
+/// rise); `rose` and `rise_by` are scratch.
+fn tiled_weights(
     sc: &mut [f32],
-    pos: usize,
+    ends: &[usize],
     scale: f32,
-    rise_at: &mut Vec<usize>,
+    rose: &mut Vec<usize>,
     rise_by: &mut Vec<f32>,
-    vals: &[f32],
-    out: &mut [f32],
-) {
-    assert!(vals.len() >= sc.len() * out.len());
-    rise_at.clear();
+    by: &mut Vec<f32>,
+) -> f32 {
+    assert_eq!(ends.last(), Some(&sc.len()));
+    rose.clear();
     rise_by.clear();
     sc.iter_mut().for_each(|v| *v *= scale);
-    // Where the tile holding `sc[j]` ends: the next multiple of KV_TILE positions.
-    let n = sc.len();
-    let tile_end = |j: usize| (((pos + j) / KV_TILE + 1) * KV_TILE - pos).min(n);
     let mut m = f32::NEG_INFINITY;
     let mut j = 0;
-    while j < n {
-        let end = tile_end(j);
+    for (t, &end) in ends.iter().enumerate() {
         let tile_max = sc[j..end].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         if tile_max > m {
-            rise_at.push(j);
+            rose.push(t);
             rise_by.push(m - tile_max);
             m = tile_max;
         }
@@ -574,34 +613,78 @@ fn softmax_v_tiled(
     }
     exp_in_place(sc);
     exp_in_place(rise_by);
+    let at = by.len();
+    by.resize(at + ends.len(), 1.0);
+    for (&t, &f) in rose.iter().zip(rise_by.iter()) {
+        by[at + t] = f;
+    }
     let mut sum = 0f32;
-    let (mut k, mut j) = (0, 0);
-    while j < n {
-        let end = tile_end(j);
-        if rise_at.get(k) == Some(&j) {
-            sum *= rise_by[k];
-            k += 1;
-        }
+    let mut j = 0;
+    for (&f, &end) in by[at..].iter().zip(ends) {
+        sum *= f;
         sum = (sum as f64 + sc[j..end].iter().map(|&w| w as f64).sum::<f64>()) as f32;
         j = end;
     }
-    weighted_sum::<false>(isa, sc, rise_at, rise_by, vals, sum, out);
-    let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-    out.iter_mut().for_each(|o| *o *= inv);
+    sum
 }
 
-/// The scalar reference of [`weighted_sum`]'s f32 form: `acc = 0`; at each rise `k`,
-/// `acc ·= rise_by[k]`; then `acc = fma(w_j, v_j, acc)` key by key.
-fn accumulate_f32(w: &[f32], rise_at: &[usize], rise_by: &[f32], vals: &[f32], out: &mut [f32]) {
-    let hd = out.len();
-    out.fill(0.0);
-    for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
-        let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
-        out.iter_mut().for_each(|a| *a *= by);
-        for j in start..end {
-            for (a, &v) in out.iter_mut().zip(&vals[j * hd..(j + 1) * hd]) {
-                *a = w[j].mul_add(v, *a);
+/// The tiled path's weighted sums of up to [`TILED_ROWS`] rows sharing their keys and tiles,
+/// left unscaled: row `r`'s weights are `w[r·wstride..]`, its factors `by[r·nt..(r+1)·nt]` for
+/// `nt = ends.len()` tiles, its output `out[r·hd..(r+1)·hd]`; `vals` holds the value rows `hd`
+/// apart. Each output element is computed on its own, as [`accumulate_tiled`] does, so every
+/// path gives its bits.
+fn weighted_sum_tiled(isa: Isa, w: &[f32], wstride: usize, ends: &[usize], by: &[f32], vals: &[f32], out: &mut [f32]) {
+    let (nt, n) = (ends.len(), ends.last().copied().unwrap_or(0));
+    let rows = by.len() / nt.max(1);
+    let hd = out.len() / rows.max(1);
+    assert!(
+        (1..=TILED_ROWS).contains(&rows)
+            && by.len() == rows * nt
+            && out.len() == rows * hd
+            && (rows - 1) * wstride + n <= w.len()
+            && n * hd <= vals.len()
+            && ends.windows(2).all(|e| e[0] < e[1])
+    );
+    /// Calls `simd::$f::<R>` for `rows` = R.
+    #[cfg(target_arch = "x86_64")]
+    macro_rules! by_rows {
+        ($f:ident) => {
+            match rows {
+                1 => simd::$f::<1>(w, wstride, ends, by, vals, out),
+                2 => simd::$f::<2>(w, wstride, ends, by, vals, out),
+                3 => simd::$f::<3>(w, wstride, ends, by, vals, out),
+                _ => simd::$f::<4>(w, wstride, ends, by, vals, out),
             }
+        };
+    }
+    // SAFETY (each call below): the path's CPU features were detected at run time (`Isa::best`);
+    // the shapes were asserted above and the head width is the kernel's multiple.
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if hd.is_multiple_of(64) => unsafe { by_rows!(accumulate_tiled_avx512) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if hd.is_multiple_of(16) => unsafe { by_rows!(accumulate_tiled_avx2) },
+        _ => accumulate_tiled(w, wstride, ends, by, vals, out),
+    }
+}
+
+/// The scalar reference of [`weighted_sum_tiled`]: per row, `acc = 0`; at each tile `t`,
+/// `acc ·= by[t]`; then `acc = fma(w_j, v_j, acc)` key by key.
+fn accumulate_tiled(w: &[f32], wstride: usize, ends: &[usize], by: &[f32], vals: &[f32], out: &mut [f32]) {
+    let nt = ends.len();
+    let hd = out.len() / (by.len() / nt);
+    out.fill(0.0);
+    for (r, o) in out.chunks_exact_mut(hd).enumerate() {
+        let mut j = 0;
+        for (&f, &end) in by[r * nt..(r + 1) * nt].iter().zip(ends) {
+            o.iter_mut().for_each(|a| *a *= f);
+            for k in j..end {
+                let wk = w[r * wstride + k];
+                for (a, &v) in o.iter_mut().zip(&vals[k * hd..(k + 1) * hd]) {
+                    *a = wk.mul_add(v, *a);
+                }
+            }
+            j = end;
         }
     }
 }
@@ -756,16 +839,16 @@ mod simd {
         n
     }
 
-    /// [`super::weighted_sum`] for `head_dim == 8·NV`, eight lanes to a register. With `F16`
-    /// the running output lives in registers as f32 values rounded to f16 after every
-    /// operation, which is exactly an f16 accumulator.
+    /// [`super::weighted_sum`] for `head_dim == 8·NV`, eight lanes to a register. The running
+    /// output lives in registers as f32 values rounded to f16 after every operation, which is
+    /// exactly an f16 accumulator.
     ///
     /// # Safety
     /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows `stride` apart, each
     /// at least `8·NV` long, and `out` is `8·NV` long.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn accumulate_avx2<const NV: usize, const F16: bool>(
+    pub(super) unsafe fn accumulate_avx2<const NV: usize>(
         w: &[f32],
         rise_at: &[usize],
         rise_by: &[f32],
@@ -775,13 +858,7 @@ mod simd {
         out: &mut [f32],
     ) {
         assert!(out.len() == 8 * NV && (w.is_empty() || (w.len() - 1) * stride + 8 * NV <= vals.len()));
-        let round = |v: __m256| {
-            if F16 {
-                _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v))
-            } else {
-                v
-            }
-        };
+        let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v));
         let mut acc = [_mm256_setzero_ps(); NV];
         for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
             let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
@@ -796,20 +873,15 @@ mod simd {
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: as above.
                     let v = unsafe { _mm256_loadu_ps(row.add(8 * i)) };
-                    *a = if F16 {
-                        // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
-                        round(_mm256_add_ps(*a, _mm256_mul_ps(wv, v)))
-                    } else {
-                        _mm256_fmadd_ps(wv, v, *a)
-                    };
+                    // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
+                    *a = round(_mm256_add_ps(*a, _mm256_mul_ps(wv, v)));
                 }
             }
         }
         let sv = _mm256_set1_ps(sum);
         for (i, a) in acc.iter().enumerate() {
-            let o = if F16 { _mm256_div_ps(*a, sv) } else { *a };
             // SAFETY: `out` is 8·NV long.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), o) };
+            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_div_ps(*a, sv)) };
         }
     }
 
@@ -819,7 +891,7 @@ mod simd {
     /// The CPU must support avx512f; otherwise as [`accumulate_avx2`] with `16·NV` columns.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_avx512<const NV: usize, const F16: bool>(
+    pub(super) unsafe fn accumulate_avx512<const NV: usize>(
         w: &[f32],
         rise_at: &[usize],
         rise_by: &[f32],
@@ -830,13 +902,7 @@ mod simd {
     ) {
         assert!(out.len() == 16 * NV && (w.is_empty() || (w.len() - 1) * stride + 16 * NV <= vals.len()));
         const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        let round = |v: __m512| {
-            if F16 {
-                _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v))
-            } else {
-                v
-            }
-        };
+        let round = |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v));
         let mut acc = [_mm512_setzero_ps(); NV];
         for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
             let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
@@ -851,19 +917,117 @@ mod simd {
                 for (i, a) in acc.iter_mut().enumerate() {
                     // SAFETY: as above.
                     let v = unsafe { _mm512_loadu_ps(row.add(16 * i)) };
-                    *a = if F16 {
-                        round(_mm512_add_ps(*a, _mm512_mul_ps(wv, v)))
-                    } else {
-                        _mm512_fmadd_ps(wv, v, *a)
-                    };
+                    *a = round(_mm512_add_ps(*a, _mm512_mul_ps(wv, v)));
                 }
             }
         }
         let sv = _mm512_set1_ps(sum);
         for (i, a) in acc.iter().enumerate() {
-            let o = if F16 { _mm512_div_ps(*a, sv) } else { *a };
             // SAFETY: `out` is 16·NV long.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), o) };
+            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_div_ps(*a, sv)) };
+        }
+    }
+
+    /// [`super::weighted_sum_tiled`] for `R` rows, 64 columns (four registers per row) at a
+    /// time: each value row's slice is loaded once for all `R` rows, and its multiply-adds
+    /// into each row are the reference's, lane by lane.
+    ///
+    /// # Safety
+    /// The CPU must support avx512f; shapes as `super::weighted_sum_tiled` asserts, for `R`
+    /// rows, with the head width a multiple of 64.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn accumulate_tiled_avx512<const R: usize>(
+        w: &[f32],
+        wstride: usize,
+        ends: &[usize],
+        by: &[f32],
+        vals: &[f32],
+        out: &mut [f32],
+    ) {
+        let nt = ends.len();
+        let hd = out.len() / R;
+        let (wp, vp, op) = (w.as_ptr(), vals.as_ptr(), out.as_mut_ptr());
+        // SAFETY (pointer accesses): r < R, k < ends[nt−1], c + 64 ≤ hd: inside `w`, `vals`
+        // and `out` by the caller's shapes.
+        unsafe {
+            for c in (0..hd).step_by(64) {
+                let mut acc = [[_mm512_setzero_ps(); 4]; R];
+                let mut k = 0;
+                for (t, &end) in ends.iter().enumerate() {
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let f = _mm512_set1_ps(*by.get_unchecked(r * nt + t));
+                        for x in a.iter_mut() {
+                            *x = _mm512_mul_ps(*x, f);
+                        }
+                    }
+                    while k < end {
+                        let row = vp.add(k * hd + c);
+                        let v = [0, 16, 32, 48].map(|i| _mm512_loadu_ps(row.add(i)));
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            let wv = _mm512_set1_ps(*wp.add(r * wstride + k));
+                            for (x, &vi) in a.iter_mut().zip(&v) {
+                                *x = _mm512_fmadd_ps(wv, vi, *x);
+                            }
+                        }
+                        k += 1;
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    for (i, x) in a.iter().enumerate() {
+                        _mm512_storeu_ps(op.add(r * hd + c + 16 * i), *x);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`accumulate_tiled_avx512`] eight lanes to a register, 16 columns at a time.
+    ///
+    /// # Safety
+    /// The CPU must support avx2 and fma; shapes as `super::weighted_sum_tiled` asserts, for
+    /// `R` rows, with the head width a multiple of 16.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn accumulate_tiled_avx2<const R: usize>(
+        w: &[f32],
+        wstride: usize,
+        ends: &[usize],
+        by: &[f32],
+        vals: &[f32],
+        out: &mut [f32],
+    ) {
+        let nt = ends.len();
+        let hd = out.len() / R;
+        let (wp, vp, op) = (w.as_ptr(), vals.as_ptr(), out.as_mut_ptr());
+        // SAFETY (pointer accesses): as in `accumulate_tiled_avx512`, with c + 16 ≤ hd.
+        unsafe {
+            for c in (0..hd).step_by(16) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                let mut k = 0;
+                for (t, &end) in ends.iter().enumerate() {
+                    for (r, a) in acc.iter_mut().enumerate() {
+                        let f = _mm256_set1_ps(*by.get_unchecked(r * nt + t));
+                        for x in a.iter_mut() {
+                            *x = _mm256_mul_ps(*x, f);
+                        }
+                    }
+                    while k < end {
+                        let row = vp.add(k * hd + c);
+                        let v = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))];
+                        for (r, a) in acc.iter_mut().enumerate() {
+                            let wv = _mm256_set1_ps(*wp.add(r * wstride + k));
+                            for (x, &vi) in a.iter_mut().zip(&v) {
+                                *x = _mm256_fmadd_ps(wv, vi, *x);
+                            }
+                        }
+                        k += 1;
+                    }
+                }
+                for (r, a) in acc.iter().enumerate() {
+                    for (i, x) in a.iter().enumerate() {
+                        _mm256_storeu_ps(op.add(r * hd + c + 8 * i), *x);
+                    }
+                }
+            }
         }
     }
 
@@ -1167,22 +1331,32 @@ mod tests {
         }
     }
 
-    /// Every SIMD f32 weighted sum (the tiled path's) this CPU has equals the scalar one bit for
-    /// bit, for heads of 64, 128, 192 and 256, with several rises.
+    /// Every SIMD tiled weighted sum this CPU has equals the scalar one bit for bit, for one to
+    /// four rows together, heads of 64, 128, 192 and 256, tiles cut mid-way by the row's start,
+    /// and each row's maximum rising at different tiles.
     #[test]
-    fn simd_f32_weighted_sum_equals_scalar() {
-        for hd in [64, 128, 192, 256] {
-            let n = 150usize;
-            let w: Vec<f32> = (0..n).map(|j| (val(j, hd) + 1.0) * 0.5).collect();
+    fn simd_tiled_weighted_sum_equals_scalar() {
+        let n = 150usize;
+        let mut ends = Vec::new();
+        tile_ends(40, n, &mut ends);
+        assert_eq!(ends, [24, 88, 150]);
+        for (hd, rows) in [64, 128, 192, 256]
+            .into_iter()
+            .flat_map(|hd| (1..=4).map(move |r| (hd, r)))
+        {
+            let wstride = n + 10;
+            let w: Vec<f32> = (0..rows * wstride).map(|j| (val(j, hd) + 1.0) * 0.5).collect();
             let vals: Vec<f32> = (0..n * hd).map(|i| val(i, 5)).collect();
-            let (rise_at, rise_by) = (vec![0, 40, 64, 129], vec![0.0, 0.25, 0.7, 0.01]);
-            let mut want = vec![0f32; hd];
-            accumulate_f32(&w, &rise_at, &rise_by, &vals, &mut want);
+            let by: Vec<f32> = (0..rows * ends.len())
+                .map(|i| [0.0, 1.0, 0.25, 0.7, 1.0, 0.01][i % 6])
+                .collect();
+            let mut want = vec![0f32; rows * hd];
+            accumulate_tiled(&w, wstride, &ends, &by, &vals, &mut want);
             assert!(want.iter().all(|v| v.is_finite()) && want.iter().any(|&v| v != 0.0));
             for isa in Isa::available() {
-                let mut got = vec![f32::NAN; hd];
-                weighted_sum::<false>(isa, &w, &rise_at, &rise_by, &vals, 1.0, &mut got);
-                assert_eq!(got, want, "head width {hd}, {isa:?}");
+                let mut got = vec![f32::NAN; rows * hd];
+                weighted_sum_tiled(isa, &w, wstride, &ends, &by, &vals, &mut got);
+                assert_eq!(got, want, "head width {hd}, {rows} rows, {isa:?}");
             }
         }
     }
