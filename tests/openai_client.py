@@ -1,7 +1,8 @@
 """Drives a running Warden server with the official OpenAI Python client; prints one JSON object.
 
 Environment: WARDEN_URL (https://host:port), WARDEN_KEY, WARDEN_CERT (the PEM to trust),
-WARDEN_MODEL, WARDEN_QUESTION.
+WARDEN_MODEL, WARDEN_QUESTION, WARDEN_PROMPT (a completion prompt), WARDEN_GREEDY (the id of its
+greedy first token), WARDEN_FORCE (another token's id).
 """
 
 import json
@@ -11,6 +12,7 @@ import openai
 
 url, key, cert = os.environ["WARDEN_URL"], os.environ["WARDEN_KEY"], os.environ["WARDEN_CERT"]
 model, question = os.environ["WARDEN_MODEL"], os.environ["WARDEN_QUESTION"]
+prompt, greedy, force = os.environ["WARDEN_PROMPT"], os.environ["WARDEN_GREEDY"], os.environ["WARDEN_FORCE"]
 client = openai.OpenAI(base_url=url + "/v1", api_key=key, http_client=openai.DefaultHttpxClient(verify=cert), max_retries=0)
 messages = [{"role": "user", "content": question}]
 out = {"models": [m.id for m in client.models.list()]}
@@ -34,12 +36,46 @@ out["chat_stream"] = "".join(parts)
 out["stream_finishes"] = finishes
 out["stream_usage"] = usage
 
-r = client.completions.create(model=model, prompt="The capital of France is", temperature=0, max_tokens=8)
+r = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8, logprobs=2)
 out["completion"] = r.choices[0].text
 out["completion_finish"] = r.choices[0].finish_reason
-parts = [c.choices[0].text for c in client.completions.create(
-    model=model, prompt="The capital of France is", temperature=0, max_tokens=8, stream=True)]
+lp = r.choices[0].logprobs
+out["completion_logprobs"] = {
+    "tokens": lp.tokens, "token_logprobs": lp.token_logprobs, "text_offset": lp.text_offset,
+    "top": [sorted(t.items(), key=lambda kv: -kv[1]) for t in lp.top_logprobs],
+}
+parts, tokens = [], []
+for c in client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8, stream=True, logprobs=0):
+    parts.append(c.choices[0].text)
+    tokens += c.choices[0].logprobs.tokens if c.choices[0].logprobs else []
 out["completion_stream"] = "".join(parts)
+out["completion_stream_tokens"] = tokens
+out["echo"] = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8, echo=True).choices[0].text
+echo = "".join(c.choices[0].text for c in client.completions.create(
+    model=model, prompt=prompt, temperature=0, max_tokens=8, echo=True, stream=True))
+out["echo_stream"] = echo
+
+# logit_bias: -100 on the greedy first token moves it; +100 on another forces that one.
+r = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=8, logprobs=0, logit_bias={greedy: -100})
+out["banned_first"] = r.choices[0].logprobs.tokens[0]
+r = client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=3, logit_bias={force: 100})
+out["forced"] = r.choices[0].text
+out["force_text"] = client.completions.create(model=model, prompt=[int(force)], max_tokens=1, echo=True, logit_bias={force: 100}).choices[0].text
+r = client.chat.completions.create(
+    model=model, messages=messages, temperature=0, max_tokens=24, presence_penalty=1.5, frequency_penalty=1.0)
+out["penalized"] = r.choices[0].message.content
+try:
+    client.chat.completions.create(model=model, messages=messages, max_tokens=4, frequency_penalty=2.5)
+    out["bad_penalty"] = "accepted"
+except openai.BadRequestError as e:
+    out["bad_penalty"] = [e.status_code, e.code, e.body.get("param") if isinstance(e.body, dict) else None]
+
+# Fields this server does not know, as SDKs and proxies add them: served, and named.
+raw = client.chat.completions.with_raw_response.create(
+    model=model, messages=messages + [{"role": "assistant", "content": "Paris.", "refusal": None}, {"role": "user", "content": "Sure?"}],
+    temperature=0, max_tokens=4, store=False, metadata={"trace": "x"}, extra_body={"vendor_knob": 3})
+out["ignored_header"] = raw.headers.get("x-warden-ignored-fields")
+out["ignored_served"] = raw.parse().choices[0].finish_reason
 
 r = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=4, logprobs=True, top_logprobs=3)
 out["logprobs"] = [

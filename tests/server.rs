@@ -17,7 +17,11 @@ type Case<'a> = (&'a str, Method, &'a str, Option<&'a str>, Vec<u8>, u16, &'a st
 
 #[test]
 fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
-    let s = Server::start("bad", "[limits]\nbody_bytes = 65536\nmax_context = 2048\n");
+    // Strict about unknown fields here; the official client's test has the default (ignore).
+    let s = Server::start(
+        "bad",
+        "[limits]\nbody_bytes = 65536\nmax_context = 2048\nunknown_fields = \"refuse\"\n",
+    );
     rt().block_on(async {
         let c = s.client();
         let key = s.key().to_string();
@@ -85,6 +89,28 @@ fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
                 chat,
                 Some(&key),
                 json!({"model": MODEL, "messages": [], "colour": "red"})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "a presence penalty out of range",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5})
+                    .to_string()
+                    .into_bytes(),
+                400,
+                "invalid_parameter",
+            ),
+            (
+                "a logit bias on a token outside the vocabulary",
+                Method::POST,
+                chat,
+                Some(&key),
+                json!({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logit_bias": {"49152": 1}})
                     .to_string()
                     .into_bytes(),
                 400,

@@ -235,6 +235,22 @@ pub struct LimitsConfig {
     pub max_n: usize,
     /// Most open connections; more wait to be accepted. Default 4096.
     pub max_connections: usize,
+    /// What a generation request's fields the server does not know get (at the top level and in
+    /// each message): ignored (counted by name in `warden_ignored_fields_total` and named in the
+    /// response's `x-warden-ignored-fields` header) or refused with a 400 naming the first.
+    /// Default `ignore`, as SDKs and proxies add fields of their own.
+    pub unknown_fields: UnknownFields,
+}
+
+/// What [`LimitsConfig::unknown_fields`] does with a field the server does not know.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownFields {
+    /// Serve the request without it.
+    #[default]
+    Ignore,
+    /// Refuse the request (400).
+    Refuse,
 }
 
 impl Default for LimitsConfig {
@@ -251,6 +267,7 @@ impl Default for LimitsConfig {
             header_bytes: 16 << 10,
             max_n: 8,
             max_connections: 4096,
+            unknown_fields: UnknownFields::Ignore,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Server metrics, rendered as Prometheus text on `GET /metrics`.
 //!
 //! Per tenant and model: requests by outcome, prompt and completion tokens. Per tenant:
-//! rejections by reason. Per model (each has its own engine and pool): isolation violations (tag
+//! rejections by reason. Request fields the server ignored, by name (a bounded set). Per model (each has its own engine and pool): isolation violations (tag
 //! mismatches), KV pages used/free/cached, queue depth and running sequences, and histograms of
 //! time to first token and inter-token latency. Labels are tenant names (validated at creation),
 //! the served models' ids (from the configuration) and fixed codes: never request content.
@@ -72,6 +72,8 @@ struct Inner {
     http_errors: BTreeMap<&'static str, u64>,
     plugin_requests: BTreeMap<String, u64>,
     plugin_failures: BTreeMap<(String, &'static str), u64>,
+    /// Ignored request fields, by label (see [`Metrics::ignored_fields`]).
+    ignored_fields: BTreeMap<String, u64>,
     /// By model.
     engines: BTreeMap<String, EngineStats>,
     policy_version: String,
@@ -83,6 +85,10 @@ struct Inner {
     /// A router's nodes, by role and address: up or not.
     nodes: BTreeMap<(String, String), bool>,
 }
+
+/// Distinct field names [`Metrics::ignored_fields`] counts by name (one more, `_other`, holds
+/// the rest).
+pub const MAX_IGNORED_FIELD_LABELS: usize = 64;
 
 /// The metrics registry.
 #[derive(Debug, Default)]
@@ -135,6 +141,21 @@ impl Metrics {
     /// A plugin of `tenant` failed a request with `code` (`plugin_trap`, `plugin_timeout`...).
     pub fn plugin_failure(&self, tenant: &str, code: &'static str) {
         self.with(|m| *m.plugin_failures.entry((tenant.into(), code)).or_default() += 1)
+    }
+
+    /// A request's fields the server does not know were ignored: `labels` as
+    /// [`field_label`](crate::serve::openai::field_label) makes them, with message indices
+    /// dropped (`messages[].refusal`). The first [`MAX_IGNORED_FIELD_LABELS`] labels seen are
+    /// counted by name, later ones as `_other`: clients choose the names, so they cannot grow
+    /// the registry without bound.
+    pub fn ignored_fields(&self, labels: &[String]) {
+        self.with(|m| {
+            for l in labels {
+                let known = m.ignored_fields.contains_key(l) || m.ignored_fields.len() < MAX_IGNORED_FIELD_LABELS;
+                let key = if known { l.clone() } else { "_other".to_string() };
+                *m.ignored_fields.entry(key).or_default() += 1;
+            }
+        })
     }
 
     /// The policy set in force, and reloads refused since start.
@@ -192,6 +213,10 @@ impl Metrics {
             help(&mut o, "warden_plugin_failures_total", "counter", "Requests a plugin failed, by tenant and error code.");
             for ((t, code), n) in &m.plugin_failures {
                 let _ = writeln!(o, "warden_plugin_failures_total{{tenant=\"{}\",code=\"{code}\"}} {n}", escape(t));
+            }
+            help(&mut o, "warden_ignored_fields_total", "counter", "Request fields the server does not know, ignored, by name (_other past the first 64 names).");
+            for (f, n) in &m.ignored_fields {
+                let _ = writeln!(o, "warden_ignored_fields_total{{field=\"{}\"}} {n}", escape(f));
             }
             // Each model's engine: one series per model of each.
             let engines: Vec<(String, &EngineStats)> = m.engines.iter().map(|(k, e)| (escape(k), e)).collect();
@@ -376,5 +401,29 @@ mod tests {
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
         }
+    }
+
+    #[test]
+    fn ignored_fields_are_counted_by_name_up_to_a_bound() {
+        let m = Metrics::default();
+        m.ignored_fields(&["store".into(), "messages[].refusal".into()]);
+        m.ignored_fields(&["store".into()]);
+        let names: Vec<String> = (0..2 * MAX_IGNORED_FIELD_LABELS).map(|i| format!("x{i}")).collect();
+        m.ignored_fields(&names);
+        let t = m.render();
+        assert!(t.contains("warden_ignored_fields_total{field=\"store\"} 2"), "{t}");
+        assert!(
+            t.contains("warden_ignored_fields_total{field=\"messages[].refusal\"} 1"),
+            "{t}"
+        );
+        let other = MAX_IGNORED_FIELD_LABELS + 2;
+        assert!(
+            t.contains(&format!("warden_ignored_fields_total{{field=\"_other\"}} {other}")),
+            "{t}"
+        );
+        assert_eq!(
+            t.matches("warden_ignored_fields_total{").count(),
+            MAX_IGNORED_FIELD_LABELS + 1
+        );
     }
 }

@@ -30,6 +30,10 @@ pub enum Field {
     TopLogprobs,
     /// `stop`.
     Stop,
+    /// `logit_bias`.
+    LogitBias,
+    /// `logprobs` (the legacy completions' count of alternatives).
+    Logprobs,
     /// A field this build does not know (read from another node): the request as a whole.
     #[serde(other)]
     Request,
@@ -51,6 +55,8 @@ impl Field {
             Field::FrequencyPenalty => "frequency_penalty",
             Field::TopLogprobs => "top_logprobs",
             Field::Stop => "stop",
+            Field::LogitBias => "logit_bias",
+            Field::Logprobs => "logprobs",
             Field::Request => "request",
         }
     }

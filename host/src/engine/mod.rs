@@ -807,7 +807,7 @@ impl Engine {
                 .map(|(s, logits)| {
                     let mut logits = logits?;
                     let raw = s.logprobs.map(|k| (logits.clone(), k));
-                    let tok = s.sampler.sample(&mut logits, &s.tokens);
+                    let tok = s.sampler.sample(&mut logits, &s.tokens, s.prompt_len);
                     Some((tok, raw.map(|(raw, k)| TokenLogprobs::of(&raw, tok, k))))
                 })
                 .collect();

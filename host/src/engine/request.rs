@@ -289,6 +289,7 @@ impl Params {
                 vocab: limits.vocab,
             });
         }
+        self.sampling.check_vocab(limits.vocab)?;
         let requested = prompt.len().saturating_add(self.max_tokens);
         let limit = limits.max_context.min(limits.pool_tokens);
         if requested > limit {

@@ -1,9 +1,13 @@
-//! Token sampling: repetition penalty, top-k, top-p, min-p, temperature, and a seeded RNG.
+//! Token sampling: logit bias, repetition, presence and frequency penalties, top-k, top-p, min-p,
+//! temperature, and a seeded RNG.
 //!
-//! The order is llama.cpp's: penalties on raw logits, then the truncations (top-k, top-p, min-p)
-//! on the softmax of the temperature-scaled logits, then a draw. Temperature 0 is greedy argmax.
+//! The order is llama.cpp's: the bias and the penalties on raw logits, then the truncations
+//! (top-k, top-p, min-p) on the softmax of the temperature-scaled logits, then a draw.
+//! Temperature 0 is greedy argmax (of the biased, penalized logits).
 //! Each sequence owns its RNG (ChaCha8), seeded from the request's seed when given, so the same
 //! request with the same seed yields the same tokens whatever else is in the batch.
+
+use std::collections::HashMap;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -27,7 +31,23 @@ pub struct SamplingParams {
     pub repeat_last_n: usize,
     /// RNG seed; a random one when absent.
     pub seed: Option<u64>,
+    /// Subtracted once from the logit of every token the output already holds (OpenAI's
+    /// `presence_penalty`); in [−2, 2]. Default 0.
+    #[serde(default)]
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once for each time the output holds it (OpenAI's
+    /// `frequency_penalty`); in [−2, 2]. Default 0.
+    #[serde(default)]
+    pub frequency_penalty: f32,
+    /// Added to these tokens' logits before anything else (OpenAI's `logit_bias`): ids in
+    /// increasing order, each once, at most [`MAX_LOGIT_BIAS`]; biases in [−100, 100]. The ids
+    /// are checked against the vocabulary with the prompt.
+    #[serde(default)]
+    pub logit_bias: Vec<(u32, f32)>,
 }
+
+/// Most entries a request's `logit_bias` may hold.
+pub const MAX_LOGIT_BIAS: usize = 1024;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -39,6 +59,9 @@ impl Default for SamplingParams {
             repetition_penalty: 1.0,
             repeat_last_n: 64,
             seed: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -60,7 +83,44 @@ impl SamplingParams {
         if !(rp.is_finite() && rp > 0.0 && rp <= 10.0) {
             return Err(InvalidParam::new(Field::RepetitionPenalty, "in (0, 10]", rp));
         }
+        for (f, v) in [
+            (Field::PresencePenalty, self.presence_penalty),
+            (Field::FrequencyPenalty, self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(InvalidParam::new(f, "between -2 and 2", v));
+            }
+        }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(InvalidParam::new(
+                Field::LogitBias,
+                format!("at most {MAX_LOGIT_BIAS} tokens"),
+                format!("{} tokens", self.logit_bias.len()),
+            ));
+        }
+        if self.logit_bias.windows(2).any(|w| w[0].0 >= w[1].0) {
+            return Err(InvalidParam::new(Field::LogitBias, "each token once", "a token twice"));
+        }
+        if let Some(&(id, b)) = self.logit_bias.iter().find(|(_, b)| !(-100.0..=100.0).contains(b)) {
+            return Err(InvalidParam::new(
+                Field::LogitBias,
+                "biases between -100 and 100",
+                format!("{b} for token {id}"),
+            ));
+        }
         Ok(())
+    }
+
+    /// Checks `logit_bias`'s ids against a vocabulary of `vocab` tokens.
+    pub fn check_vocab(&self, vocab: usize) -> Result<(), InvalidParam> {
+        match self.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            Some((id, _)) => Err(InvalidParam::new(
+                Field::LogitBias,
+                format!("token ids below the vocabulary size {vocab}"),
+                id,
+            )),
+            None => Ok(()),
+        }
     }
 }
 
@@ -71,6 +131,10 @@ pub struct Sampler {
     rng: ChaCha8Rng,
     probs: Vec<(u32, f32)>,
     weights: Vec<f32>,
+    /// How often each token occurs in the first `counted` output tokens (for the presence and
+    /// frequency penalties), kept as the output grows.
+    counts: HashMap<u32, u32>,
+    counted: usize,
 }
 
 impl Sampler {
@@ -82,11 +146,22 @@ impl Sampler {
             params,
             probs: Vec::new(),
             weights: Vec::new(),
+            counts: HashMap::new(),
+            counted: 0,
         }
     }
 
-    /// Picks the next token from `logits` given the sequence's tokens so far (for the penalty).
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+    /// Picks the next token from `logits` given the sequence's tokens so far, `history`, whose
+    /// output starts at `output_from`: the repetition penalty looks at both prompt and output (as
+    /// llama.cpp's does), the presence and frequency penalties at the output only (as OpenAI
+    /// defines them).
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_from: usize) -> u32 {
+        for &(id, bias) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(id as usize) {
+                *l += bias;
+            }
+        }
+        self.penalize_output(logits, history.get(output_from..).unwrap_or(&[]));
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
             let start = history.len().saturating_sub(p.repeat_last_n);
@@ -160,6 +235,30 @@ impl Sampler {
     }
 }
 
+impl Sampler {
+    /// Applies the presence and frequency penalties for `output`, counting only the tokens it
+    /// gained since the last call.
+    fn penalize_output(&mut self, logits: &mut [f32], output: &[u32]) {
+        let (presence, frequency) = (self.params.presence_penalty, self.params.frequency_penalty);
+        if presence == 0.0 && frequency == 0.0 {
+            return;
+        }
+        if output.len() < self.counted {
+            self.counts.clear();
+            self.counted = 0;
+        }
+        for &t in &output[self.counted..] {
+            *self.counts.entry(t).or_insert(0) += 1;
+        }
+        self.counted = output.len();
+        for (&t, &n) in &self.counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= n as f32 * frequency + presence;
+            }
+        }
+    }
+}
+
 /// Index of the largest logit (lowest index on ties, as llama.cpp's greedy sampler).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -184,7 +283,7 @@ mod tests {
         let mut s = Sampler::new(SamplingParams::default());
         let mut l = logits();
         let want = argmax(&l);
-        assert_eq!(s.sample(&mut l, &[]), want);
+        assert_eq!(s.sample(&mut l, &[], 0), want);
     }
 
     #[test]
@@ -197,7 +296,7 @@ mod tests {
         };
         let draw = |p: &SamplingParams| {
             let mut s = Sampler::new(p.clone());
-            (0..20).map(|_| s.sample(&mut logits(), &[])).collect::<Vec<_>>()
+            (0..20).map(|_| s.sample(&mut logits(), &[], 0)).collect::<Vec<_>>()
         };
         assert_eq!(draw(&p), draw(&p));
         assert_ne!(
@@ -219,7 +318,7 @@ mod tests {
             seed: Some(1),
             ..Default::default()
         });
-        assert_eq!(s.sample(&mut l, &[]), want);
+        assert_eq!(s.sample(&mut l, &[], 0), want);
         let mut s = Sampler::new(SamplingParams {
             temperature: 2.0,
             top_k: 3,
@@ -230,7 +329,7 @@ mod tests {
         let l = logits();
         sorted.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
         for _ in 0..50 {
-            let t = s.sample(&mut logits(), &[]) as usize;
+            let t = s.sample(&mut logits(), &[], 0) as usize;
             assert!(sorted[..3].contains(&t));
         }
     }
@@ -256,7 +355,7 @@ mod tests {
         ] {
             let mut s = Sampler::new(p);
             for _ in 0..20 {
-                assert_eq!(s.sample(&mut l.clone(), &[]), 7);
+                assert_eq!(s.sample(&mut l.clone(), &[], 0), 7);
             }
         }
     }
@@ -268,7 +367,51 @@ mod tests {
             repetition_penalty: 2.0,
             ..Default::default()
         });
-        assert_eq!(s.sample(&mut l, &[0]), 1);
+        assert_eq!(s.sample(&mut l, &[0], 0), 1);
+    }
+
+    #[test]
+    fn logit_bias_moves_greedy_both_ways() {
+        let l = logits();
+        let top = argmax(&l);
+        let sample = |bias: Vec<(u32, f32)>| {
+            let mut s = Sampler::new(SamplingParams {
+                logit_bias: bias,
+                ..Default::default()
+            });
+            s.sample(&mut l.clone(), &[], 0)
+        };
+        assert_ne!(sample(vec![(top, -100.0)]), top, "-100 on the greedy token removes it");
+        assert_eq!(sample(vec![(3, 100.0)]), 3, "+100 forces a token");
+        assert_eq!(sample(vec![(3, 0.0)]), top);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalize_the_output_only() {
+        // Token 0 leads by 1.5; it is in the prompt (ignored) and twice in the output.
+        let base = vec![2.5f32, 1.0, 0.0];
+        let run = |presence: f32, frequency: f32, history: &[u32], output_from: usize| {
+            let mut s = Sampler::new(SamplingParams {
+                presence_penalty: presence,
+                frequency_penalty: frequency,
+                ..Default::default()
+            });
+            s.sample(&mut base.clone(), history, output_from)
+        };
+        let h = [0, 2, 0, 0];
+        assert_eq!(run(1.0, 0.0, &h, 1), 0, "presence alone: 2.5 - 1 still leads");
+        assert_eq!(run(2.0, 0.0, &h, 1), 1, "presence 2: 0.5 < 1");
+        assert_eq!(run(0.0, 1.0, &h, 1), 1, "frequency counts both: 2.5 - 2 < 1");
+        assert_eq!(run(0.0, 1.0, &h, 4), 0, "nothing in the output, nothing penalized");
+        assert_eq!(run(0.0, -2.0, &[1], 0), 1, "a negative penalty promotes");
+        // Counting is incremental, and starts over if the output shrinks.
+        let mut s = Sampler::new(SamplingParams {
+            frequency_penalty: 1.0,
+            ..Default::default()
+        });
+        assert_eq!(s.sample(&mut base.clone(), &[0], 0), 0);
+        assert_eq!(s.sample(&mut base.clone(), &[0, 0], 0), 1);
+        assert_eq!(s.sample(&mut base.clone(), &[2], 0), 0);
     }
 
     #[test]
@@ -291,5 +434,51 @@ mod tests {
         .validate()
         .unwrap_err();
         assert_eq!(e.field, Field::TopP);
+        for (p, field, says) in [
+            (
+                SamplingParams {
+                    presence_penalty: 2.5,
+                    ..Default::default()
+                },
+                Field::PresencePenalty,
+                "presence_penalty must be between -2 and 2, got 2.5",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: -3.0,
+                    ..Default::default()
+                },
+                Field::FrequencyPenalty,
+                "frequency_penalty must be between -2 and 2, got -3",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(5, 101.0)],
+                    ..Default::default()
+                },
+                Field::LogitBias,
+                "logit_bias must be biases between -100 and 100, got 101 for token 5",
+            ),
+            (
+                SamplingParams {
+                    logit_bias: vec![(5, 1.0), (5, 2.0)],
+                    ..Default::default()
+                },
+                Field::LogitBias,
+                "each token once",
+            ),
+        ] {
+            let e = p.validate().unwrap_err();
+            assert_eq!(e.field, field);
+            assert!(e.to_string().contains(says), "{e}");
+        }
+        let p = SamplingParams {
+            logit_bias: vec![(3, 1.0), (49152, 1.0)],
+            ..Default::default()
+        };
+        assert!(p.validate().is_ok());
+        let e = p.check_vocab(49152).unwrap_err();
+        assert!(e.to_string().contains("got 49152"), "{e}");
+        assert!(p.check_vocab(49153).is_ok());
     }
 }

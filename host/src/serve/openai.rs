@@ -1,5 +1,6 @@
-//! OpenAI's wire shapes: request bodies (parsed strictly, errors naming the field) and their
-//! conversion into the engine's validated parameters (the error JSON is [`ApiError`]'s).
+//! OpenAI's wire shapes: request bodies (errors naming the field; fields the server does not
+//! know ignored and listed, or refused, as [`UnknownFields`] says) and their conversion into the
+//! engine's validated parameters (the error JSON is [`ApiError`]'s).
 
 use hyper::StatusCode;
 use serde::Deserialize;
@@ -7,6 +8,7 @@ use serde_json::Value;
 
 use super::error::ApiError;
 use crate::chat::ChatMessage;
+use crate::config::UnknownFields;
 use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params};
 use crate::engine::sampling::SamplingParams;
 
@@ -54,6 +56,7 @@ pub const COMMON_FIELDS: &[&str] = &[
     "top_k",
     "min_p",
     "repetition_penalty",
+    "logit_bias",
     "plugin",
 ];
 
@@ -61,10 +64,13 @@ pub const COMMON_FIELDS: &[&str] = &[
 pub const CHAT_FIELDS: &[&str] = &["messages", "logprobs", "top_logprobs"];
 
 /// Fields only `POST /v1/completions` accepts.
-pub const COMPLETION_FIELDS: &[&str] = &["prompt"];
+pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo"];
 
-/// Parses a request body as `T`, whose top-level fields are `allowed`, with errors that name
-/// the field at fault.
+/// Fields a chat message may have.
+pub const MESSAGE_FIELDS: &[&str] = &["role", "content", "name"];
+
+/// Parses a request body as `T`, whose top-level fields are `allowed` (others refused), with
+/// errors that name the field at fault.
 pub fn parse_body<T: for<'de> Deserialize<'de>>(
     bytes: &[u8],
     max_depth: usize,
@@ -76,6 +82,13 @@ pub fn parse_body<T: for<'de> Deserialize<'de>>(
 /// Checks depth and syntax, and that the body is an object whose fields are all in one of the
 /// `allowed` lists.
 pub fn parse_object(bytes: &[u8], max_depth: usize, allowed: &[&[&str]]) -> Result<Value, ApiError> {
+    let mut v = parse_json_object(bytes, max_depth)?;
+    known_fields(&mut v, allowed, "", UnknownFields::Refuse, &mut Vec::new())?;
+    Ok(v)
+}
+
+/// Checks depth and syntax, and that the body is an object.
+fn parse_json_object(bytes: &[u8], max_depth: usize) -> Result<Value, ApiError> {
     if json_depth(bytes) > max_depth {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -90,17 +103,65 @@ pub fn parse_object(bytes: &[u8], max_depth: usize, allowed: &[&[&str]]) -> Resu
             format!("the request body is not valid JSON: {e}"),
         )
     })?;
-    let Value::Object(map) = &value else {
+    if !value.is_object() {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "invalid_request",
             "the request body must be a JSON object",
         ));
-    };
-    if let Some(k) = map.keys().find(|k| !allowed.iter().any(|a| a.contains(&k.as_str()))) {
-        return Err(ApiError::field(k, format!("unknown field {k:?}")));
     }
     Ok(value)
+}
+
+/// Most ignored fields a request lists (the rest are not named).
+pub const MAX_IGNORED_LISTED: usize = 16;
+
+/// Takes the fields of object `v` that are in none of the `allowed` lists out of it and
+/// records their paths (`prefix` + name) in `ignored`, or, under [`UnknownFields::Refuse`],
+/// refuses the first by name. A non-object `v` is left for deserializing to refuse.
+fn known_fields(
+    v: &mut Value,
+    allowed: &[&[&str]],
+    prefix: &str,
+    unknown: UnknownFields,
+    ignored: &mut Vec<String>,
+) -> Result<(), ApiError> {
+    let Value::Object(map) = v else {
+        return Ok(());
+    };
+    let strange: Vec<String> = map
+        .keys()
+        .filter(|k| !allowed.iter().any(|a| a.contains(&k.as_str())))
+        .cloned()
+        .collect();
+    for k in strange {
+        let path = format!("{prefix}{k}");
+        if unknown == UnknownFields::Refuse {
+            return Err(ApiError::field(&path, format!("unknown field {path:?}")));
+        }
+        map.remove(&k);
+        if ignored.len() < MAX_IGNORED_LISTED {
+            ignored.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// A field's path as a header value or a metric label may carry it: ASCII letters, digits and
+/// `_.-[]` (anything else becomes `_`), at most 64 characters.
+pub fn field_label(path: &str) -> String {
+    let s: String = path
+        .chars()
+        .take(64)
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "_.-[]".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if s.is_empty() { "_".into() } else { s }
 }
 
 /// Deserializes `value` as `T`; errors name the path of the field at fault.
@@ -217,12 +278,15 @@ pub struct Common {
     /// RNG seed.
     #[serde(default)]
     pub seed: Option<i64>,
-    /// Accepted only as 0.
+    /// −2 to 2; default 0.
     #[serde(default)]
     pub presence_penalty: Option<f32>,
-    /// Accepted only as 0.
+    /// −2 to 2; default 0.
     #[serde(default)]
     pub frequency_penalty: Option<f32>,
+    /// Token id (as a string) → bias in [−100, 100].
+    #[serde(default)]
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
     /// End-user id (accepted, unused).
     #[serde(default)]
     pub user: Option<String>,
@@ -251,6 +315,9 @@ pub struct ChatRequest {
     pub top_logprobs: Option<i64>,
     /// The shared fields.
     pub common: Common,
+    /// Fields the server does not know that the body held, ignored (the first
+    /// [`MAX_IGNORED_LISTED`]), as paths: `store`, `messages[0].refusal`.
+    pub ignored: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -263,15 +330,24 @@ struct ChatOwn {
 }
 
 impl ChatRequest {
-    /// Parses a body; unknown fields are refused by name.
-    pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
-        let v = parse_object(bytes, max_depth, &[CHAT_FIELDS, COMMON_FIELDS])?;
+    /// Parses a body; fields the server does not know (at the top level and in each message)
+    /// are ignored or refused as `unknown` says.
+    pub fn parse(bytes: &[u8], max_depth: usize, unknown: UnknownFields) -> Result<Self, ApiError> {
+        let mut v = parse_json_object(bytes, max_depth)?;
+        let mut ignored = Vec::new();
+        known_fields(&mut v, &[CHAT_FIELDS, COMMON_FIELDS], "", unknown, &mut ignored)?;
+        if let Some(Value::Array(messages)) = v.get_mut("messages") {
+            for (i, m) in messages.iter_mut().enumerate() {
+                known_fields(m, &[MESSAGE_FIELDS], &format!("messages[{i}]."), unknown, &mut ignored)?;
+            }
+        }
         let own: ChatOwn = typed(v.clone())?;
         Ok(Self {
             messages: own.messages,
             logprobs: own.logprobs,
             top_logprobs: own.top_logprobs,
             common: typed(v)?,
+            ignored,
         })
     }
 }
@@ -295,23 +371,38 @@ pub enum Prompt {
 pub struct CompletionRequest {
     /// The prompt.
     pub prompt: Prompt,
+    /// Log-probabilities of each token and of this many alternatives.
+    pub logprobs: Option<i64>,
+    /// Return the prompt before the completion.
+    pub echo: Option<bool>,
     /// The shared fields.
     pub common: Common,
+    /// Fields the server does not know that the body held, ignored (as [`ChatRequest::ignored`]).
+    pub ignored: Vec<String>,
 }
 
 #[derive(Deserialize)]
 struct CompletionOwn {
     prompt: Prompt,
+    #[serde(default)]
+    logprobs: Option<i64>,
+    #[serde(default)]
+    echo: Option<bool>,
 }
 
 impl CompletionRequest {
-    /// Parses a body; unknown fields are refused by name.
-    pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
-        let v = parse_object(bytes, max_depth, &[COMPLETION_FIELDS, COMMON_FIELDS])?;
+    /// Parses a body; fields the server does not know are ignored or refused as `unknown` says.
+    pub fn parse(bytes: &[u8], max_depth: usize, unknown: UnknownFields) -> Result<Self, ApiError> {
+        let mut v = parse_json_object(bytes, max_depth)?;
+        let mut ignored = Vec::new();
+        known_fields(&mut v, &[COMPLETION_FIELDS, COMMON_FIELDS], "", unknown, &mut ignored)?;
         let own: CompletionOwn = typed(v.clone())?;
         Ok(Self {
             prompt: own.prompt,
+            logprobs: own.logprobs,
+            echo: own.echo,
             common: typed(v)?,
+            ignored,
         })
     }
 }
@@ -372,16 +463,7 @@ impl Common {
             Some(n) if n >= 1 && n as usize <= lim.max_n => n as usize,
             Some(n) => return Err(InvalidParam::new(Field::N, format!("1 to {}", lim.max_n), n).into()),
         };
-        for (f, v) in [
-            (Field::PresencePenalty, self.presence_penalty),
-            (Field::FrequencyPenalty, self.frequency_penalty),
-        ] {
-            if let Some(v) = v
-                && v != 0.0
-            {
-                return Err(InvalidParam::new(f, "0 (no other value is supported)", v).into());
-            }
-        }
+        let logit_bias = self.logit_bias()?;
         let top_k = match self.top_k {
             None => 0,
             Some(k) => count(Field::TopK, k, "0 or more")?,
@@ -393,6 +475,9 @@ impl Common {
             min_p: self.min_p.unwrap_or(0.0),
             repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
             seed: self.seed.map(|s| s as u64),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            logit_bias,
             ..SamplingParams::default()
         };
         let stop = self.stop.clone().map(Stop::into_vec).unwrap_or_default();
@@ -408,12 +493,53 @@ impl Common {
     }
 }
 
+impl Common {
+    /// `logit_bias` as the sampler takes it: ids in increasing order. Its ranges (and the ids
+    /// against the vocabulary) are checked with the other sampling fields.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        let mut bias = Vec::with_capacity(map.len());
+        for (k, &v) in map {
+            let id = k
+                .parse::<u32>()
+                .map_err(|_| InvalidParam::new(Field::LogitBias, "keyed by token ids", format!("the key {k:?}")))?;
+            bias.push((id, v));
+        }
+        bias.sort_by_key(|&(id, _)| id);
+        Ok(bias)
+    }
+}
+
 /// A count from the wire: negative numbers have no meaning here (`expected` says what does).
 fn count(field: Field, v: i64, expected: &str) -> Result<usize, ApiError> {
     usize::try_from(v).map_err(|_| InvalidParam::new(field, expected, v).into())
 }
 
 impl CompletionRequest {
+    /// `logprobs` as the engine takes it (`None`: no log-probabilities).
+    pub fn logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let expected = format!("0 to {MAX_TOP_LOGPROBS}");
+        match self.logprobs {
+            None => Ok(None),
+            Some(k) if (0..=MAX_TOP_LOGPROBS as i64).contains(&k) => Ok(Some(k as usize)),
+            Some(k) => Err(InvalidParam::new(Field::Logprobs, expected, k).into()),
+        }
+    }
+
+    /// Whether the prompt is returned before the completion. With `logprobs` it would need the
+    /// prompt's own log-probabilities, which are not computed: that pair is refused.
+    pub fn echo(&self) -> Result<bool, ApiError> {
+        match (self.echo.unwrap_or(false), self.logprobs) {
+            (true, Some(_)) => Err(ApiError::field(
+                "echo",
+                "echo with logprobs is not supported (the prompt's log-probabilities are not computed); ask for one or the other",
+            )),
+            (echo, _) => Ok(echo),
+        }
+    }
+
     /// The prompt as the edge holds it: one text or one list of token ids.
     pub fn asked(&self) -> Result<Asked, ApiError> {
         let one = |what: usize| {
@@ -510,25 +636,108 @@ mod tests {
 
     #[test]
     fn parse_errors_name_the_field() {
-        let e = ChatRequest::parse(br#"{"model":"m","messages":[],"temperature":"hot"}"#, 8).unwrap_err();
+        let e = ChatRequest::parse(
+            br#"{"model":"m","messages":[],"temperature":"hot"}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap_err();
         assert_eq!((e.code, e.param.as_deref()), ("invalid_parameter", Some("temperature")));
         let e = ChatRequest::parse(
             br#"{"model":"m","messages":[{"role":"user","content":"x","colour":1}]}"#,
             8,
+            UnknownFields::Refuse,
         )
         .unwrap_err();
         assert!(e.message.contains("colour"), "{e:?}");
-        let e = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"user"}],"bogus":1}"#, 8).unwrap_err();
+        let e = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user"}],"bogus":1}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap_err();
         assert_eq!(e.param.as_deref(), Some("bogus"));
-        let e = ChatRequest::parse(b"{\"model\":", 8).unwrap_err();
+        let e = ChatRequest::parse(b"{\"model\":", 8, UnknownFields::Refuse).unwrap_err();
         assert_eq!(e.code, "invalid_json");
-        let e = ChatRequest::parse(br#"{"model":"m"}"#, 8).unwrap_err();
+        let e = ChatRequest::parse(br#"{"model":"m"}"#, 8, UnknownFields::Refuse).unwrap_err();
         assert!(e.message.contains("messages"), "{e:?}");
         let deep = format!("{}{}", "[".repeat(40), "]".repeat(40));
         assert_eq!(
             parse_body::<Value>(deep.as_bytes(), 32, &[]).unwrap_err().code,
             "invalid_json"
         );
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_listed_or_refused() {
+        let body = br#"{"model":"m","store":true,"parallel_tool_calls":false,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo","refusal":null,"annotations":[]}]}"#;
+        let r = ChatRequest::parse(body, 8, UnknownFields::Ignore).unwrap();
+        assert_eq!(
+            r.ignored,
+            [
+                "parallel_tool_calls",
+                "store",
+                "messages[1].annotations",
+                "messages[1].refusal"
+            ]
+        );
+        assert_eq!(r.chat_messages().unwrap().len(), 2);
+        let e = ChatRequest::parse(body, 8, UnknownFields::Refuse).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("parallel_tool_calls"));
+        let e = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user","content":"x","colour":1}]}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].colour"));
+        // Known fields keep their checks when unknown ones are ignored.
+        let e = CompletionRequest::parse(
+            br#"{"model":"m","prompt":"x","extra":1,"temperature":"hot"}"#,
+            8,
+            UnknownFields::Ignore,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        // At most MAX_IGNORED_LISTED are listed, however many there are.
+        let many: String = (0..100).map(|i| format!(r#","x{i}":1"#)).collect();
+        let r = CompletionRequest::parse(
+            format!(r#"{{"model":"m","prompt":"x"{many}}}"#).as_bytes(),
+            8,
+            UnknownFields::Ignore,
+        )
+        .unwrap();
+        assert_eq!(r.ignored.len(), MAX_IGNORED_LISTED);
+        assert_eq!(field_label("messages[3].a b\"\n"), "messages[3].a_b__");
+        assert_eq!(field_label(&"é".repeat(100)).len(), 64);
+    }
+
+    #[test]
+    fn sampling_fields_reach_the_engine() {
+        let r = CompletionRequest::parse(
+            br#"{"model":"m","prompt":"x","presence_penalty":0.5,"frequency_penalty":-1,"logit_bias":{"20":-100,"3":5.5},"logprobs":2}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap();
+        let plan = r.common.plan(&lim(), r.logprobs().unwrap()).unwrap();
+        let s = plan.params.sampling();
+        assert_eq!((s.presence_penalty, s.frequency_penalty), (0.5, -1.0));
+        assert_eq!(s.logit_bias, [(3, 5.5), (20, -100.0)]);
+        assert_eq!(plan.params.logprobs(), Some(2));
+        assert!(!r.echo().unwrap());
+        for (body, field) in [
+            (r#"{"model":"m","prompt":"x","logprobs":21}"#, "logprobs"),
+            (r#"{"model":"m","prompt":"x","logprobs":-1}"#, "logprobs"),
+            (r#"{"model":"m","prompt":"x","logprobs":1,"echo":true}"#, "echo"),
+        ] {
+            let r = CompletionRequest::parse(body.as_bytes(), 8, UnknownFields::Refuse).unwrap();
+            let e = r.logprobs().and_then(|_| r.echo()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}");
+        }
+        let r =
+            CompletionRequest::parse(br#"{"model":"m","prompt":"x","echo":true}"#, 8, UnknownFields::Refuse).unwrap();
+        assert!(r.echo().unwrap());
     }
 
     #[test]
@@ -539,7 +748,11 @@ mod tests {
 
     #[test]
     fn plan_checks_ranges_by_name() {
-        let c = |j: &str| CompletionRequest::parse(j.as_bytes(), 8).unwrap().common;
+        let c = |j: &str| {
+            CompletionRequest::parse(j.as_bytes(), 8, UnknownFields::Refuse)
+                .unwrap()
+                .common
+        };
         let p = c(r#"{"model":"m","prompt":"x","max_completion_tokens":5,"max_tokens":9,"stop":"\n","seed":3}"#)
             .plan(&lim(), None)
             .unwrap();
@@ -556,7 +769,16 @@ mod tests {
             (r#"{"model":"m","prompt":"x","n":5}"#, "n"),
             (r#"{"model":"m","prompt":"x","temperature":3}"#, "temperature"),
             (r#"{"model":"m","prompt":"x","top_p":0}"#, "top_p"),
-            (r#"{"model":"m","prompt":"x","presence_penalty":1}"#, "presence_penalty"),
+            (
+                r#"{"model":"m","prompt":"x","presence_penalty":2.5}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"model":"m","prompt":"x","frequency_penalty":-2.5}"#,
+                "frequency_penalty",
+            ),
+            (r#"{"model":"m","prompt":"x","logit_bias":{"a":1}}"#, "logit_bias"),
+            (r#"{"model":"m","prompt":"x","logit_bias":{"7":-101}}"#, "logit_bias"),
             (r#"{"model":"m","prompt":"x","top_k":-1}"#, "top_k"),
             (
                 r#"{"model":"m","prompt":"x","max_completion_tokens":-3}"#,
@@ -589,6 +811,7 @@ mod tests {
         let r = ChatRequest::parse(
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0.5,"top_p":0.9,"top_k":7,"seed":11,"stop":["x"],"max_tokens":5,"logprobs":true,"top_logprobs":3,"n":2}"#,
             8,
+            UnknownFields::Refuse,
         )
         .unwrap();
         let plan = r.common.plan(&lim(), r.logprobs().unwrap()).unwrap();
@@ -646,12 +869,17 @@ mod tests {
 
     #[test]
     fn chat_messages_and_logprobs() {
-        let r = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"be brief"}]},{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":2}"#, 8)
+        let r = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"be brief"}]},{"role":"user","content":"hi"}],"logprobs":true,"top_logprobs":2}"#, 8, UnknownFields::Refuse)
         .unwrap();
         let m = r.chat_messages().unwrap();
         assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "be brief"));
         assert_eq!(r.logprobs().unwrap(), Some(2));
-        let r = ChatRequest::parse(br#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#, 8).unwrap();
+        let r = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap();
         assert_eq!(
             r.chat_messages().unwrap_err().param.as_deref(),
             Some("messages[0].role")

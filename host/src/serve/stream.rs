@@ -34,7 +34,11 @@ pub enum Api {
 #[derive(Debug, Default, Clone)]
 struct Choice {
     text: String,
+    /// Per token: for chat, OpenAI's `logprobs.content` entries; for completions, the
+    /// `[token, logprob, top_logprobs, text_offset]` of the legacy shape ([`legacy_logprobs`]).
     logprobs: Vec<Value>,
+    /// Characters of the tokens' text so far (completions' `text_offset`).
+    offset: usize,
     finish: Option<&'static str>,
     started: bool,
     completion_tokens: usize,
@@ -54,6 +58,8 @@ pub struct Responder {
     cached_tokens: usize,
     done: usize,
     error: Option<ApiError>,
+    /// Completions' `echo`: the prompt, returned before each choice's text.
+    echo: Option<String>,
 }
 
 fn token_value(tok: &Tokenizer, id: u32, logprob: f32) -> Value {
@@ -87,7 +93,14 @@ impl Responder {
             cached_tokens: 0,
             done: 0,
             error: None,
+            echo: None,
         }
+    }
+
+    /// Returns `prompt` before each choice's text (completions' `echo`).
+    pub fn with_echo(mut self, prompt: String) -> Self {
+        self.echo = Some(prompt);
+        self
     }
 
     /// Whether every choice has ended (or the request failed).
@@ -138,7 +151,18 @@ impl Responder {
                 }
                 json!({"index": index, "delta": delta, "logprobs": logprobs.map(|c| json!({"content": c})), "finish_reason": finish})
             }
-            Api::Completion => json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish}),
+            Api::Completion => {
+                let echoed;
+                let text = match (&self.echo, first) {
+                    (Some(e), true) => {
+                        echoed = format!("{e}{text}");
+                        &echoed
+                    }
+                    _ => text,
+                };
+                let lp = logprobs.map(|c| legacy_logprobs(c.as_array().map_or(&[][..], |a| &a[..])));
+                json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
+            }
         }
     }
 
@@ -158,7 +182,7 @@ impl Responder {
         }
         match u {
             Update::Token { text, token, logprobs } => {
-                let lp = logprobs.map(|l| self.logprob_value(token, &l));
+                let lp = logprobs.map(|l| self.logprob_value(index, token, &l));
                 let c = &mut self.choices[index];
                 c.completion_tokens += 1;
                 if self.stream {
@@ -215,10 +239,25 @@ impl Responder {
         self.error = Some(e);
     }
 
-    fn logprob_value(&self, token: u32, l: &TokenLogprobs) -> Value {
-        let mut v = token_value(&self.tokenizer, token, l.logprob);
-        v["top_logprobs"] = Value::Array(l.top.iter().map(|&(t, p)| token_value(&self.tokenizer, t, p)).collect());
-        v
+    /// Choice `index`'s next token's log-probabilities, in its endpoint's per-token form.
+    fn logprob_value(&mut self, index: usize, token: u32, l: &TokenLogprobs) -> Value {
+        match self.api {
+            Api::Chat => {
+                let mut v = token_value(&self.tokenizer, token, l.logprob);
+                v["top_logprobs"] =
+                    Value::Array(l.top.iter().map(|&(t, p)| token_value(&self.tokenizer, t, p)).collect());
+                v
+            }
+            Api::Completion => {
+                let text = |t: u32| String::from_utf8_lossy(&self.tokenizer.token_bytes(t)).into_owned();
+                let own = text(token);
+                let top: serde_json::Map<String, Value> = l.top.iter().map(|&(t, p)| (text(t), json!(p))).collect();
+                let c = &mut self.choices[index];
+                let v = json!([own, l.logprob, top, c.offset]);
+                c.offset += own.chars().count();
+                v
+            }
+        }
     }
 
     /// The whole (non-streamed) response body.
@@ -233,7 +272,11 @@ impl Responder {
                     "logprobs": if c.logprobs.is_empty() { Value::Null } else { json!({"content": c.logprobs}) },
                     "finish_reason": c.finish,
                 }),
-                Api::Completion => json!({"index": i, "text": c.text, "logprobs": null, "finish_reason": c.finish}),
+                Api::Completion => json!({
+                    "index": i, "text": format!("{}{}", self.echo.as_deref().unwrap_or(""), c.text),
+                    "logprobs": if c.logprobs.is_empty() { Value::Null } else { legacy_logprobs(&c.logprobs) },
+                    "finish_reason": c.finish,
+                }),
             })
             .collect();
         json!({
@@ -241,6 +284,13 @@ impl Responder {
             "system_fingerprint": null, "choices": choices, "usage": self.usage(),
         })
     }
+}
+
+/// The legacy completions' `logprobs` object from per-token `[token, logprob, top_logprobs,
+/// text_offset]` entries: four parallel lists.
+fn legacy_logprobs(tokens: &[Value]) -> Value {
+    let column = |k: usize| Value::Array(tokens.iter().map(|t| t[k].clone()).collect());
+    json!({"tokens": column(0), "token_logprobs": column(1), "top_logprobs": column(2), "text_offset": column(3)})
 }
 
 /// A streamed response body: SSE bytes as the engine produces them.
@@ -408,6 +458,60 @@ mod tests {
         r.push(0, done(FinishReason::Length, 1), &mut out);
         assert_eq!(r.body()["choices"][0]["text"], "x");
         assert_eq!(r.body()["object"], "text_completion");
+    }
+
+    /// Completions' legacy logprobs (four parallel lists, offsets by characters) and `echo`,
+    /// whole and streamed.
+    #[test]
+    fn completions_carry_legacy_logprobs_and_echo() {
+        let tk = crate::testutil::tokenizer();
+        let text = |id: u32| String::from_utf8_lossy(&tk.token_bytes(id)).into_owned();
+        let lp = |id: u32| Update::Token {
+            text: text(id),
+            token: id,
+            logprobs: Some(TokenLogprobs {
+                logprob: -0.25,
+                top: vec![(id, -0.25), (9, -2.0)],
+            }),
+        };
+        for stream in [false, true] {
+            let mut r = Responder::new(Api::Completion, "m", 1, stream, false, tk.clone(), "id".into(), 1)
+                .with_echo("Q:".into());
+            let mut out = VecDeque::new();
+            r.push(0, lp(7), &mut out);
+            r.push(0, lp(8), &mut out);
+            r.push(0, done(FinishReason::Length, 2), &mut out);
+            let (full, lps) = if stream {
+                let ev = events(&out);
+                let chunks: Vec<&Value> = ev.iter().filter(|e| e.is_object()).collect();
+                let full: String = chunks
+                    .iter()
+                    .map(|c| c["choices"][0]["text"].as_str().unwrap())
+                    .collect();
+                let lps: Vec<Value> = chunks.iter().map(|c| c["choices"][0]["logprobs"].clone()).collect();
+                assert!(lps[2].is_null(), "the finish chunk has no token");
+                (full, lps[..2].to_vec())
+            } else {
+                let b = r.body();
+                (
+                    b["choices"][0]["text"].as_str().unwrap().to_string(),
+                    vec![b["choices"][0]["logprobs"].clone()],
+                )
+            };
+            assert_eq!(full, format!("Q:{}{}", text(7), text(8)), "stream: {stream}");
+            let tokens: Vec<Value> = lps
+                .iter()
+                .flat_map(|l| l["tokens"].as_array().unwrap().clone())
+                .collect();
+            let offsets: Vec<Value> = lps
+                .iter()
+                .flat_map(|l| l["text_offset"].as_array().unwrap().clone())
+                .collect();
+            assert_eq!(tokens, [json!(text(7)), json!(text(8))]);
+            assert_eq!(offsets, [json!(0), json!(text(7).chars().count())]);
+            assert_eq!(lps[0]["token_logprobs"][0], -0.25);
+            assert_eq!(lps[0]["top_logprobs"][0][text(9)], -2.0);
+        }
     }
 
     #[test]

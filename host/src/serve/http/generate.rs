@@ -12,13 +12,13 @@ use hyper::header::{CONTENT_TYPE, HeaderValue};
 use hyper::{Response, StatusCode};
 use tokio::sync::mpsc;
 
-use super::reply::{Body, json_response, model_not_found};
+use super::reply::{Body, error_response, json_response, model_not_found};
 use crate::engine::request::ValidRequest;
 use crate::plugin::KvAccess;
 use crate::policy::Policy;
 use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
 use crate::serve::error::ApiError;
-use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape};
+use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape, field_label};
 use crate::serve::plugins::pipeline::{Hooks, Reporter};
 use crate::serve::quota::Grant;
 use crate::serve::state::{Served, State};
@@ -157,10 +157,45 @@ fn counted(
     r
 }
 
+/// Counts the fields a request's body held that the server ignored, and names them in the
+/// response (an error's too) in `x-warden-ignored-fields`.
+fn name_ignored(
+    state: &State,
+    ignored: &[String],
+    r: Result<Response<Body>, ApiError>,
+) -> Result<Response<Body>, ApiError> {
+    if ignored.is_empty() {
+        return r;
+    }
+    let labels: Vec<String> = ignored
+        .iter()
+        .map(|p| {
+            // Indices dropped, so that a long conversation does not make a label per message.
+            let p = match (p.find('['), p.find(']')) {
+                (Some(a), Some(b)) if a < b => format!("{}{}", &p[..=a], &p[b..]),
+                _ => p.clone(),
+            };
+            field_label(&p)
+        })
+        .collect();
+    state.metrics.ignored_fields(&labels);
+    let mut resp = r.unwrap_or_else(|e| {
+        state.metrics.http_error(e.code);
+        error_response(&e)
+    });
+    let listed: Vec<String> = ignored.iter().map(|p| field_label(p)).collect();
+    if let Ok(v) = HeaderValue::from_str(&listed.join(", ")) {
+        resp.headers_mut().insert("x-warden-ignored-fields", v);
+    }
+    Ok(resp)
+}
+
 pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let mut model = None;
+    let mut ignored = Vec::new();
     let r = async {
-        let r = ChatRequest::parse(body, state.cfg.limits.json_depth)?;
+        let r = ChatRequest::parse(body, state.cfg.limits.json_depth, state.cfg.limits.unknown_fields)?;
+        ignored.clone_from(&r.ignored);
         let served = state
             .model(&r.common.model)
             .ok_or_else(|| model_not_found(&r.common.model))?;
@@ -172,31 +207,40 @@ pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<R
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
         let shape = plan.shape;
         let req = limit(state, &t, &a, plan, prompt)?;
-        generate(state, &t, req, shape, Api::Chat, id, hooks, a).await
+        generate(state, &t, req, shape, Api::Chat, None, id, hooks, a).await
     }
     .await;
-    counted(state, &t, model.as_deref(), r)
+    name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
 }
 
 pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
     let mut model = None;
+    let mut ignored = Vec::new();
     let r = async {
-        let r = CompletionRequest::parse(body, state.cfg.limits.json_depth)?;
+        let r = CompletionRequest::parse(body, state.cfg.limits.json_depth, state.cfg.limits.unknown_fields)?;
+        ignored.clone_from(&r.ignored);
         let served = state
             .model(&r.common.model)
             .ok_or_else(|| model_not_found(&r.common.model))?;
         model = Some(served.id.clone());
         let a = admit(state, &t, served.clone())?;
         let asked = r.asked()?;
-        let plan = r.common.plan(&a.lim, None)?;
+        let plan = r.common.plan(&a.lim, r.logprobs()?)?;
+        // The prompt as the client sent it (a plugin may rewrite what the model sees).
+        let echo = match (r.echo()?, &asked) {
+            (false, _) => None,
+            (true, Asked::Text(text)) => Some(text.clone()),
+            (true, Asked::Tokens(ids)) => Some(a.model.tokenizer.decode(ids)),
+            (true, Asked::Chat(_)) => None,
+        };
         let id = request_id("cmpl");
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
         let shape = plan.shape;
         let req = limit(state, &t, &a, plan, prompt)?;
-        generate(state, &t, req, shape, Api::Completion, id, hooks, a).await
+        generate(state, &t, req, shape, Api::Completion, echo, id, hooks, a).await
     }
     .await;
-    counted(state, &t, model.as_deref(), r)
+    name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
 }
 
 /// Runs the request's plugin (`plugin`, or the tenant's default), if it has one, on what it asks
@@ -285,7 +329,8 @@ async fn prepare(
 }
 
 /// Submits and answers a validated request in its `shape`: a JSON body, or an SSE stream that
-/// starts once every choice is admitted (so a rejection is an error status, never a 200).
+/// starts once every choice is admitted (so a rejection is an error status, never a 200);
+/// `echo` goes before each choice's text.
 #[allow(clippy::too_many_arguments)]
 async fn generate(
     state: &Arc<State>,
@@ -293,6 +338,7 @@ async fn generate(
     req: ValidRequest,
     shape: Shape,
     api: Api,
+    echo: Option<String>,
     id: String,
     hooks: Option<Hooks>,
     a: Admitted,
@@ -366,6 +412,9 @@ async fn generate(
         id,
         now(),
     );
+    if let Some(e) = echo {
+        responder = responder.with_echo(e);
+    }
     let mut pending = VecDeque::new();
     if shape.stream {
         // Wait for each choice's first update: a rejection then becomes an error status.
