@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Creates .venv-e2e with the official OpenAI Python client, which the end-to-end tests drive
-# against the real server. Idempotent: an existing venv with the pinned client is kept.
+# against the real server, and the jsonschema package they validate structured output with.
+# Idempotent: an existing venv with the pinned packages is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-e2e
-PIN="openai==3.60.0"
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("openai") != "3.60.0")' 2>/dev/null; then
+PIN=("openai==3.60.0" "jsonschema==4.23.0")
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("openai") != "3.60.0" or m.version("jsonschema") != "4.23.0")' 2>/dev/null; then
     exit 0
 fi
 if ! command -v python3 >/dev/null; then
@@ -14,5 +15,5 @@ if ! command -v python3 >/dev/null; then
 fi
 rm -rf "$VENV"
 python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --disable-pip-version-check "$PIN"
-echo "e2e-venv: $VENV has $PIN"
+"$VENV/bin/pip" install --quiet --disable-pip-version-check "${PIN[@]}"
+echo "e2e-venv: $VENV has ${PIN[*]}"

@@ -70,6 +70,48 @@ try:
 except openai.BadRequestError as e:
     out["bad_penalty"] = [e.status_code, e.code, e.body.get("param") if isinstance(e.body, dict) else None]
 
+# Structured output: what comes back parses, and its schema accepts it.
+import jsonschema
+
+person = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 24},
+        "languages": {"type": "array", "items": {"type": "string", "enum": ["en", "fr", "de"]}, "maxItems": 3},
+        "retired": {"type": "boolean"},
+        "level": {"enum": ["junior", "senior"]},
+    },
+    "required": ["name", "age", "city", "languages", "retired", "level"],
+    "additionalProperties": False,
+}
+fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": person, "strict": True}}
+ask = [{"role": "user", "content": "Describe a person living in Paris as JSON."}]
+structured = []
+r = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=160, response_format=fmt)
+structured.append((r.choices[0].message.content, r.choices[0].finish_reason))
+text, finish = "", None
+for chunk in client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=160, response_format=fmt, stream=True):
+    for c in chunk.choices:
+        text += c.delta.content or ""
+        finish = c.finish_reason or finish
+structured.append((text, finish))
+r = client.chat.completions.create(model=model, messages=ask, temperature=0.9, seed=3, n=2, max_tokens=160, response_format=fmt)
+structured += [(c.message.content, c.finish_reason) for c in r.choices]
+for content, _ in structured:
+    jsonschema.validate(json.loads(content), person)
+out["structured"] = structured
+r = client.completions.create(model=model, prompt="A JSON object describing a cat:", temperature=0, max_tokens=80, extra_body={"response_format": {"type": "json_object"}})
+out["json_object"] = [type(json.loads(r.choices[0].text)).__name__, r.choices[0].finish_reason]
+for name, bad in [("bad_schema", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frog"}}}),
+                  ("bad_format", {"type": "xml"})]:
+    try:
+        client.chat.completions.create(model=model, messages=ask, max_tokens=4, response_format=bad)
+        out[name] = "accepted"
+    except openai.BadRequestError as e:
+        out[name] = [e.status_code, e.code, e.body.get("param") if isinstance(e.body, dict) else None]
+
 # Fields this server does not know, as SDKs and proxies add them: served, and named.
 raw = client.chat.completions.with_raw_response.create(
     model=model, messages=messages + [{"role": "assistant", "content": "Paris.", "refusal": None}, {"role": "user", "content": "Sure?"}],

@@ -1,7 +1,7 @@
 //! The official OpenAI Python client against the real server over TLS, trusting the generated
 //! certificate: chat (streamed and not), completions (with legacy `logprobs` and `echo`), models,
-//! logprobs, `n`, `logit_bias`, the penalties, fields the server does not know, and its error
-//! types. Greedy chat output must equal `warden generate --chat` for the same message.
+//! logprobs, `n`, `logit_bias`, the penalties, `response_format` (JSON validated against its
+//! schema), fields the server does not know, and its error types. Greedy chat output must equal `warden generate --chat` for the same message.
 
 mod common;
 
@@ -130,6 +130,19 @@ fn the_official_openai_client_works_unmodified() {
         v["bad_penalty"],
         serde_json::json!([400, "invalid_parameter", "frequency_penalty"])
     );
+    // Structured output (the script validated each against its schema with jsonschema).
+    let structured = v["structured"].as_array().unwrap();
+    assert_eq!(structured.len(), 4);
+    for s in structured {
+        assert_eq!(s[1], "stop", "{s}: the JSON ends, then the generation");
+    }
+    assert_eq!(structured[0][0], structured[1][0], "streamed as not");
+    assert_eq!(v["json_object"], serde_json::json!(["dict", "stop"]));
+    assert_eq!(
+        v["bad_schema"],
+        serde_json::json!([400, "invalid_parameter", "response_format"])
+    );
+    assert_eq!(v["bad_format"][0], 400);
     // Unknown fields are served, and named.
     assert_eq!(v["ignored_served"], "length");
     assert_eq!(v["ignored_header"], "metadata, store, vendor_knob, messages[1].refusal");

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use warden_kernels::tag::{PageEntry, PageTag, TagCheck, check_pages};
 
+use crate::engine::constraint::Constraint;
 use crate::engine::request::{GenerateRequest, Outcome};
 use crate::engine::text::Detokenizer;
 use crate::engine::{Engine, EngineConfig, EngineError, Event};
@@ -39,6 +40,9 @@ pub struct BenchConfig {
     pub decode_tokens: usize,
     /// Runs of each configuration; the best counts. Default 3.
     pub repeats: usize,
+    /// A compiled output constraint: each decode figure is also timed with every sequence
+    /// under it ([`BenchReport::constrained_decode`]).
+    pub constraint: Option<Constraint>,
 }
 
 /// One figure: tokens per second with tag checks on and off.
@@ -75,6 +79,10 @@ pub struct BenchReport {
     pub tag_checks: TagCheckCost,
     /// The prefill prompt's time to first token, computed and from the prefix cache.
     pub prefix_cache: PrefixCacheFigure,
+    /// With [`BenchConfig::constraint`]: each decode figure with every sequence constrained
+    /// (`tok_s`) against the same decode unconstrained, alternated (`tok_s_tags_off` holds the
+    /// unconstrained figure here and `ratio` the constrained one's share of it).
+    pub constrained_decode: Vec<Figure>,
 }
 
 /// What the tenant-private prefix cache saves: the prefill prompt's time to first token when the
@@ -169,10 +177,21 @@ pub fn run(
     for &k in &cfg.decode_batches {
         let (a, b) = best_of(
             cfg.repeats,
-            || decode(&mut on, k, cfg.decode_tokens),
-            || off.as_mut().map(|e| decode(e, k, cfg.decode_tokens)),
+            || decode(&mut on, k, cfg.decode_tokens, None),
+            || off.as_mut().map(|e| decode(e, k, cfg.decode_tokens, None)),
         );
         decode_figs.push(figure(k, (k * (cfg.decode_tokens - 1)) as f64, a, b));
+    }
+    let mut constrained_decode = Vec::new();
+    if let Some(c) = &cfg.constraint {
+        for &k in &cfg.decode_batches {
+            let (mut with, mut without) = (Duration::MAX, Duration::MAX);
+            for _ in 0..cfg.repeats.max(1) {
+                with = with.min(decode(&mut on, k, cfg.decode_tokens, Some(c)));
+                without = without.min(decode(&mut on, k, cfg.decode_tokens, None));
+            }
+            constrained_decode.push(figure(k, (k * (cfg.decode_tokens - 1)) as f64, with, Some(without)));
+        }
     }
     let (k, fig) = cfg
         .decode_batches
@@ -198,6 +217,7 @@ pub fn run(
         decode: decode_figs,
         tag_checks,
         prefix_cache,
+        constrained_decode,
     })
 }
 
@@ -306,7 +326,7 @@ fn prefill(e: &mut Engine, prompt: &[u32]) -> Duration {
 /// Tokens of each decode figure's prompt.
 const DECODE_PROMPT: usize = 16;
 
-fn decode(e: &mut Engine, k: usize, tokens: usize) -> Duration {
+fn decode(e: &mut Engine, k: usize, tokens: usize, constraint: Option<&Constraint>) -> Duration {
     for i in 0..k {
         // Short, distinct prompts: the figure is about decode, not prefill.
         let prompt: Vec<u32> = (0..DECODE_PROMPT)
@@ -315,7 +335,8 @@ fn decode(e: &mut Engine, k: usize, tokens: usize) -> Duration {
         let mut req = GenerateRequest::greedy(bench_tenant(1 + i as u64), prompt, tokens);
         req.ignore_eos = true;
         let req = req.validate(&e.limits()).expect("the bench request fits the engine");
-        e.submit(req).expect("the bench request fits the engine");
+        e.submit(req.with_constraint(constraint.cloned()))
+            .expect("the bench request fits the engine");
     }
     // Untimed: the steps that prefill every prompt and sample each first token (one step
     // unless the batch's prompts pass `max_batch_tokens`).

@@ -240,6 +240,12 @@ pub struct LimitsConfig {
     /// response's `x-warden-ignored-fields` header) or refused with a 400 naming the first.
     /// Default `ignore`, as SDKs and proxies add fields of their own.
     pub unknown_fields: UnknownFields,
+    /// Largest `response_format` JSON schema, in bytes; larger gets 400 before compiling.
+    /// Default 64 KiB.
+    pub max_schema_bytes: usize,
+    /// Longest a `response_format` may take to compile, in milliseconds; longer gets 400.
+    /// Default 2000.
+    pub schema_compile_ms: u64,
 }
 
 /// What [`LimitsConfig::unknown_fields`] does with a field the server does not know.
@@ -268,6 +274,8 @@ impl Default for LimitsConfig {
             max_n: 8,
             max_connections: 4096,
             unknown_fields: UnknownFields::Ignore,
+            max_schema_bytes: 64 << 10,
+            schema_compile_ms: 2000,
         }
     }
 }

@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod config;
 pub mod engine;
 pub mod gguf;
+pub mod grammar;
 pub mod heap;
 pub mod kv;
 pub mod loaded;

@@ -86,6 +86,10 @@ enum Command {
         /// Runs of each configuration (the best counts).
         #[arg(long, default_value_t = 3)]
         repeats: usize,
+        /// Also time decode with every sequence's output under this JSON schema (a file), as
+        /// `response_format` puts it, against the same decode unconstrained.
+        #[arg(long)]
+        json_schema: Option<PathBuf>,
     },
     /// Serve the OpenAI-compatible API over HTTPS until SIGTERM or SIGINT.
     Serve {
@@ -322,16 +326,33 @@ fn run(command: Command) -> anyhow::Result<()> {
             decode_tokens,
             batches,
             repeats,
+            json_schema,
         } => {
             if prefill_tokens == 0 || decode_tokens < 2 || batches.is_empty() || batches.contains(&0) {
                 bail!("bench needs --prefill-tokens ≥ 1, --decode-tokens ≥ 2 and positive --batches");
             }
             let l = LoadedModel::open(&model)?;
+            let constraint = match json_schema {
+                None => None,
+                Some(path) => {
+                    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+                    let schema: serde_json::Value =
+                        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+                    let limits = warden::grammar::GrammarLimits {
+                        max_schema_bytes: usize::MAX,
+                        compile_ms: u64::MAX,
+                    };
+                    let g = warden::grammar::Grammars::new(l.tokenizer.clone(), limits);
+                    g.compile(&warden::grammar::Format::JsonSchema(schema))
+                        .with_context(|| format!("compiling {}", path.display()))?
+                }
+            };
             let cfg = BenchConfig {
                 prefill_prompt: bench_prompt(&l.tokenizer, prefill_tokens),
                 decode_batches: batches,
                 decode_tokens,
                 repeats,
+                constraint,
             };
             let report = bench::run(l.model, l.tokenizer.clone(), &model.display().to_string(), &cfg)?;
             println!("{}", serde_json::to_string_pretty(&report)?);

@@ -497,6 +497,11 @@ impl EngineHandle for RouterEngine {
     fn ask(&self, _q: KvQuery) -> bool {
         false
     }
+
+    /// Nodes take plain requests: a constraint would not cross.
+    fn takes_constraints(&self) -> bool {
+        false
+    }
 }
 
 /// Asks `addr` what it serves, retrying until `deadline` (nodes may still be loading).

@@ -14,8 +14,10 @@
 //! Beside this file: `schedule` (step planning and admission order, pure), `cost` (the step-cost
 //! model), `prefix` (the prefix cache's uses beyond admission: shared first pages, plugins' pins,
 //! public prefixes), `disagg` (the prefill and decode halves of a disaggregated request),
-//! `request` and `field` (validated requests and their errors), `sampling` and `text`.
+//! `request` and `field` (validated requests and their errors), `sampling`, `constraint` (a
+//! sequence's output grammar) and `text`.
 
+pub mod constraint;
 mod cost;
 mod disagg;
 pub mod field;
@@ -37,6 +39,7 @@ use crate::tenant::TenantId;
 
 use crate::kv::{KvCounters, KvError, KvPool};
 use crate::model::{Forward, Model, Scratch, StepError, StepSeq};
+use constraint::{Constraint, ConstraintError};
 use cost::{CostModel, Work};
 use request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, RejectReason, Rejected, RequestId, Usage, ValidRequest,
@@ -507,7 +510,7 @@ impl Engine {
                 },
             });
         }
-        let r = valid.req;
+        let ValidRequest { req: r, constraint } = valid;
         // A tenant that was idle starts at the lowest counter of the active ones (the VTC's
         // lift): idling banks no credit against tenants that kept the engine busy. On an idle
         // engine it starts at the highest counter, so what others were served while nobody
@@ -541,7 +544,7 @@ impl Engine {
             cached: 0,
             max_tokens: r.max_tokens,
             ignore_eos: r.ignore_eos,
-            sampler: Sampler::new(r.sampling),
+            sampler: Sampler::new(r.sampling, constraint),
             text: TextStream::new(r.stop),
         });
         Ok(id)
@@ -748,6 +751,12 @@ impl Engine {
             }
         }
         if !step.is_empty() {
+            // Constrained sequences' next masks depend only on their tokens so far: computed
+            // while the forward pass runs, on whatever worker it leaves free.
+            let mut masks: Vec<(usize, Constraint)> = step
+                .iter()
+                .filter_map(|&(i, _)| self.running[i].sampler.take_constraint().map(|c| (i, c)))
+                .collect();
             let seqs: Vec<StepSeq<'_>> = step
                 .iter()
                 .map(|&(i, n)| {
@@ -766,9 +775,15 @@ impl Engine {
                 w.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)))
             });
             let started = Instant::now();
-            let results = self
-                .model
-                .forward(&mut self.pool, &seqs, self.cfg.tag_check, &mut self.scratch);
+            let (model, pool, scratch, check) = (&self.model, &mut self.pool, &mut self.scratch, self.cfg.tag_check);
+            let (results, ()) = rayon::join(
+                || model.forward(pool, &seqs, check, scratch),
+                || masks.par_iter_mut().for_each(|(_, c)| c.prepare()),
+            );
+            drop(seqs);
+            for (i, c) in masks {
+                self.running[i].sampler.put_constraint(c);
+            }
             self.computed += work.tokens as u64;
             self.cost.observe(work, started.elapsed());
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
@@ -800,7 +815,8 @@ impl Engine {
             }
             // Sampling is independent per sequence: spread it over the pool, then accept the
             // tokens in order.
-            let picks: Vec<Option<(u32, Option<TokenLogprobs>)>> = self
+            type Pick = Result<(u32, Option<TokenLogprobs>), ConstraintError>;
+            let picks: Vec<Option<Pick>> = self
                 .running
                 .par_iter_mut()
                 .zip(to_sample.into_par_iter())
@@ -808,12 +824,16 @@ impl Engine {
                     let mut logits = logits?;
                     let raw = s.logprobs.map(|k| (logits.clone(), k));
                     let tok = s.sampler.sample(&mut logits, &s.tokens, s.prompt_len);
-                    Some((tok, raw.map(|(raw, k)| TokenLogprobs::of(&raw, tok, k))))
+                    Some(tok.map(|tok| (tok, raw.map(|(raw, k)| TokenLogprobs::of(&raw, tok, k)))))
                 })
                 .collect();
             for (i, pick) in picks.into_iter().enumerate() {
-                if let Some((tok, lp)) = pick {
-                    ends[i] = Self::accept(&*self.detok, &mut self.events, &mut self.running[i], tok, lp);
+                match pick {
+                    Some(Ok((tok, lp))) => {
+                        ends[i] = Self::accept(&*self.detok, &mut self.events, &mut self.running[i], tok, lp);
+                    }
+                    Some(Err(e)) => ends[i] = Some(Outcome::Aborted(AbortReason::Constraint(e))),
+                    None => {}
                 }
             }
         }

@@ -11,6 +11,7 @@
 
 use warden_kernels::tag::IsolationViolation;
 
+use super::constraint::Constraint;
 pub use super::field::{Field, InvalidParam};
 use super::sampling::SamplingParams;
 use crate::kv::{KvError, SeqId};
@@ -317,6 +318,7 @@ impl Params {
                 ignore_eos,
                 logprobs,
             },
+            constraint: None,
         })
     }
 }
@@ -327,7 +329,7 @@ impl Params {
 ///
 /// ```compile_fail
 /// # use warden::engine::request::{GenerateRequest, ValidRequest};
-/// let valid = ValidRequest { req: GenerateRequest::greedy(1, vec![1], 1) };
+/// let valid = ValidRequest { req: GenerateRequest::greedy(1, vec![1], 1), constraint: None };
 /// ```
 ///
 /// and the engine cannot be handed one:
@@ -340,6 +342,8 @@ impl Params {
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
     pub(super) req: GenerateRequest,
+    /// What its output must match (a compiled `response_format`); in this process only.
+    pub(super) constraint: Option<Constraint>,
 }
 
 impl ValidRequest {
@@ -348,9 +352,22 @@ impl ValidRequest {
         &self.req
     }
 
-    /// The request, raw again (to send to another node, which validates it again).
+    /// The request, raw again (to send to another node, which validates it again). A constraint
+    /// does not cross: callers refuse constrained requests before (see
+    /// [`constrained`](Self::constrained)).
     pub fn into_request(self) -> GenerateRequest {
         self.req
+    }
+
+    /// The same request, its output under `constraint`.
+    pub fn with_constraint(mut self, constraint: Option<Constraint>) -> Self {
+        self.constraint = constraint;
+        self
+    }
+
+    /// Whether its output is under a constraint.
+    pub fn constrained(&self) -> bool {
+        self.constraint.is_some()
     }
 
     /// Choice `index` of a request with `n` choices: the same request, its seed (if it has one)
@@ -358,7 +375,10 @@ impl ValidRequest {
     pub fn choice(&self, index: usize) -> Self {
         let mut req = self.req.clone();
         req.sampling.seed = req.sampling.seed.map(|s| s.wrapping_add(index as u64));
-        Self { req }
+        Self {
+            req,
+            constraint: self.constraint.clone(),
+        }
     }
 }
 
@@ -420,6 +440,9 @@ pub enum AbortReason {
     /// Its prompt's KV did not arrive whole from the prefill node (invariant 7).
     #[error("KV transfer failed: {0}")]
     Transfer(String),
+    /// Its output constraint allowed no next token, or failed.
+    #[error("{0}")]
+    Constraint(super::constraint::ConstraintError),
     /// On a router: the decode node ended it with this error (as its client would see it), or
     /// the node failed.
     #[error("{message}")]
@@ -440,6 +463,8 @@ impl AbortReason {
             AbortReason::Isolation(_) => "isolation_violation",
             AbortReason::Kv(_) => "kv_unavailable",
             AbortReason::Transfer(_) => "kv_transfer_failed",
+            AbortReason::Constraint(super::constraint::ConstraintError::NoToken) => "constraint_allows_no_token",
+            AbortReason::Constraint(_) => "constraint_failed",
             AbortReason::Node { code, .. } => code,
         }
     }
@@ -454,6 +479,7 @@ impl AbortReason {
             }
             AbortReason::Kv(e) => e.to_string(),
             AbortReason::Transfer(e) => e.clone(),
+            AbortReason::Constraint(e) => e.to_string(),
             AbortReason::Node { message, .. } => message.clone(),
         }
     }

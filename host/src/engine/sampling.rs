@@ -1,7 +1,8 @@
-//! Token sampling: logit bias, repetition, presence and frequency penalties, top-k, top-p, min-p,
-//! temperature, and a seeded RNG.
+//! Token sampling: an output constraint, logit bias, repetition, presence and frequency
+//! penalties, top-k, top-p, min-p, temperature, and a seeded RNG.
 //!
-//! The order is llama.cpp's: the bias and the penalties on raw logits, then the truncations
+//! The constraint goes first: a token it does not allow is −∞ whatever its bias. Then the order
+//! is llama.cpp's: the bias and the penalties on raw logits, then the truncations
 //! (top-k, top-p, min-p) on the softmax of the temperature-scaled logits, then a draw.
 //! Temperature 0 is greedy argmax (of the biased, penalized logits).
 //! Each sequence owns its RNG (ChaCha8), seeded from the request's seed when given, so the same
@@ -12,6 +13,7 @@ use std::collections::HashMap;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use super::constraint::{Constraint, ConstraintError};
 use super::field::{Field, InvalidParam};
 
 /// Sampling parameters, validated at admission (see [`SamplingParams::validate`]).
@@ -135,11 +137,12 @@ pub struct Sampler {
     /// frequency penalties), kept as the output grows.
     counts: HashMap<u32, u32>,
     counted: usize,
+    constraint: Option<Constraint>,
 }
 
 impl Sampler {
-    /// A sampler for validated `params`.
-    pub fn new(params: SamplingParams) -> Self {
+    /// A sampler for validated `params`, under `constraint` if there is one.
+    pub fn new(params: SamplingParams, constraint: Option<Constraint>) -> Self {
         let seed = params.seed.unwrap_or_else(|| rand::rng().random());
         Self {
             rng: ChaCha8Rng::seed_from_u64(seed),
@@ -148,14 +151,38 @@ impl Sampler {
             weights: Vec::new(),
             counts: HashMap::new(),
             counted: 0,
+            constraint,
         }
+    }
+
+    /// Takes its constraint out (to compute the next mask alongside the forward pass); give it
+    /// back with [`put_constraint`](Self::put_constraint) before sampling.
+    pub fn take_constraint(&mut self) -> Option<Constraint> {
+        self.constraint.take()
+    }
+
+    /// Gives back what [`take_constraint`](Self::take_constraint) took.
+    pub fn put_constraint(&mut self, c: Constraint) {
+        self.constraint = Some(c);
     }
 
     /// Picks the next token from `logits` given the sequence's tokens so far, `history`, whose
     /// output starts at `output_from`: the repetition penalty looks at both prompt and output (as
     /// llama.cpp's does), the presence and frequency penalties at the output only (as OpenAI
     /// defines them).
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_from: usize) -> u32 {
+    /// Fails only under a constraint that allows no token here or fails.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_from: usize) -> Result<u32, ConstraintError> {
+        if let Some(c) = &mut self.constraint {
+            c.apply(logits)?;
+        }
+        let tok = self.draw(logits, history, output_from);
+        if let Some(c) = &mut self.constraint {
+            c.accept(tok)?;
+        }
+        Ok(tok)
+    }
+
+    fn draw(&mut self, logits: &mut [f32], history: &[u32], output_from: usize) -> u32 {
         for &(id, bias) in &self.params.logit_bias {
             if let Some(l) = logits.get_mut(id as usize) {
                 *l += bias;
@@ -274,16 +301,20 @@ pub fn argmax(logits: &[f32]) -> u32 {
 mod tests {
     use super::*;
 
+    fn sampler(p: SamplingParams) -> Sampler {
+        Sampler::new(p, None)
+    }
+
     fn logits() -> Vec<f32> {
         (0..1000).map(|i| ((i * 37) % 101) as f32 / 10.0).collect()
     }
 
     #[test]
     fn greedy_is_argmax() {
-        let mut s = Sampler::new(SamplingParams::default());
+        let mut s = Sampler::new(SamplingParams::default(), None);
         let mut l = logits();
         let want = argmax(&l);
-        assert_eq!(s.sample(&mut l, &[], 0), want);
+        assert_eq!(s.sample(&mut l, &[], 0).unwrap(), want);
     }
 
     #[test]
@@ -295,8 +326,10 @@ mod tests {
             ..Default::default()
         };
         let draw = |p: &SamplingParams| {
-            let mut s = Sampler::new(p.clone());
-            (0..20).map(|_| s.sample(&mut logits(), &[], 0)).collect::<Vec<_>>()
+            let mut s = Sampler::new(p.clone(), None);
+            (0..20)
+                .map(|_| s.sample(&mut logits(), &[], 0).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(&p), draw(&p));
         assert_ne!(
@@ -312,14 +345,14 @@ mod tests {
     fn top_k_one_is_greedy_and_top_k_limits_the_set() {
         let mut l = logits();
         let want = argmax(&l);
-        let mut s = Sampler::new(SamplingParams {
+        let mut s = sampler(SamplingParams {
             temperature: 1.5,
             top_k: 1,
             seed: Some(1),
             ..Default::default()
         });
-        assert_eq!(s.sample(&mut l, &[], 0), want);
-        let mut s = Sampler::new(SamplingParams {
+        assert_eq!(s.sample(&mut l, &[], 0).unwrap(), want);
+        let mut s = sampler(SamplingParams {
             temperature: 2.0,
             top_k: 3,
             seed: Some(1),
@@ -329,7 +362,7 @@ mod tests {
         let l = logits();
         sorted.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
         for _ in 0..50 {
-            let t = s.sample(&mut logits(), &[], 0) as usize;
+            let t = s.sample(&mut logits(), &[], 0).unwrap() as usize;
             assert!(sorted[..3].contains(&t));
         }
     }
@@ -353,9 +386,9 @@ mod tests {
                 ..Default::default()
             },
         ] {
-            let mut s = Sampler::new(p);
+            let mut s = Sampler::new(p, None);
             for _ in 0..20 {
-                assert_eq!(s.sample(&mut l.clone(), &[], 0), 7);
+                assert_eq!(s.sample(&mut l.clone(), &[], 0).unwrap(), 7);
             }
         }
     }
@@ -363,11 +396,11 @@ mod tests {
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
         let mut l = vec![1.0f32, 0.9, 0.1];
-        let mut s = Sampler::new(SamplingParams {
+        let mut s = sampler(SamplingParams {
             repetition_penalty: 2.0,
             ..Default::default()
         });
-        assert_eq!(s.sample(&mut l, &[0], 0), 1);
+        assert_eq!(s.sample(&mut l, &[0], 0).unwrap(), 1);
     }
 
     #[test]
@@ -375,11 +408,11 @@ mod tests {
         let l = logits();
         let top = argmax(&l);
         let sample = |bias: Vec<(u32, f32)>| {
-            let mut s = Sampler::new(SamplingParams {
+            let mut s = sampler(SamplingParams {
                 logit_bias: bias,
                 ..Default::default()
             });
-            s.sample(&mut l.clone(), &[], 0)
+            s.sample(&mut l.clone(), &[], 0).unwrap()
         };
         assert_ne!(sample(vec![(top, -100.0)]), top, "-100 on the greedy token removes it");
         assert_eq!(sample(vec![(3, 100.0)]), 3, "+100 forces a token");
@@ -391,12 +424,12 @@ mod tests {
         // Token 0 leads by 1.5; it is in the prompt (ignored) and twice in the output.
         let base = vec![2.5f32, 1.0, 0.0];
         let run = |presence: f32, frequency: f32, history: &[u32], output_from: usize| {
-            let mut s = Sampler::new(SamplingParams {
+            let mut s = sampler(SamplingParams {
                 presence_penalty: presence,
                 frequency_penalty: frequency,
                 ..Default::default()
             });
-            s.sample(&mut base.clone(), history, output_from)
+            s.sample(&mut base.clone(), history, output_from).unwrap()
         };
         let h = [0, 2, 0, 0];
         assert_eq!(run(1.0, 0.0, &h, 1), 0, "presence alone: 2.5 - 1 still leads");
@@ -405,13 +438,13 @@ mod tests {
         assert_eq!(run(0.0, 1.0, &h, 4), 0, "nothing in the output, nothing penalized");
         assert_eq!(run(0.0, -2.0, &[1], 0), 1, "a negative penalty promotes");
         // Counting is incremental, and starts over if the output shrinks.
-        let mut s = Sampler::new(SamplingParams {
+        let mut s = sampler(SamplingParams {
             frequency_penalty: 1.0,
             ..Default::default()
         });
-        assert_eq!(s.sample(&mut base.clone(), &[0], 0), 0);
-        assert_eq!(s.sample(&mut base.clone(), &[0, 0], 0), 1);
-        assert_eq!(s.sample(&mut base.clone(), &[2], 0), 0);
+        assert_eq!(s.sample(&mut base.clone(), &[0], 0).unwrap(), 0);
+        assert_eq!(s.sample(&mut base.clone(), &[0, 0], 0).unwrap(), 1);
+        assert_eq!(s.sample(&mut base.clone(), &[2], 0).unwrap(), 0);
     }
 
     #[test]

@@ -321,6 +321,12 @@ pub trait EngineHandle: Send + Sync {
     /// Sends a KV question without waiting, for a choice with no route of its own (see
     /// [`SeqSlot`]); false when it cannot go (the reply channel then closes).
     fn ask(&self, q: KvQuery) -> bool;
+
+    /// Whether it runs output constraints (`response_format`): an engine in this process does;
+    /// a router, whose requests cross to other nodes as plain requests, does not.
+    fn takes_constraints(&self) -> bool {
+        true
+    }
 }
 
 /// This process's engine thread.

@@ -120,6 +120,8 @@ impl From<&AbortReason> for ApiError {
             AbortReason::Isolation(_) => StatusCode::INTERNAL_SERVER_ERROR,
             AbortReason::Shutdown | AbortReason::Kv(_) => StatusCode::SERVICE_UNAVAILABLE,
             AbortReason::Transfer(_) => StatusCode::BAD_GATEWAY,
+            // The request's own format left the model no way on.
+            AbortReason::Constraint(_) => StatusCode::BAD_REQUEST,
             // A node's own ending, passed on by a router, keeps its status.
             AbortReason::Node { code, .. } => match *code {
                 "cancelled" => StatusCode::BAD_REQUEST,

@@ -33,6 +33,7 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
 use crate::config::{ServeConfig, ServedModel};
+use crate::grammar::{GrammarLimits, Grammars};
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
 use crate::net::{accept, shutdown_signal};
@@ -184,11 +185,23 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         );
         Some(t)
     };
+    let grammar_limits = GrammarLimits {
+        max_schema_bytes: cfg.limits.max_schema_bytes,
+        compile_ms: cfg.limits.schema_compile_ms,
+    };
     let served = models
         .into_iter()
         .enumerate()
         .map(|(index, m)| {
+            let grammars = Arc::new(Grammars::new(m.loaded.tokenizer.clone(), grammar_limits));
+            // The vocabulary's token trie is built now, off the start path, rather than in the
+            // first structured request's time (a router runs no constraints).
+            if m.engine.takes_constraints() {
+                let warm = grammars.clone();
+                std::thread::spawn(move || warm.warm());
+            }
             Arc::new(Served {
+                grammars,
                 admission: m.engine.admission(),
                 request_limits: RequestLimits {
                     default_max_tokens: m.served.limits.default_max_tokens,

@@ -11,6 +11,7 @@ use crate::chat::ChatMessage;
 use crate::config::UnknownFields;
 use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params};
 use crate::engine::sampling::SamplingParams;
+use crate::grammar::Format;
 
 /// Deepest nesting of arrays and objects in a JSON text (strings skipped), without parsing it.
 pub fn json_depth(bytes: &[u8]) -> usize {
@@ -57,6 +58,7 @@ pub const COMMON_FIELDS: &[&str] = &[
     "min_p",
     "repetition_penalty",
     "logit_bias",
+    "response_format",
     "plugin",
 ];
 
@@ -129,11 +131,13 @@ fn known_fields(
     let Value::Object(map) = v else {
         return Ok(());
     };
-    let strange: Vec<String> = map
+    let mut strange: Vec<String> = map
         .keys()
         .filter(|k| !allowed.iter().any(|a| a.contains(&k.as_str())))
         .cloned()
         .collect();
+    // By name, whatever order the body had them in.
+    strange.sort();
     for k in strange {
         let path = format!("{prefix}{k}");
         if unknown == UnknownFields::Refuse {
@@ -287,6 +291,9 @@ pub struct Common {
     /// Token id (as a string) → bias in [−100, 100].
     #[serde(default)]
     pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// What the output must be: text, a JSON object, or JSON a schema accepts.
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
     /// End-user id (accepted, unused).
     #[serde(default)]
     pub user: Option<String>,
@@ -302,6 +309,38 @@ pub struct Common {
     /// Extension: the tenant's plugin to run (default: the tenant's default plugin, if any).
     #[serde(default)]
     pub plugin: Option<String>,
+}
+
+/// `response_format`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum ResponseFormat {
+    /// Any text.
+    Text,
+    /// A JSON object.
+    JsonObject,
+    /// JSON its schema accepts.
+    JsonSchema {
+        /// The schema and its name.
+        json_schema: JsonSchemaFormat,
+    },
+}
+
+/// `response_format.json_schema`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JsonSchemaFormat {
+    /// Its name (letters, digits, `_` and `-`, as OpenAI's).
+    pub name: String,
+    /// What it is for (not used in generation).
+    #[serde(default)]
+    pub description: Option<String>,
+    /// The schema; absent, any JSON.
+    #[serde(default)]
+    pub schema: Option<Value>,
+    /// Follow the schema exactly: output always does.
+    #[serde(default)]
+    pub strict: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -423,6 +462,8 @@ pub struct Shape {
 pub struct Plan {
     /// How it is answered.
     pub shape: Shape,
+    /// What its output must be (compiled against the model once the model is known).
+    pub format: Format,
     /// What to generate, for choice 0 (the others differ in seed: see
     /// [`ValidRequest::choice`](crate::engine::request::ValidRequest::choice)).
     pub params: Params,
@@ -482,7 +523,9 @@ impl Common {
         };
         let stop = self.stop.clone().map(Stop::into_vec).unwrap_or_default();
         let params = Params::new(sampling, max_tokens, stop, false, logprobs)?;
+        let format = self.format()?;
         Ok(Plan {
+            format,
             shape: Shape {
                 n,
                 stream: self.stream.unwrap_or(false),
@@ -494,6 +537,37 @@ impl Common {
 }
 
 impl Common {
+    /// `response_format` as the compiler takes it.
+    fn format(&self) -> Result<Format, ApiError> {
+        Ok(match &self.response_format {
+            None | Some(ResponseFormat::Text) => Format::Text,
+            Some(ResponseFormat::JsonObject) => Format::JsonObject,
+            Some(ResponseFormat::JsonSchema { json_schema: s }) => {
+                let name_ok = !s.name.is_empty()
+                    && s.name.len() <= 64
+                    && s.name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+                if !name_ok {
+                    return Err(ApiError::field(
+                        "response_format.json_schema.name",
+                        "response_format.json_schema.name must be 1 to 64 letters, digits, _ or -",
+                    ));
+                }
+                match &s.schema {
+                    None => Format::JsonSchema(serde_json::json!({})),
+                    Some(v @ (Value::Object(_) | Value::Bool(true))) => Format::JsonSchema(v.clone()),
+                    Some(_) => {
+                        return Err(ApiError::field(
+                            "response_format.json_schema.schema",
+                            "response_format.json_schema.schema must be a JSON schema object",
+                        ));
+                    }
+                }
+            }
+        })
+    }
+
     /// `logit_bias` as the sampler takes it: ids in increasing order. Its ranges (and the ids
     /// against the vocabulary) are checked with the other sampling fields.
     fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {

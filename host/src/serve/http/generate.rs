@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http_body_util::BodyExt;
 use hyper::header::{CONTENT_TYPE, HeaderValue};
@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 
 use super::reply::{Body, error_response, json_response, model_not_found};
 use crate::engine::request::ValidRequest;
+use crate::grammar::Format;
 use crate::plugin::KvAccess;
 use crate::policy::Policy;
 use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
@@ -205,8 +206,9 @@ pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<R
         let plan = r.common.plan(&a.lim, r.logprobs()?)?;
         let id = request_id("chatcmpl");
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
-        let shape = plan.shape;
+        let (shape, format) = (plan.shape, plan.format.clone());
         let req = limit(state, &t, &a, plan, prompt)?;
+        let req = constrain(&a, &format, req).await?;
         generate(state, &t, req, shape, Api::Chat, None, id, hooks, a).await
     }
     .await;
@@ -235,12 +237,53 @@ pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> R
         };
         let id = request_id("cmpl");
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
-        let shape = plan.shape;
+        let (shape, format) = (plan.shape, plan.format.clone());
         let req = limit(state, &t, &a, plan, prompt)?;
+        let req = constrain(&a, &format, req).await?;
         generate(state, &t, req, shape, Api::Completion, echo, id, hooks, a).await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
+}
+
+/// Puts `req`'s output under its `format`, compiled against the model's vocabulary off the
+/// runtime: a schema the compiler refuses, or that takes longer than the limit, is a 400 naming
+/// `response_format`. Every choice gets its own copy (see [`ValidRequest::choice`]).
+async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<ValidRequest, ApiError> {
+    if *format == Format::Text {
+        return Ok(req);
+    }
+    if !a.model.engine.takes_constraints() {
+        return Err(ApiError::field(
+            "response_format",
+            "response_format is not served through a cluster router; send it to a server that runs the model itself",
+        ));
+    }
+    let grammars = a.model.grammars.clone();
+    // The vocabulary's trie (built once, at start) is not the request's to wait for.
+    let warm = grammars.clone();
+    off_runtime(move || {
+        warm.warm();
+        Ok(())
+    })
+    .await?;
+    let limit = grammars.limits().compile_ms;
+    let format = format.clone();
+    let compile = tokio::task::spawn_blocking(move || grammars.compile(&format));
+    match tokio::time::timeout(Duration::from_millis(limit), compile).await {
+        Ok(Ok(Ok(c))) => Ok(req.with_constraint(c)),
+        Ok(Ok(Err(e))) => Err(ApiError::field("response_format", format!("response_format: {e}"))),
+        Ok(Err(_)) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "compiling response_format failed",
+        )),
+        // The compile goes on until llguidance's own fuel limits stop it; the request does not wait.
+        Err(_) => Err(ApiError::field(
+            "response_format",
+            format!("response_format took longer than {limit} ms to compile; simplify the schema"),
+        )),
+    }
 }
 
 /// Runs the request's plugin (`plugin`, or the tenant's default), if it has one, on what it asks
