@@ -16,7 +16,7 @@ const LAYERS: &[&[&str]] = &[
     &["gguf", "tenant", "net", "heap", "kv"],
     &["tokenizer", "chat", "model", "transfer"],
     &["loaded", "engine"],
-    &["config", "plugin", "policy"],
+    &["config", "plugin", "policy", "grammar"],
     &["metrics"],
     &["runner"],
     &["serve", "cluster"],
@@ -27,7 +27,7 @@ fn layer(top: &str) -> usize {
     LAYERS
         .iter()
         .position(|l| l.contains(&top))
-        .unwrap_or_else(|| panic!("module {top} is in no layer: add it to LAYERS in tests/layers.rs"))
+        .unwrap_or_else(|| panic!("module {top} is in no layer: add it to LAYERS in tests/architecture.rs"))
 }
 
 /// One source file: its module path and the code of it that ships.

@@ -62,7 +62,7 @@ pub enum GrammarError {
 /// One model's compiler of formats into constraints.
 pub struct Grammars {
     tokenizer: Arc<Tokenizer>,
-    factory: OnceLock<Result<ParserFactory, String>>,
+    factory: OnceLock<Result<ParserFactory, GrammarError>>,
     limits: GrammarLimits,
 }
 
@@ -91,7 +91,7 @@ impl Grammars {
         self.factory
             .get_or_init(|| build_factory(&self.tokenizer))
             .as_ref()
-            .map_err(|e| GrammarError::Unavailable(e.clone()))
+            .map_err(Clone::clone)
     }
 
     /// Compiles `format` (never [`Format::Text`], which constrains nothing: `None`). CPU-bound:
@@ -139,13 +139,13 @@ fn compact(mut schema: Value) -> Value {
 
 /// llguidance's view of the vocabulary: each token's bytes; a control token (no bytes of its
 /// own) as the special-token marker and its name, which grammars cannot produce as text.
-fn build_factory(tk: &Tokenizer) -> Result<ParserFactory, String> {
+fn build_factory(tk: &Tokenizer) -> Result<ParserFactory, GrammarError> {
     let n = tk.vocab_size();
     let eos = tk
         .eot_id()
         .or(tk.eos_id())
         .or(tk.eog_ids().first().copied())
-        .ok_or("the vocabulary has no end-of-generation token")?;
+        .ok_or_else(|| GrammarError::Unavailable("the vocabulary has no end-of-generation token".into()))?;
     let words: Vec<Vec<u8>> = (0..n as u32)
         .map(|id| {
             let bytes = tk.token_bytes(id);
@@ -169,7 +169,7 @@ fn build_factory(tk: &Tokenizer) -> Result<ParserFactory, String> {
         InferenceCapabilities::default(),
         &llguidance::earley::SlicedBiasComputer::general_slices(),
     )
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| GrammarError::Unavailable(e.to_string()))?;
     f.quiet();
     // Errors name the grammar's problem, never the tokens so far.
     *f.limits_mut() = ParserLimits {

@@ -273,6 +273,10 @@ impl Router {
                 },
             ));
         };
+        if req.constrained() {
+            // The edge refuses these (`takes_constraints`); a constraint never crosses silently.
+            return failed(grant.take(), "an output constraint cannot cross to a node".into());
+        }
         let dispatch = Dispatch {
             req: req.into_request(),
             settings,
