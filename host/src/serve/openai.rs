@@ -555,8 +555,9 @@ impl Common {
                     ));
                 }
                 match &s.schema {
-                    None => Format::JsonSchema(serde_json::json!({})),
-                    Some(v @ (Value::Object(_) | Value::Bool(true))) => Format::JsonSchema(v.clone()),
+                    // Any JSON, as the empty schema (so it is generated compactly too).
+                    None | Some(Value::Bool(true)) => Format::JsonSchema(serde_json::json!({})),
+                    Some(v @ Value::Object(_)) => Format::JsonSchema(v.clone()),
                     Some(_) => {
                         return Err(ApiError::field(
                             "response_format.json_schema.schema",
@@ -812,6 +813,41 @@ mod tests {
         let r =
             CompletionRequest::parse(br#"{"model":"m","prompt":"x","echo":true}"#, 8, UnknownFields::Refuse).unwrap();
         assert!(r.echo().unwrap());
+    }
+
+    #[test]
+    fn response_formats_parse_and_bad_ones_name_their_field() {
+        let plan = |rf: &str| {
+            let body = format!(r#"{{"model":"m","prompt":"x","response_format":{rf}}}"#);
+            CompletionRequest::parse(body.as_bytes(), 8, UnknownFields::Refuse)
+                .and_then(|r| r.common.plan(&lim(), None))
+        };
+        let json = Format::JsonSchema;
+        assert_eq!(plan(r#"{"type":"text"}"#).unwrap().format, Format::Text);
+        assert_eq!(plan(r#"{"type":"json_object"}"#).unwrap().format, Format::JsonObject);
+        let s = r#"{"type":"json_schema","json_schema":{"name":"p","strict":true,"schema":{"type":"integer"}}}"#;
+        assert_eq!(plan(s).unwrap().format, json(serde_json::json!({"type": "integer"})));
+        for any in [
+            r#"{"type":"json_schema","json_schema":{"name":"p"}}"#,
+            r#"{"type":"json_schema","json_schema":{"name":"p","schema":true}}"#,
+        ] {
+            assert_eq!(plan(any).unwrap().format, json(serde_json::json!({})), "{any}");
+        }
+        for (rf, field) in [
+            (r#"{"type":"xml"}"#, "response_format.type"),
+            (
+                r#"{"type":"json_schema","json_schema":{"name":"a b"}}"#,
+                "response_format.json_schema.name",
+            ),
+            (
+                r#"{"type":"json_schema","json_schema":{"name":"p","schema":3}}"#,
+                "response_format.json_schema.schema",
+            ),
+            (r#"{"type":"json_schema"}"#, "response_format"),
+        ] {
+            let e = plan(rf).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{rf}: {e:?}");
+        }
     }
 
     #[test]
