@@ -79,10 +79,22 @@ pub struct BenchReport {
     pub tag_checks: TagCheckCost,
     /// The prefill prompt's time to first token, computed and from the prefix cache.
     pub prefix_cache: PrefixCacheFigure,
-    /// With [`BenchConfig::constraint`]: each decode figure with every sequence constrained
-    /// (`tok_s`) against the same decode unconstrained, alternated (`tok_s_tags_off` holds the
-    /// unconstrained figure here and `ratio` the constrained one's share of it).
-    pub constrained_decode: Vec<Figure>,
+    /// With [`BenchConfig::constraint`]: each decode figure with every sequence constrained,
+    /// against the same decode unconstrained, the two alternated.
+    pub constrained_decode: Vec<ConstrainedFigure>,
+}
+
+/// Decode throughput with every sequence under an output constraint, and without.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConstrainedFigure {
+    /// Concurrent sequences.
+    pub sequences: usize,
+    /// Tokens per second, constrained.
+    pub tok_s: f64,
+    /// Tokens per second, the same decode unconstrained.
+    pub tok_s_unconstrained: f64,
+    /// `tok_s / tok_s_unconstrained`: 1.0 means the constraint is free.
+    pub ratio: f64,
 }
 
 /// What the tenant-private prefix cache saves: the prefill prompt's time to first token when the
@@ -190,7 +202,14 @@ pub fn run(
                 with = with.min(decode(&mut on, k, cfg.decode_tokens, Some(c)));
                 without = without.min(decode(&mut on, k, cfg.decode_tokens, None));
             }
-            constrained_decode.push(figure(k, (k * (cfg.decode_tokens - 1)) as f64, with, Some(without)));
+            let tokens = (k * (cfg.decode_tokens - 1)) as f64;
+            let (tok_s, tok_s_unconstrained) = (tokens / with.as_secs_f64(), tokens / without.as_secs_f64());
+            constrained_decode.push(ConstrainedFigure {
+                sequences: k,
+                tok_s,
+                tok_s_unconstrained,
+                ratio: tok_s / tok_s_unconstrained,
+            });
         }
     }
     let (k, fig) = cfg
