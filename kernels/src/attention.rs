@@ -839,197 +839,135 @@ mod simd {
         n
     }
 
-    /// [`super::weighted_sum`] for `head_dim == 8·NV`, eight lanes to a register. The running
-    /// output lives in registers as f32 values rounded to f16 after every operation, which is
-    /// exactly an f16 accumulator.
-    ///
-    /// # Safety
-    /// The CPU must support avx2, fma and f16c; `vals` holds `w.len()` rows `stride` apart, each
-    /// at least `8·NV` long, and `out` is `8·NV` long.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn accumulate_avx2<const NV: usize>(
-        w: &[f32],
-        rise_at: &[usize],
-        rise_by: &[f32],
-        vals: &[f32],
-        stride: usize,
-        sum: f32,
-        out: &mut [f32],
-    ) {
-        assert!(out.len() == 8 * NV && (w.is_empty() || (w.len() - 1) * stride + 8 * NV <= vals.len()));
-        let round = |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v));
-        let mut acc = [_mm256_setzero_ps(); NV];
-        for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
-            let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
-            let rv = _mm256_set1_ps(by);
-            for a in acc.iter_mut() {
-                *a = round(_mm256_mul_ps(*a, rv));
-            }
-            for (j, &wj) in w.iter().enumerate().take(end).skip(start) {
-                let wv = _mm256_set1_ps(wj);
-                // SAFETY: j < w.len(), so row j (8·NV values from `j·stride`) is inside `vals`.
-                let row = unsafe { vals.as_ptr().add(j * stride) };
-                for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: as above.
-                    let v = unsafe { _mm256_loadu_ps(row.add(8 * i)) };
-                    // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
-                    *a = round(_mm256_add_ps(*a, _mm256_mul_ps(wv, v)));
-                }
-            }
-        }
-        let sv = _mm256_set1_ps(sum);
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: `out` is 8·NV long.
-            unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(8 * i), _mm256_div_ps(*a, sv)) };
-        }
-    }
-
-    /// [`accumulate_avx2`] sixteen lanes to a register, for `head_dim == 16·NV`.
-    ///
-    /// # Safety
-    /// The CPU must support avx512f; otherwise as [`accumulate_avx2`] with `16·NV` columns.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_avx512<const NV: usize>(
-        w: &[f32],
-        rise_at: &[usize],
-        rise_by: &[f32],
-        vals: &[f32],
-        stride: usize,
-        sum: f32,
-        out: &mut [f32],
-    ) {
-        assert!(out.len() == 16 * NV && (w.is_empty() || (w.len() - 1) * stride + 16 * NV <= vals.len()));
-        const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        let round = |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<NEAREST>(v));
-        let mut acc = [_mm512_setzero_ps(); NV];
-        for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
-            let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
-            let rv = _mm512_set1_ps(by);
-            for a in acc.iter_mut() {
-                *a = round(_mm512_mul_ps(*a, rv));
-            }
-            for (j, &wj) in w.iter().enumerate().take(end).skip(start) {
-                let wv = _mm512_set1_ps(wj);
-                // SAFETY: j < w.len(), so row j (16·NV values from `j·stride`) is inside `vals`.
-                let row = unsafe { vals.as_ptr().add(j * stride) };
-                for (i, a) in acc.iter_mut().enumerate() {
-                    // SAFETY: as above.
-                    let v = unsafe { _mm512_loadu_ps(row.add(16 * i)) };
-                    *a = round(_mm512_add_ps(*a, _mm512_mul_ps(wv, v)));
-                }
-            }
-        }
-        let sv = _mm512_set1_ps(sum);
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: `out` is 16·NV long.
-            unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(16 * i), _mm512_div_ps(*a, sv)) };
-        }
-    }
-
-    /// [`super::weighted_sum_tiled`] for `R` rows, 64 columns (four registers per row) at a
-    /// time: each value row's slice is loaded once for all `R` rows, and its multiply-adds
-    /// into each row are the reference's, lane by lane.
-    ///
-    /// # Safety
-    /// The CPU must support avx512f; shapes as `super::weighted_sum_tiled` asserts, for `R`
-    /// rows, with the head width a multiple of 64.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn accumulate_tiled_avx512<const R: usize>(
-        w: &[f32],
-        wstride: usize,
-        ends: &[usize],
-        by: &[f32],
-        vals: &[f32],
-        out: &mut [f32],
-    ) {
-        let nt = ends.len();
-        let hd = out.len() / R;
-        let (wp, vp, op) = (w.as_ptr(), vals.as_ptr(), out.as_mut_ptr());
-        // SAFETY (pointer accesses): r < R, k < ends[nt−1], c + 64 ≤ hd: inside `w`, `vals`
-        // and `out` by the caller's shapes.
-        unsafe {
-            for c in (0..hd).step_by(64) {
-                let mut acc = [[_mm512_setzero_ps(); 4]; R];
-                let mut k = 0;
-                for (t, &end) in ends.iter().enumerate() {
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let f = _mm512_set1_ps(*by.get_unchecked(r * nt + t));
-                        for x in a.iter_mut() {
-                            *x = _mm512_mul_ps(*x, f);
+    /// The two weighted-sum kernels of one instruction set, `$lanes` f32 lanes to a register
+    /// `$v` with its intrinsics (`$zero`, `$splat`, ...; `$round` rounds a register to f16 and
+    /// back). Each lane makes the scalar reference's operations in its order, so every
+    /// instruction set gives the reference's bits.
+    macro_rules! weighted_sum_kernels {
+        (
+            $feature:literal, $v:ty, $lanes:literal, $tiled_regs:literal,
+            $accumulate:ident, $tiled:ident,
+            zero: $zero:ident, splat: $splat:ident, load: $load:ident, store: $store:ident,
+            add: $add:ident, mul: $mul:ident, div: $div:ident, fmadd: $fmadd:ident,
+            round: $round:expr $(,)?
+        ) => {
+            /// [`super::weighted_sum`] for `head_dim == LANES·NV`: the running output lives in
+            /// registers as f32 values rounded to f16 after every operation, which is exactly
+            /// an f16 accumulator.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support ", $feature, "; `vals` holds `w.len()` rows `stride` apart, each")]
+            /// at least `LANES·NV` long, and `out` is `LANES·NV` long.
+            #[allow(clippy::too_many_arguments)]
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn $accumulate<const NV: usize>(
+                w: &[f32],
+                rise_at: &[usize],
+                rise_by: &[f32],
+                vals: &[f32],
+                stride: usize,
+                sum: f32,
+                out: &mut [f32],
+            ) {
+                assert!(out.len() == $lanes * NV && (w.is_empty() || (w.len() - 1) * stride + $lanes * NV <= vals.len()));
+                let round = $round;
+                let mut acc = [$zero(); NV];
+                for (k, (&start, &by)) in rise_at.iter().zip(rise_by).enumerate() {
+                    let end = rise_at.get(k + 1).copied().unwrap_or(w.len());
+                    let rv = $splat(by);
+                    for a in acc.iter_mut() {
+                        *a = round($mul(*a, rv));
+                    }
+                    for (j, &wj) in w.iter().enumerate().take(end).skip(start) {
+                        let wv = $splat(wj);
+                        // SAFETY: j < w.len(), so row j (LANES·NV values from `j·stride`) is
+                        // inside `vals`.
+                        let row = unsafe { vals.as_ptr().add(j * stride) };
+                        for (i, a) in acc.iter_mut().enumerate() {
+                            // SAFETY: as above.
+                            let v = unsafe { $load(row.add($lanes * i)) };
+                            // Multiply, then add (two roundings), as llama.cpp's f16 multiply-add does.
+                            *a = round($add(*a, $mul(wv, v)));
                         }
                     }
-                    while k < end {
-                        let row = vp.add(k * hd + c);
-                        let v = [0, 16, 32, 48].map(|i| _mm512_loadu_ps(row.add(i)));
-                        for (r, a) in acc.iter_mut().enumerate() {
-                            let wv = _mm512_set1_ps(*wp.add(r * wstride + k));
-                            for (x, &vi) in a.iter_mut().zip(&v) {
-                                *x = _mm512_fmadd_ps(wv, vi, *x);
+                }
+                let sv = $splat(sum);
+                for (i, a) in acc.iter().enumerate() {
+                    // SAFETY: `out` is LANES·NV long.
+                    unsafe { $store(out.as_mut_ptr().add($lanes * i), $div(*a, sv)) };
+                }
+            }
+
+            /// [`super::weighted_sum_tiled`] for `R` rows, `$tiled_regs` registers of columns per
+            /// row at a time: each value row's slice is loaded once for all `R` rows.
+            ///
+            /// # Safety
+            #[doc = concat!("The CPU must support ", $feature, "; shapes as `super::weighted_sum_tiled` asserts, for `R`")]
+            /// rows, with the head width a multiple of the columns taken at a time.
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn $tiled<const R: usize>(
+                w: &[f32],
+                wstride: usize,
+                ends: &[usize],
+                by: &[f32],
+                vals: &[f32],
+                out: &mut [f32],
+            ) {
+                const COLS: usize = $lanes * $tiled_regs;
+                let nt = ends.len();
+                let hd = out.len() / R;
+                let (wp, vp, op) = (w.as_ptr(), vals.as_ptr(), out.as_mut_ptr());
+                // SAFETY (pointer accesses): r < R, k < ends[nt−1], c + COLS ≤ hd: inside `w`,
+                // `vals` and `out` by the caller's shapes.
+                unsafe {
+                    for c in (0..hd).step_by(COLS) {
+                        let mut acc: [[$v; $tiled_regs]; R] = [[$zero(); $tiled_regs]; R];
+                        let mut k = 0;
+                        for (t, &end) in ends.iter().enumerate() {
+                            for (r, a) in acc.iter_mut().enumerate() {
+                                let f = $splat(*by.get_unchecked(r * nt + t));
+                                for x in a.iter_mut() {
+                                    *x = $mul(*x, f);
+                                }
+                            }
+                            while k < end {
+                                let row = vp.add(k * hd + c);
+                                let v: [$v; $tiled_regs] = std::array::from_fn(|i| $load(row.add($lanes * i)));
+                                for (r, a) in acc.iter_mut().enumerate() {
+                                    let wv = $splat(*wp.add(r * wstride + k));
+                                    for (x, &vi) in a.iter_mut().zip(&v) {
+                                        *x = $fmadd(wv, vi, *x);
+                                    }
+                                }
+                                k += 1;
                             }
                         }
-                        k += 1;
-                    }
-                }
-                for (r, a) in acc.iter().enumerate() {
-                    for (i, x) in a.iter().enumerate() {
-                        _mm512_storeu_ps(op.add(r * hd + c + 16 * i), *x);
-                    }
-                }
-            }
-        }
-    }
-
-    /// [`accumulate_tiled_avx512`] eight lanes to a register, 16 columns at a time.
-    ///
-    /// # Safety
-    /// The CPU must support avx2 and fma; shapes as `super::weighted_sum_tiled` asserts, for
-    /// `R` rows, with the head width a multiple of 16.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn accumulate_tiled_avx2<const R: usize>(
-        w: &[f32],
-        wstride: usize,
-        ends: &[usize],
-        by: &[f32],
-        vals: &[f32],
-        out: &mut [f32],
-    ) {
-        let nt = ends.len();
-        let hd = out.len() / R;
-        let (wp, vp, op) = (w.as_ptr(), vals.as_ptr(), out.as_mut_ptr());
-        // SAFETY (pointer accesses): as in `accumulate_tiled_avx512`, with c + 16 ≤ hd.
-        unsafe {
-            for c in (0..hd).step_by(16) {
-                let mut acc = [[_mm256_setzero_ps(); 2]; R];
-                let mut k = 0;
-                for (t, &end) in ends.iter().enumerate() {
-                    for (r, a) in acc.iter_mut().enumerate() {
-                        let f = _mm256_set1_ps(*by.get_unchecked(r * nt + t));
-                        for x in a.iter_mut() {
-                            *x = _mm256_mul_ps(*x, f);
-                        }
-                    }
-                    while k < end {
-                        let row = vp.add(k * hd + c);
-                        let v = [_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8))];
-                        for (r, a) in acc.iter_mut().enumerate() {
-                            let wv = _mm256_set1_ps(*wp.add(r * wstride + k));
-                            for (x, &vi) in a.iter_mut().zip(&v) {
-                                *x = _mm256_fmadd_ps(wv, vi, *x);
+                        for (r, a) in acc.iter().enumerate() {
+                            for (i, x) in a.iter().enumerate() {
+                                $store(op.add(r * hd + c + $lanes * i), *x);
                             }
                         }
-                        k += 1;
-                    }
-                }
-                for (r, a) in acc.iter().enumerate() {
-                    for (i, x) in a.iter().enumerate() {
-                        _mm256_storeu_ps(op.add(r * hd + c + 8 * i), *x);
                     }
                 }
             }
-        }
+        };
     }
+
+    weighted_sum_kernels!(
+        "avx2,fma,f16c", __m256, 8, 2,
+        accumulate_avx2, accumulate_tiled_avx2,
+        zero: _mm256_setzero_ps, splat: _mm256_set1_ps, load: _mm256_loadu_ps, store: _mm256_storeu_ps,
+        add: _mm256_add_ps, mul: _mm256_mul_ps, div: _mm256_div_ps, fmadd: _mm256_fmadd_ps,
+        round: |v: __m256| _mm256_cvtph_ps(_mm256_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT }>(v)),
+    );
+
+    weighted_sum_kernels!(
+        "avx512f", __m512, 16, 4,
+        accumulate_avx512, accumulate_tiled_avx512,
+        zero: _mm512_setzero_ps, splat: _mm512_set1_ps, load: _mm512_loadu_ps, store: _mm512_storeu_ps,
+        add: _mm512_add_ps, mul: _mm512_mul_ps, div: _mm512_div_ps, fmadd: _mm512_fmadd_ps,
+        round: |v: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v)),
+    );
 
     /// As [`scores`], four query rows by 32 keys (16 at the end of an odd row) per register
     /// tile.
