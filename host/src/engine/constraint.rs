@@ -74,13 +74,11 @@ impl Constraint {
             Some(Err(e)) => return Err(e.clone()),
             None => unreachable!("prepare computed it"),
         };
+        // `prepare` refused an empty mask, and the mask covers the vocabulary: a token stays.
         for (id, l) in logits.iter_mut().enumerate() {
             if !mask.is_allowed(id as u32) {
                 *l = f32::NEG_INFINITY;
             }
-        }
-        if logits.iter().all(|l| *l == f32::NEG_INFINITY) {
-            return Err(ConstraintError::NoToken);
         }
         Ok(())
     }

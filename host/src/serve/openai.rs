@@ -115,6 +115,26 @@ fn parse_json_object(bytes: &[u8], max_depth: usize) -> Result<Value, ApiError> 
     Ok(value)
 }
 
+/// A body whose top-level fields are `allowed` and whose messages' (if it has `messages`) are
+/// [`MESSAGE_FIELDS`], others ignored or refused as `unknown` says: the body without them, and
+/// the paths of those ignored.
+fn parse_known(
+    bytes: &[u8],
+    max_depth: usize,
+    allowed: &[&[&str]],
+    unknown: UnknownFields,
+) -> Result<(Value, Vec<String>), ApiError> {
+    let mut v = parse_json_object(bytes, max_depth)?;
+    let mut ignored = Vec::new();
+    known_fields(&mut v, allowed, "", unknown, &mut ignored)?;
+    if let Some(Value::Array(messages)) = v.get_mut("messages") {
+        for (i, m) in messages.iter_mut().enumerate() {
+            known_fields(m, &[MESSAGE_FIELDS], &format!("messages[{i}]."), unknown, &mut ignored)?;
+        }
+    }
+    Ok((v, ignored))
+}
+
 /// Most ignored fields a request lists (the rest are not named).
 pub const MAX_IGNORED_LISTED: usize = 16;
 
@@ -372,14 +392,7 @@ impl ChatRequest {
     /// Parses a body; fields the server does not know (at the top level and in each message)
     /// are ignored or refused as `unknown` says.
     pub fn parse(bytes: &[u8], max_depth: usize, unknown: UnknownFields) -> Result<Self, ApiError> {
-        let mut v = parse_json_object(bytes, max_depth)?;
-        let mut ignored = Vec::new();
-        known_fields(&mut v, &[CHAT_FIELDS, COMMON_FIELDS], "", unknown, &mut ignored)?;
-        if let Some(Value::Array(messages)) = v.get_mut("messages") {
-            for (i, m) in messages.iter_mut().enumerate() {
-                known_fields(m, &[MESSAGE_FIELDS], &format!("messages[{i}]."), unknown, &mut ignored)?;
-            }
-        }
+        let (v, ignored) = parse_known(bytes, max_depth, &[CHAT_FIELDS, COMMON_FIELDS], unknown)?;
         let own: ChatOwn = typed(v.clone())?;
         Ok(Self {
             messages: own.messages,
@@ -432,9 +445,7 @@ struct CompletionOwn {
 impl CompletionRequest {
     /// Parses a body; fields the server does not know are ignored or refused as `unknown` says.
     pub fn parse(bytes: &[u8], max_depth: usize, unknown: UnknownFields) -> Result<Self, ApiError> {
-        let mut v = parse_json_object(bytes, max_depth)?;
-        let mut ignored = Vec::new();
-        known_fields(&mut v, &[COMPLETION_FIELDS, COMMON_FIELDS], "", unknown, &mut ignored)?;
+        let (v, ignored) = parse_known(bytes, max_depth, &[COMPLETION_FIELDS, COMMON_FIELDS], unknown)?;
         let own: CompletionOwn = typed(v.clone())?;
         Ok(Self {
             prompt: own.prompt,

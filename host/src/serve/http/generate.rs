@@ -269,7 +269,14 @@ async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<V
     .await?;
     let limit = grammars.limits().compile_ms;
     let format = format.clone();
-    let compile = tokio::task::spawn_blocking(move || grammars.compile(&format));
+    // The compile holds the request's slot of its tenant's concurrency until it ends, even past
+    // the time limit: a tenant cannot pile up compiles by timing them out.
+    let hold = a.grant.clone();
+    let compile = tokio::task::spawn_blocking(move || {
+        let c = grammars.compile(&format);
+        drop(hold);
+        c
+    });
     match tokio::time::timeout(Duration::from_millis(limit), compile).await {
         Ok(Ok(Ok(c))) => Ok(req.with_constraint(c)),
         Ok(Ok(Err(e))) => Err(ApiError::field("response_format", format!("response_format: {e}"))),
@@ -278,7 +285,8 @@ async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<V
             "internal_error",
             "compiling response_format failed",
         )),
-        // The compile goes on until llguidance's own fuel limits stop it; the request does not wait.
+        // The compile goes on until llguidance's own fuel limits stop it, holding the tenant's
+        // slot; the request does not wait.
         Err(_) => Err(ApiError::field(
             "response_format",
             format!("response_format took longer than {limit} ms to compile; simplify the schema"),
