@@ -87,6 +87,36 @@ fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
                 .await
                 >= 1.0
         );
+        // Constrained decoding needs the engine in the same process: a router refuses it by
+        // the field that asks for it, and serves tools under `auto` (read at the edge).
+        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
+        for (extra, status, param) in [
+            (
+                r#""response_format":{"type":"json_object"}"#.to_string(),
+                400,
+                "response_format",
+            ),
+            (format!(r#"{tools},"tool_choice":"required""#), 400, "tools"),
+            (tools.to_string(), 200, ""),
+        ] {
+            let body = format!(
+                r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":4,{extra}}}"#
+            );
+            let r = router
+                .client()
+                .request(
+                    Method::POST,
+                    "/v1/chat/completions",
+                    Some(router.key()),
+                    Some(body.into_bytes()),
+                )
+                .await
+                .expect("request");
+            assert_eq!(r.status, status, "{extra}: {}", r.text());
+            if status == 400 {
+                assert_eq!(r.json().expect("json")["error"]["param"], param, "{}", r.text());
+            }
+        }
     });
 }
 

@@ -112,6 +112,48 @@ for name, bad in [("bad_schema", {"type": "json_schema", "json_schema": {"name":
     except openai.BadRequestError as e:
         out[name] = [e.status_code, e.code, e.body.get("param") if isinstance(e.body, dict) else None]
 
+# Tools: a named function's call validates against its parameters; the client sends its result
+# back with the assistant message as the SDK returned it; the model answers. `required`, streamed,
+# assembles from tool-call deltas as clients do.
+weather = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 32},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+r = client.chat.completions.create(model=model, messages=ask_weather, tools=[weather], temperature=0, max_tokens=80,
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}})
+m = r.choices[0].message
+for c in m.tool_calls:
+    jsonschema.validate(json.loads(c.function.arguments), weather["function"]["parameters"])
+out["tool_call"] = [[c.function.name for c in m.tool_calls], r.choices[0].finish_reason, m.tool_calls[0].id[:5], m.content]
+history = ask_weather + [m, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "18 C and sunny"}]
+r = client.chat.completions.create(model=model, messages=history, tools=[weather], temperature=0, max_tokens=24)
+out["tool_answer"] = r.choices[0].finish_reason
+r = client.chat.completions.create(model=model, messages=history, tools=[weather], tool_choice="none", temperature=0, max_tokens=24)
+out["tool_answer_text"] = [r.choices[0].message.content, r.choices[0].message.tool_calls, r.choices[0].finish_reason]
+calls, finish = {}, None
+for chunk in client.chat.completions.create(model=model, messages=ask_weather, tools=[weather], tool_choice="required",
+                                            parallel_tool_calls=False, temperature=0, max_tokens=80, stream=True):
+    for c in chunk.choices:
+        for d in c.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            call["name"] += (d.function.name or "") if d.function else ""
+            call["arguments"] += (d.function.arguments or "") if d.function else ""
+        finish = c.finish_reason or finish
+for call in calls.values():
+    jsonschema.validate(json.loads(call["arguments"]), weather["function"]["parameters"])
+out["tool_stream"] = [[c["name"] for c in calls.values()], finish]
+for name, tools, choice in [
+    ("bad_tool", [{"type": "function", "function": {"name": "get weather"}}], "auto"),
+    ("bad_tool_choice", [weather], {"type": "function", "function": {"name": "launch"}}),
+]:
+    try:
+        client.chat.completions.create(model=model, messages=ask_weather, max_tokens=4, tools=tools, tool_choice=choice)
+        out[name] = "accepted"
+    except openai.BadRequestError as e:
+        out[name] = [e.status_code, e.code, e.body.get("param") if isinstance(e.body, dict) else None]
+
 # Fields this server does not know, as SDKs and proxies add them: served, and named.
 raw = client.chat.completions.with_raw_response.create(
     model=model, messages=messages + [{"role": "assistant", "content": "Paris.", "refusal": None}, {"role": "user", "content": "Sure?"}],

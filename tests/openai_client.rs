@@ -1,7 +1,7 @@
 //! The official OpenAI Python client against the real server over TLS, trusting the generated
 //! certificate: chat (streamed and not), completions (with legacy `logprobs` and `echo`), models,
 //! logprobs, `n`, `logit_bias`, the penalties, `response_format` (JSON validated against its
-//! schema), fields the server does not know, and its error types. Greedy chat output must equal `warden generate --chat` for the same message.
+//! schema), tools (a call, its result sent back, an answer), fields the server does not know, and its error types. Greedy chat output must equal `warden generate --chat` for the same message.
 
 mod common;
 
@@ -143,6 +143,25 @@ fn the_official_openai_client_works_unmodified() {
         serde_json::json!([400, "invalid_parameter", "response_format"])
     );
     assert_eq!(v["bad_format"][0], 400);
+    // Tools (the script validated each call's arguments against the function's parameters).
+    assert_eq!(
+        v["tool_call"],
+        serde_json::json!([["get_weather"], "tool_calls", "call_", null])
+    );
+    let answered = v["tool_answer"].as_str().unwrap();
+    assert!(["stop", "length", "tool_calls"].contains(&answered), "{answered}");
+    let text = &v["tool_answer_text"];
+    assert!(text[0].as_str().is_some_and(|t| !t.is_empty()), "{text}");
+    assert!(text[1].is_null() && text[2] != "tool_calls", "{text}");
+    assert_eq!(v["tool_stream"], serde_json::json!([["get_weather"], "tool_calls"]));
+    assert_eq!(
+        v["bad_tool"],
+        serde_json::json!([400, "invalid_parameter", "tools[0].function.name"])
+    );
+    assert_eq!(
+        v["bad_tool_choice"],
+        serde_json::json!([400, "invalid_parameter", "tool_choice.function.name"])
+    );
     // Unknown fields are served, and named.
     assert_eq!(v["ignored_served"], "length");
     assert_eq!(v["ignored_header"], "metadata, store, vendor_knob, messages[1].refusal");

@@ -34,10 +34,16 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// Who speaks: `system`, `user`, `assistant`, or whatever roles the template knows.
+    /// Who speaks: `system`, `user`, `assistant`, `tool`, or whatever roles the template knows.
     pub role: String,
     /// What they say.
     pub content: String,
+    /// An assistant's calls of the request's tools, as templates that render tools expect them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// A `tool` message's answer is to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -46,8 +52,33 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
         }
     }
+}
+
+/// One call of a function, as a template sees it: `{id, type: "function", function: {name,
+/// arguments}}` with the arguments as a JSON value (as vLLM and Hugging Face pass them), not the
+/// string the wire carries.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The call's id.
+    pub id: String,
+    /// Always `function`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// What is called, with what.
+    pub function: FunctionCall,
+}
+
+/// A called function's name and arguments.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments (usually an object).
+    pub arguments: serde_json::Value,
 }
 
 /// What went wrong reading or rendering a chat template.
@@ -121,6 +152,8 @@ impl std::error::Error for RaisedException {}
 /// A compiled chat template with the BOS and EOS texts it is rendered with.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The source mentions `tools`: it renders a request's tools itself.
+    renders_tools: bool,
     bos: String,
     eos: String,
     limits: ChatLimits,
@@ -184,6 +217,7 @@ impl ChatTemplate {
         env.set_fuel(Some(limits.fuel));
         env.set_recursion_limit(limits.recursion);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
         env.add_function(
             "raise_exception",
             |message: String| -> Result<minijinja::Value, Error> {
@@ -193,7 +227,13 @@ impl ChatTemplate {
         );
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| ChatError::Syntax(e.to_string()))?;
-        Ok(Self { env, bos, eos, limits })
+        Ok(Self {
+            env,
+            renders_tools: source.contains("tools"),
+            bos,
+            eos,
+            limits,
+        })
     }
 
     /// The `bos_token` the template sees.
@@ -206,15 +246,33 @@ impl ChatTemplate {
         &self.eos
     }
 
+    /// Whether the template renders tools (its source uses `tools`, as the templates of models
+    /// trained to call functions do); one that does not is given them as text by the caller.
+    pub fn renders_tools(&self) -> bool {
+        self.renders_tools
+    }
+
     /// The prompt for `messages`; with `add_generation_prompt`, followed by whatever the template
     /// writes to start the assistant's reply.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, ChatError> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`render`](Self::render), with `tools` (OpenAI's list of `{type: "function", function}`
+    /// objects, as Hugging Face passes it) for a template that [renders tools](Self::renders_tools).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
             .map_err(|e| ChatError::Render(e.to_string()))?;
         let ctx = context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos,
             eos_token => &self.eos,
@@ -246,6 +304,118 @@ impl ChatTemplate {
             source = s.source();
         }
         ChatError::Render(e.to_string())
+    }
+}
+
+/// `tojson` as Hugging Face defines it for chat templates: Python's `json.dumps` (`", "` and
+/// `": "` between items, or `","` with an `indent`; non-ASCII kept unless `ensure_ascii`), with
+/// its `indent`, `separators`, `sort_keys` and `ensure_ascii` arguments, and no HTML escaping
+/// (minijinja's own escapes `<`, which would change how tools are shown to the model).
+fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<minijinja::Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => {
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair of strings",
+            ));
+        }
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let v = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let style = PyJson {
+        indent,
+        item,
+        key,
+        sort_keys: sort_keys.unwrap_or(false),
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+    };
+    let mut out = String::new();
+    style.write(&v, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+/// How Python's `json.dumps` lays JSON out.
+struct PyJson {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+    ensure_ascii: bool,
+}
+
+impl PyJson {
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (i, x) in items.iter().enumerate() {
+                    self.separate(i, depth + 1, out);
+                    self.write(x, depth + 1, out);
+                }
+                self.close(depth, out);
+                out.push(']');
+            }
+            J::Object(map) if !map.is_empty() => {
+                let mut entries: Vec<(&String, &serde_json::Value)> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    self.separate(i, depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(x, depth + 1, out);
+                }
+                self.close(depth, out);
+                out.push('}');
+            }
+            J::String(s) => self.string(s, out),
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    fn separate(&self, i: usize, depth: usize, out: &mut String) {
+        if i > 0 {
+            out.push_str(&self.item);
+        }
+        if let Some(n) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    }
+
+    fn close(&self, depth: usize, out: &mut String) {
+        if let Some(n) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        let quoted = serde_json::Value::String(s.to_string()).to_string();
+        if !self.ensure_ascii {
+            out.push_str(&quoted);
+            return;
+        }
+        for c in quoted.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
     }
 }
 
@@ -387,6 +557,67 @@ mod tests {
         assert_eq!(
             t.render(&msgs(&[("user", "a"), ("user", "b")]), false).unwrap(),
             "    a\n    b\n"
+        );
+    }
+
+    /// A template that renders tools gets the request's list and each message's calls and
+    /// call id, as Hugging Face's `apply_chat_template` passes them.
+    #[test]
+    fn templates_that_render_tools_see_them() {
+        let src = "{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}\
+                   {% for m in messages %}{{ m.role }}:{{ m.content }}\
+                   {% if m.tool_calls %}{% for c in m.tool_calls %}<{{ c.function.name }} {{ c.function.arguments | tojson }} {{ c.id }}>{% endfor %}{% endif %}\
+                   {% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}";
+        let t = ChatTemplate::new(src, String::new(), String::new()).unwrap();
+        assert!(t.renders_tools());
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(vec![ToolCall {
+            id: "c1".into(),
+            kind: "function".into(),
+            function: FunctionCall {
+                name: "f".into(),
+                arguments: serde_json::json!({"a": 1}),
+            },
+        }]);
+        let mut result = ChatMessage::new("tool", "ok");
+        result.tool_call_id = Some("c1".into());
+        let tools = serde_json::json!([{"type": "function", "function": {"name": "f"}}]);
+        let out = t
+            .render_with_tools(&[ChatMessage::new("user", "go"), call, result], Some(&tools), false)
+            .unwrap();
+        assert_eq!(out, "[f;]user:go|assistant:<f {\"a\": 1} c1>|tool:ok(c1)|");
+    }
+
+    /// `tojson` writes what Python's `json.dumps` writes, as Hugging Face's templates expect.
+    #[test]
+    fn tojson_is_pythons() {
+        let render = |src: &str| {
+            ChatTemplate::new(src, String::new(), String::new())
+                .unwrap()
+                .render(&[], false)
+                .unwrap()
+        };
+        let v = "{% set v = {'b': [1, 2.5, 'é<&>'], 'a': {}, 'c': [], 'd': none, 'e': true} %}";
+        assert_eq!(
+            render(&format!("{v}{{{{ v | tojson }}}}")),
+            r#"{"b": [1, 2.5, "é<&>"], "a": {}, "c": [], "d": null, "e": true}"#
+        );
+        assert_eq!(
+            render(&format!("{v}{{{{ v | tojson(indent=2, sort_keys=true) }}}}")),
+            "{\n  \"a\": {},\n  \"b\": [\n    1,\n    2.5,\n    \"é<&>\"\n  ],\n  \"c\": [],\n  \"d\": null,\n  \"e\": true\n}"
+        );
+        assert_eq!(
+            render(&format!(
+                "{v}{{{{ v.b | tojson(separators=[',', ':'], ensure_ascii=true) }}}}"
+            )),
+            r#"[1,2.5,"\u00e9<&>"]"#
+        );
+        let t = ChatTemplate::new("{{ 1 | tojson(colour=1) }}", String::new(), String::new()).unwrap();
+        assert!(t.render(&[], false).is_err());
+        assert!(
+            !ChatTemplate::new("{{ messages }}", String::new(), String::new())
+                .unwrap()
+                .renders_tools()
         );
     }
 

@@ -29,6 +29,9 @@ pub enum Format {
     JsonObject,
     /// JSON that a schema accepts.
     JsonSchema(Value),
+    /// Text a Lark grammar (llguidance's dialect, with `%json` schemas) accepts: the server's
+    /// own grammars, such as the one that makes a request's tool calls hold.
+    Grammar(String),
 }
 
 /// Bounds on compiling a request's format.
@@ -43,9 +46,11 @@ pub struct GrammarLimits {
 /// Why a format was not compiled.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum GrammarError {
-    /// The schema is larger than the limit.
-    #[error("the schema is {size} bytes, more than the limit of {limit}")]
+    /// The schema (or the grammar made from the tools' schemas) is larger than the limit.
+    #[error("the {what} is {size} bytes, more than the limit of {limit}")]
     TooLarge {
+        /// What was too large.
+        what: &'static str,
         /// Its size.
         size: usize,
         /// The limit.
@@ -97,21 +102,32 @@ impl Grammars {
     /// Compiles `format` (never [`Format::Text`], which constrains nothing: `None`). CPU-bound:
     /// call it off the async runtime.
     pub fn compile(&self, format: &Format) -> Result<Option<Constraint>, GrammarError> {
-        let schema = match format {
+        let limit = self.limits.max_schema_bytes;
+        let grammar = match format {
             Format::Text => return Ok(None),
-            Format::JsonObject => json!({"type": "object"}),
+            Format::JsonObject => TopLevelGrammar::from_json_schema(compact(json!({"type": "object"}))),
             Format::JsonSchema(s) => {
                 let size = serde_json::to_vec(s).map(|v| v.len()).unwrap_or(usize::MAX);
-                if size > self.limits.max_schema_bytes {
+                if size > limit {
                     return Err(GrammarError::TooLarge {
+                        what: "schema",
                         size,
-                        limit: self.limits.max_schema_bytes,
+                        limit,
                     });
                 }
-                s.clone()
+                TopLevelGrammar::from_json_schema(compact(s.clone()))
+            }
+            Format::Grammar(g) => {
+                if g.len() > limit {
+                    return Err(GrammarError::TooLarge {
+                        what: "grammar",
+                        size: g.len(),
+                        limit,
+                    });
+                }
+                TopLevelGrammar::from_lark(g.clone())
             }
         };
-        let grammar = TopLevelGrammar::from_json_schema(compact(schema));
         let parser = self
             .factory()?
             .create_parser(grammar)
@@ -125,7 +141,7 @@ impl Grammars {
 }
 
 /// `schema` with compact JSON (no whitespace between items) unless it sets its own layout.
-fn compact(mut schema: Value) -> Value {
+pub(crate) fn compact(mut schema: Value) -> Value {
     if let Value::Object(map) = &mut schema
         && !map.contains_key("x-guidance")
     {
@@ -182,6 +198,7 @@ fn build_factory(tk: &Tokenizer) -> Result<ParserFactory, GrammarError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::constraint_allows as allows;
 
     fn grammars() -> Grammars {
         Grammars::new(
@@ -191,26 +208,6 @@ mod tests {
                 compile_ms: 2000,
             },
         )
-    }
-
-    /// Feeds `text`'s tokens to a constraint: whether each was allowed.
-    fn allows(c: &mut Constraint, tk: &Tokenizer, text: &str) -> bool {
-        let ids: Vec<u32> = tk
-            .encode(text, false)
-            .into_iter()
-            .filter(|&t| Some(t) != tk.bos_id())
-            .collect();
-        let mut logits = vec![0f32; tk.vocab_size()];
-        for id in ids {
-            logits.fill(0.0);
-            if c.apply(&mut logits).is_err() || logits[id as usize] == f32::NEG_INFINITY {
-                return false;
-            }
-            if c.accept(id).is_err() {
-                return false;
-            }
-        }
-        true
     }
 
     #[test]

@@ -284,13 +284,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                     .chat
                     .as_ref()
                     .context("the model has no chat template (tokenizer.chat_template)")?;
-                let text = t.render(
-                    &[ChatMessage {
-                        role: "user".into(),
-                        content: prompt,
-                    }],
-                    true,
-                )?;
+                let text = t.render(&[ChatMessage::new("user", prompt)], true)?;
                 l.tokenizer.encode_chat(&text)
             } else {
                 l.tokenizer.encode(&prompt, true)

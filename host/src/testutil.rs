@@ -202,3 +202,34 @@ pub fn reopen_store(dir: &std::path::Path) -> crate::serve::store::Store {
         }
     }
 }
+
+/// Feeds `text`'s tokens to a constraint: whether each was allowed.
+pub fn constraint_allows(
+    c: &mut crate::engine::constraint::Constraint,
+    tk: &crate::tokenizer::Tokenizer,
+    text: &str,
+) -> bool {
+    let ids: Vec<u32> = tk
+        .encode(text, false)
+        .into_iter()
+        .filter(|&t| Some(t) != tk.bos_id())
+        .collect();
+    let mut logits = vec![0f32; tk.vocab_size()];
+    for id in ids {
+        logits.fill(0.0);
+        if c.apply(&mut logits).is_err() || logits[id as usize] == f32::NEG_INFINITY {
+            return false;
+        }
+        if c.accept(id).is_err() {
+            return false;
+        }
+    }
+    true
+}
+
+/// Whether a constraint, after what it has accepted, allows the end of generation.
+pub fn constraint_allows_end(c: &mut crate::engine::constraint::Constraint, tk: &crate::tokenizer::Tokenizer) -> bool {
+    let mut logits = vec![0f32; tk.vocab_size()];
+    let end = tk.eot_id().or(tk.eos_id()).expect("an end token");
+    c.apply(&mut logits).is_ok() && logits[end as usize] != f32::NEG_INFINITY
+}

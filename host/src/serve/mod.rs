@@ -3,7 +3,7 @@
 //! tenants and API keys in sled.
 //!
 //! Modules, one concept each: [`store`] (tenants and keys), [`tls`] (certificates), [`error`]
-//! (the one error type and its JSON), [`openai`] (request shapes), [`stream`] (response and SSE shapes), [`quota`] and
+//! (the one error type and its JSON), [`openai`] (request shapes), [`tools`] (function calling), [`stream`] (response and SSE shapes), [`quota`] and
 //! [`usage`] (policies enforced, usage booked), [`plugins`] (the plugin registry and pipeline),
 //! [`http`] (routing and endpoints), [`manage`] (the CLI's offline commands) and [`client`] (the
 //! small HTTPS client the CLI uses to reach a running server's admin API).
@@ -19,6 +19,7 @@ pub mod state;
 pub mod store;
 pub mod stream;
 pub mod tls;
+pub mod tools;
 pub mod usage;
 
 use std::net::SocketAddr;

@@ -7,7 +7,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::error::ApiError;
-use crate::chat::ChatMessage;
+use super::tools::{ToolChoiceWire, ToolDef, Tools};
+use crate::chat::{ChatMessage, FunctionCall, ToolCall};
 use crate::config::UnknownFields;
 use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params};
 use crate::engine::sampling::SamplingParams;
@@ -63,13 +64,20 @@ pub const COMMON_FIELDS: &[&str] = &[
 ];
 
 /// Fields only `POST /v1/chat/completions` accepts.
-pub const CHAT_FIELDS: &[&str] = &["messages", "logprobs", "top_logprobs"];
+pub const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+];
 
 /// Fields only `POST /v1/completions` accepts.
 pub const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "echo"];
 
 /// Fields a chat message may have.
-pub const MESSAGE_FIELDS: &[&str] = &["role", "content", "name"];
+pub const MESSAGE_FIELDS: &[&str] = &["role", "content", "name", "tool_calls", "tool_call_id"];
 
 /// Parses a request body as `T`, whose top-level fields are `allowed` (others refused), with
 /// errors that name the field at fault.
@@ -268,6 +276,37 @@ pub struct Message {
     /// Speaker name (accepted, not rendered).
     #[serde(default)]
     pub name: Option<String>,
+    /// An assistant's calls of tools.
+    #[serde(default)]
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    /// A `tool` message answers this call.
+    #[serde(default)]
+    pub tool_call_id: Option<String>,
+}
+
+/// A call in an assistant message of the history, as OpenAI returned it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WireToolCall {
+    /// Its id.
+    pub id: String,
+    /// Must be `function`.
+    #[serde(rename = "type", default = "function")]
+    pub kind: String,
+    /// The function and its arguments.
+    pub function: WireFunctionCall,
+}
+
+fn function() -> String {
+    "function".into()
+}
+
+/// A called function, with its arguments as a string of JSON.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WireFunctionCall {
+    /// Its name.
+    pub name: String,
+    /// Its arguments, JSON in a string.
+    pub arguments: String,
 }
 
 /// Sampling and length fields shared by both endpoints.
@@ -372,6 +411,8 @@ pub struct ChatRequest {
     pub logprobs: Option<bool>,
     /// Alternatives per token (needs `logprobs`).
     pub top_logprobs: Option<i64>,
+    /// The tools it may call (checked), if any.
+    pub tools: Option<Tools>,
     /// The shared fields.
     pub common: Common,
     /// Fields the server does not know that the body held, ignored (the first
@@ -386,6 +427,12 @@ struct ChatOwn {
     logprobs: Option<bool>,
     #[serde(default)]
     top_logprobs: Option<i64>,
+    #[serde(default)]
+    tools: Option<Vec<ToolDef>>,
+    #[serde(default)]
+    tool_choice: Option<ToolChoiceWire>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
 }
 
 impl ChatRequest {
@@ -398,6 +445,7 @@ impl ChatRequest {
             messages: own.messages,
             logprobs: own.logprobs,
             top_logprobs: own.top_logprobs,
+            tools: Tools::new(own.tools, own.tool_choice, own.parallel_tool_calls)?,
             common: typed(v)?,
             ignored,
         })
@@ -475,6 +523,8 @@ pub struct Plan {
     pub shape: Shape,
     /// What its output must be (compiled against the model once the model is known).
     pub format: Format,
+    /// The tools a chat may call (shown to the model, read back from its output).
+    pub tools: Option<Tools>,
     /// What to generate, for choice 0 (the others differ in seed: see
     /// [`ValidRequest::choice`](crate::engine::request::ValidRequest::choice)).
     pub params: Params,
@@ -537,6 +587,7 @@ impl Common {
         let format = self.format()?;
         Ok(Plan {
             format,
+            tools: None,
             shape: Shape {
                 n,
                 stream: self.stream.unwrap_or(false),
@@ -649,8 +700,54 @@ impl CompletionRequest {
     }
 }
 
+/// Call `j` of message `i` of the history, its arguments parsed (templates take them as JSON).
+fn history_call(i: usize, j: usize, c: &WireToolCall) -> Result<ToolCall, ApiError> {
+    let at = format!("messages[{i}].tool_calls[{j}]");
+    if c.kind != "function" {
+        return Err(ApiError::field(
+            &format!("{at}.type"),
+            format!("{at}.type must be \"function\", got {:?}", c.kind),
+        ));
+    }
+    let arguments = serde_json::from_str(&c.function.arguments).map_err(|e| {
+        ApiError::field(
+            &format!("{at}.function.arguments"),
+            format!("{at}.function.arguments is not JSON: {e}"),
+        )
+    })?;
+    Ok(ToolCall {
+        id: c.id.clone(),
+        kind: "function".into(),
+        function: FunctionCall {
+            name: c.function.name.clone(),
+            arguments,
+        },
+    })
+}
+
 impl ChatRequest {
-    /// The messages as the chat template takes them.
+    /// The plan ([`Common::plan`]) with the request's tools: under `required` or a named
+    /// function the format is theirs, and so cannot be combined with a `response_format`.
+    pub fn plan(&self, lim: &RequestLimits) -> Result<Plan, ApiError> {
+        let mut plan = self.common.plan(lim, self.logprobs()?)?;
+        if let Some(tools) = &self.tools {
+            let constrained = tools.format();
+            if constrained.is_some() && plan.format != Format::Text {
+                return Err(ApiError::field(
+                    "response_format",
+                    "response_format cannot be combined with tool_choice required or a named function (the calls' format is theirs)",
+                ));
+            }
+            if let Some(f) = constrained {
+                plan.format = f;
+            }
+            plan.tools = Some(tools.clone());
+        }
+        Ok(plan)
+    }
+
+    /// The messages as the chat template takes them: roles checked, text parts joined, an
+    /// assistant's tool calls with their arguments parsed, a tool result with its call's id.
     pub fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::field("messages", "messages must not be empty"));
@@ -663,10 +760,13 @@ impl ChatRequest {
                     "system" | "developer" => "system",
                     "user" => "user",
                     "assistant" => "assistant",
+                    "tool" => "tool",
                     other => {
                         return Err(ApiError::field(
                             &format!("messages[{i}].role"),
-                            format!("messages[{i}].role must be system, developer, user or assistant, got {other:?}"),
+                            format!(
+                                "messages[{i}].role must be system, developer, user, assistant or tool, got {other:?}"
+                            ),
                         ));
                     }
                 };
@@ -689,9 +789,43 @@ impl ChatRequest {
                         s
                     }
                 };
+                let tool_calls = match (&m.tool_calls, role) {
+                    (None, _) => None,
+                    (Some(calls), "assistant") => Some(
+                        calls
+                            .iter()
+                            .enumerate()
+                            .map(|(j, c)| history_call(i, j, c))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    ),
+                    (Some(_), _) => {
+                        return Err(ApiError::field(
+                            &format!("messages[{i}].tool_calls"),
+                            format!("messages[{i}].tool_calls: only assistant messages carry tool calls"),
+                        ));
+                    }
+                };
+                let tool_call_id = match (&m.tool_call_id, role) {
+                    (Some(id), "tool") => Some(id.clone()),
+                    (None, "tool") => {
+                        return Err(ApiError::field(
+                            &format!("messages[{i}].tool_call_id"),
+                            format!("messages[{i}] is a tool result without the tool_call_id it answers"),
+                        ));
+                    }
+                    (Some(_), _) => {
+                        return Err(ApiError::field(
+                            &format!("messages[{i}].tool_call_id"),
+                            format!("messages[{i}].tool_call_id: only tool messages answer a call"),
+                        ));
+                    }
+                    (None, _) => None,
+                };
                 Ok(ChatMessage {
                     role: role.into(),
                     content,
+                    tool_calls,
+                    tool_call_id,
                 })
             })
             .collect()
@@ -756,12 +890,12 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_ignored_and_listed_or_refused() {
-        let body = br#"{"model":"m","store":true,"parallel_tool_calls":false,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo","refusal":null,"annotations":[]}]}"#;
+        let body = br#"{"model":"m","store":true,"service_tier":"auto","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo","refusal":null,"annotations":[]}]}"#;
         let r = ChatRequest::parse(body, 8, UnknownFields::Ignore).unwrap();
         assert_eq!(
             r.ignored,
             [
-                "parallel_tool_calls",
+                "service_tier",
                 "store",
                 "messages[1].annotations",
                 "messages[1].refusal"
@@ -769,7 +903,7 @@ mod tests {
         );
         assert_eq!(r.chat_messages().unwrap().len(), 2);
         let e = ChatRequest::parse(body, 8, UnknownFields::Refuse).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("parallel_tool_calls"));
+        assert_eq!(e.param.as_deref(), Some("service_tier"));
         let e = ChatRequest::parse(
             br#"{"model":"m","messages":[{"role":"user","content":"x","colour":1}]}"#,
             8,
@@ -996,7 +1130,7 @@ mod tests {
         assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "be brief"));
         assert_eq!(r.logprobs().unwrap(), Some(2));
         let r = ChatRequest::parse(
-            br#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#,
+            br#"{"model":"m","messages":[{"role":"function","content":"x"}]}"#,
             8,
             UnknownFields::Refuse,
         )
@@ -1005,5 +1139,63 @@ mod tests {
             r.chat_messages().unwrap_err().param.as_deref(),
             Some("messages[0].role")
         );
+    }
+
+    #[test]
+    fn tool_history_parses_and_bad_history_names_the_field() {
+        let r = ChatRequest::parse(
+            br#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"required","parallel_tool_calls":false,"messages":[{"role":"user","content":"go"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"f","arguments":"{\"a\": 1}"}}]},{"role":"tool","tool_call_id":"call_1","content":"done"}]}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap();
+        assert_eq!(
+            r.tools.as_ref().unwrap().choice(),
+            &crate::serve::tools::ToolChoice::Required
+        );
+        let m = r.chat_messages().unwrap();
+        let call = &m[1].tool_calls.as_ref().unwrap()[0];
+        assert_eq!(
+            (call.id.as_str(), call.function.arguments["a"].as_i64()),
+            ("call_1", Some(1))
+        );
+        assert_eq!(
+            (m[2].role.as_str(), m[2].tool_call_id.as_deref()),
+            ("tool", Some("call_1"))
+        );
+        for (messages, field) in [
+            (
+                r#"[{"role":"assistant","tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{oops"}}]}]"#,
+                "messages[0].tool_calls[0].function.arguments",
+            ),
+            (
+                r#"[{"role":"assistant","tool_calls":[{"id":"c","type":"code","function":{"name":"f","arguments":"{}"}}]}]"#,
+                "messages[0].tool_calls[0].type",
+            ),
+            (
+                r#"[{"role":"user","content":"x","tool_calls":[]}]"#,
+                "messages[0].tool_calls",
+            ),
+            (r#"[{"role":"tool","content":"x"}]"#, "messages[0].tool_call_id"),
+            (
+                r#"[{"role":"user","content":"x","tool_call_id":"c"}]"#,
+                "messages[0].tool_call_id",
+            ),
+        ] {
+            let body = format!(r#"{{"model":"m","messages":{messages}}}"#);
+            let r = ChatRequest::parse(body.as_bytes(), 8, UnknownFields::Refuse).unwrap();
+            assert_eq!(
+                r.chat_messages().unwrap_err().param.as_deref(),
+                Some(field),
+                "{messages}"
+            );
+        }
+        let e = ChatRequest::parse(
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":[{"type":"function","function":{"name":"f","parameters":"{}"}}]}"#,
+            8,
+            UnknownFields::Refuse,
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools[0].function.parameters"));
     }
 }

@@ -20,6 +20,7 @@ use super::error::ApiError;
 use crate::engine::TokenLogprobs;
 use crate::engine::request::{AbortReason, Outcome};
 use crate::runner::Update;
+use crate::serve::tools::{CallReader, Piece};
 use crate::tokenizer::Tokenizer;
 
 /// Which endpoint's shapes.
@@ -42,6 +43,10 @@ struct Choice {
     finish: Option<&'static str>,
     started: bool,
     completion_tokens: usize,
+    /// With tools: reads the output for calls as it comes.
+    reader: Option<CallReader>,
+    /// The calls read, as `tool_calls` entries (streams also send each as it is read).
+    calls: Vec<Value>,
 }
 
 /// Builds a response from the updates of `n` choices.
@@ -97,6 +102,17 @@ impl Responder {
         }
     }
 
+    /// Reads each choice's output for tool calls with `reader` (chat only): the calls become
+    /// `tool_calls` (streamed as deltas when they complete) and the finish reason `tool_calls`.
+    pub fn with_calls(mut self, reader: CallReader) -> Self {
+        if self.api == Api::Chat {
+            for c in &mut self.choices {
+                c.reader = Some(reader.clone());
+            }
+        }
+        self
+    }
+
     /// Returns `prompt` before each choice's text (completions' `echo`).
     pub fn with_echo(mut self, prompt: String) -> Self {
         self.echo = Some(prompt);
@@ -132,10 +148,12 @@ impl Responder {
         Bytes::from(format!("data: {v}\n\n"))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn stream_choice(
         &self,
         index: usize,
         text: &str,
+        call: Option<Value>,
         logprobs: Option<Value>,
         finish: Option<&str>,
         first: bool,
@@ -146,8 +164,10 @@ impl Responder {
                 if first {
                     delta["role"] = json!("assistant");
                 }
-                if !text.is_empty() || (first && finish.is_none()) {
-                    delta["content"] = json!(text);
+                match call {
+                    Some(c) => delta["tool_calls"] = json!([c]),
+                    None if !text.is_empty() || (first && finish.is_none()) => delta["content"] = json!(text),
+                    None => {}
                 }
                 json!({"index": index, "delta": delta, "logprobs": logprobs.map(|c| json!({"content": c})), "finish_reason": finish})
             }
@@ -186,12 +206,8 @@ impl Responder {
                 let c = &mut self.choices[index];
                 c.completion_tokens += 1;
                 if self.stream {
-                    let first = !c.started;
-                    c.started = true;
-                    if !text.is_empty() || first || lp.is_some() {
-                        let ch = self.stream_choice(index, &text, lp.map(|v| json!([v])), None, first);
-                        out.push_back(self.chunk(json!([ch]), Value::Null));
-                    }
+                    let pieces = c.read(&text, false);
+                    self.send(index, pieces, lp, None, out);
                 } else {
                     c.text.push_str(&text);
                     c.logprobs.extend(lp);
@@ -209,13 +225,11 @@ impl Responder {
                 };
                 let c = &mut self.choices[index];
                 c.completion_tokens = usage.completion_tokens;
-                c.finish = Some(finish);
                 self.done += 1;
                 if self.stream {
-                    let first = !c.started;
-                    c.started = true;
-                    let ch = self.stream_choice(index, &text, None, Some(finish), first);
-                    out.push_back(self.chunk(json!([ch]), Value::Null));
+                    let pieces = c.read(&text, true);
+                    let finish = c.finish_reason(finish);
+                    self.send(index, pieces, None, Some(finish), out);
                     if self.finished() {
                         if self.include_usage {
                             out.push_back(self.chunk(json!([]), self.usage()));
@@ -224,11 +238,60 @@ impl Responder {
                     }
                 } else {
                     c.text.push_str(&text);
+                    if c.reader.is_some() {
+                        let whole = std::mem::take(&mut c.text);
+                        for p in c.read(&whole, true) {
+                            match p {
+                                Piece::Text(t) => c.text.push_str(&t),
+                                Piece::Call(call) => c.calls.push(call.to_json(c.calls.len())),
+                            }
+                        }
+                    }
+                    c.finish_reason(finish);
                 }
             }
             Update::Rejected(r) => self.fail(r.reason.into(), out),
             Update::Failed(f) => self.fail(ApiError::from(&f), out),
             Update::ShuttingDown => self.fail(ApiError::from(&AbortReason::Shutdown), out),
+        }
+    }
+
+    /// Streams choice `index`'s `pieces` of output, the first with the token's `lp`; with
+    /// `finish`, the last chunk carries it. A token that completes nothing still sends its
+    /// log-probabilities, and a choice's first chunk its role.
+    fn send(
+        &mut self,
+        index: usize,
+        pieces: Vec<Piece>,
+        mut lp: Option<Value>,
+        finish: Option<&'static str>,
+        out: &mut VecDeque<Bytes>,
+    ) {
+        let n = pieces.len();
+        if n == 0 {
+            let first = !self.choices[index].started;
+            if first || lp.is_some() || finish.is_some() {
+                self.choices[index].started = true;
+                let ch = self.stream_choice(index, "", None, lp.map(|v| json!([v])), finish, first);
+                out.push_back(self.chunk(json!([ch]), Value::Null));
+            }
+            return;
+        }
+        for (k, p) in pieces.into_iter().enumerate() {
+            let c = &mut self.choices[index];
+            let first = !c.started;
+            c.started = true;
+            let (text, call) = match p {
+                Piece::Text(t) => (t, None),
+                Piece::Call(call) => {
+                    let v = call.to_json(c.calls.len());
+                    c.calls.push(v.clone());
+                    (String::new(), Some(v))
+                }
+            };
+            let last = if k + 1 == n { finish } else { None };
+            let ch = self.stream_choice(index, &text, call, lp.take().map(|v| json!([v])), last, first);
+            out.push_back(self.chunk(json!([ch]), Value::Null));
         }
     }
 
@@ -268,7 +331,7 @@ impl Responder {
             .enumerate()
             .map(|(i, c)| match self.api {
                 Api::Chat => json!({
-                    "index": i, "message": {"role": "assistant", "content": c.text},
+                    "index": i, "message": c.message(),
                     "logprobs": if c.logprobs.is_empty() { Value::Null } else { json!({"content": c.logprobs}) },
                     "finish_reason": c.finish,
                 }),
@@ -283,6 +346,51 @@ impl Responder {
             "id": self.id, "object": self.object(), "created": self.created, "model": self.model,
             "system_fingerprint": null, "choices": choices, "usage": self.usage(),
         })
+    }
+}
+
+impl Choice {
+    /// The choice's next `text` (the last, with `end`) as pieces of output: itself, or what its
+    /// reader makes of it.
+    fn read(&mut self, text: &str, end: bool) -> Vec<Piece> {
+        let Some(r) = &mut self.reader else {
+            return if text.is_empty() {
+                Vec::new()
+            } else {
+                vec![Piece::Text(text.to_string())]
+            };
+        };
+        let mut out = Vec::new();
+        r.push(text, &mut out);
+        if end {
+            r.finish(&mut out);
+        }
+        out
+    }
+
+    /// Records the choice's end: `tool_calls` where a finished output made calls.
+    fn finish_reason(&mut self, finish: &'static str) -> &'static str {
+        let f = if finish == "stop" && !self.calls.is_empty() {
+            "tool_calls"
+        } else {
+            finish
+        };
+        self.finish = Some(f);
+        f
+    }
+
+    /// A whole chat response's message: its text, and its calls (with none, `content` is
+    /// `null` when there is no text, as OpenAI's).
+    fn message(&self) -> Value {
+        if self.calls.is_empty() {
+            return json!({"role": "assistant", "content": self.text});
+        }
+        let content = if self.text.is_empty() {
+            Value::Null
+        } else {
+            json!(self.text)
+        };
+        json!({"role": "assistant", "content": content, "tool_calls": self.calls})
     }
 }
 
@@ -512,6 +620,75 @@ mod tests {
             assert_eq!(lps[0]["token_logprobs"][0], -0.25);
             assert_eq!(lps[0]["top_logprobs"][0][text(9)], -2.0);
         }
+    }
+
+    /// With tools, calls in the output become `tool_calls` with finish reason `tool_calls`:
+    /// whole, and streamed as one delta per call after the text before it.
+    #[test]
+    fn tool_calls_whole_and_streamed() {
+        let tk = crate::testutil::tokenizer();
+        let defs = serde_json::from_value(json!([{"type": "function", "function": {"name": "f"}}])).unwrap();
+        let tools = crate::serve::tools::Tools::new(Some(defs), None, None)
+            .unwrap()
+            .unwrap();
+        let out_text = [
+            "One moment.\n<tool_",
+            "call>\n{\"name\": \"f\", \"arguments\": {\"x\": 1}}\n</tool_call>",
+            "\n",
+        ];
+        let mut r = Responder::new(Api::Chat, "m", 1, false, false, tk.clone(), "id".into(), 1)
+            .with_calls(tools.reader().unwrap());
+        let mut out = VecDeque::new();
+        for t in out_text {
+            r.push(0, tok(t), &mut out);
+        }
+        r.push(0, done(FinishReason::Stop, 3), &mut out);
+        let b = r.body();
+        let m = &b["choices"][0]["message"];
+        assert_eq!(m["content"], "One moment.");
+        assert_eq!(
+            m["tool_calls"][0]["function"],
+            json!({"name": "f", "arguments": "{\"x\":1}"})
+        );
+        assert_eq!(m["tool_calls"][0]["type"], "function");
+        assert_eq!(b["choices"][0]["finish_reason"], "tool_calls");
+        let mut r = Responder::new(Api::Chat, "m", 1, true, false, tk.clone(), "id".into(), 1)
+            .with_calls(tools.reader().unwrap());
+        let mut out = VecDeque::new();
+        for t in out_text {
+            r.push(0, tok(t), &mut out);
+        }
+        r.push(0, done(FinishReason::Stop, 3), &mut out);
+        let ev = events(&out);
+        let deltas: Vec<&Value> = ev
+            .iter()
+            .filter(|e| e.is_object())
+            .map(|e| &e["choices"][0]["delta"])
+            .collect();
+        assert_eq!(deltas[0], &json!({"role": "assistant", "content": "One moment."}));
+        let call = &deltas[1]["tool_calls"][0];
+        assert_eq!(
+            (call["index"].as_u64(), call["function"]["arguments"].as_str()),
+            (Some(0), Some("{\"x\":1}"))
+        );
+        assert!(call["id"].as_str().unwrap().starts_with("call_"));
+        assert!(deltas[1].get("content").is_none());
+        assert_eq!(
+            ev.iter().rfind(|e| e.is_object()).unwrap()["choices"][0]["finish_reason"],
+            "tool_calls"
+        );
+        // Output that makes no call stays text, finished as it finished; with no text at all,
+        // a whole message's content is "" (and null only beside calls).
+        let mut r =
+            Responder::new(Api::Chat, "m", 1, false, false, tk, "id".into(), 1).with_calls(tools.reader().unwrap());
+        r.push(0, tok("{\"name\": \"g\"}"), &mut out);
+        r.push(0, done(FinishReason::Length, 1), &mut out);
+        let b = r.body();
+        assert_eq!(
+            b["choices"][0]["message"],
+            json!({"role": "assistant", "content": "{\"name\": \"g\"}"})
+        );
+        assert_eq!(b["choices"][0]["finish_reason"], "length");
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::serve::quota::Grant;
 use crate::serve::state::{Served, State};
 use crate::serve::store::Tenant;
 use crate::serve::stream::{Api, Responder, SseBody};
+use crate::serve::tools::{CallReader, Tools, conversation};
 
 fn now() -> u64 {
     SystemTime::now()
@@ -203,13 +204,17 @@ pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<R
         model = Some(served.id.clone());
         let a = admit(state, &t, served.clone())?;
         let asked = Asked::Chat(r.chat_messages()?);
-        let plan = r.common.plan(&a.lim, r.logprobs()?)?;
+        let plan = r.plan(&a.lim)?;
         let id = request_id("chatcmpl");
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
+        let reply = Reply {
+            calls: plan.tools.as_ref().and_then(Tools::reader),
+            echo: None,
+        };
         let req = limit(state, &t, &a, plan, prompt)?;
         let req = constrain(&a, &format, req).await?;
-        generate(state, &t, req, shape, Api::Chat, None, id, hooks, a).await
+        generate(state, &t, req, shape, Api::Chat, reply, id, hooks, a).await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
@@ -240,7 +245,8 @@ pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> R
         let (shape, format) = (plan.shape, plan.format.clone());
         let req = limit(state, &t, &a, plan, prompt)?;
         let req = constrain(&a, &format, req).await?;
-        generate(state, &t, req, shape, Api::Completion, echo, id, hooks, a).await
+        let reply = Reply { calls: None, echo };
+        generate(state, &t, req, shape, Api::Completion, reply, id, hooks, a).await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
@@ -248,15 +254,25 @@ pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> R
 
 /// Puts `req`'s output under its `format`, compiled against the model's vocabulary off the
 /// runtime: a schema the compiler refuses, or that takes longer than the limit, is a 400 naming
-/// `response_format`. Every choice gets its own copy (see [`ValidRequest::choice`]).
+/// `response_format` (or `tools`, whose schemas make the grammar of required calls). Every
+/// choice gets its own copy (see [`ValidRequest::choice`]).
 async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<ValidRequest, ApiError> {
-    if *format == Format::Text {
-        return Ok(req);
-    }
+    let field = match format {
+        Format::Text => return Ok(req),
+        Format::Grammar(_) => "tools",
+        Format::JsonObject | Format::JsonSchema(_) => "response_format",
+    };
     if !a.model.engine.takes_constraints() {
+        let what = if field == "tools" {
+            "tool_choice required or a named function"
+        } else {
+            "response_format"
+        };
         return Err(ApiError::field(
-            "response_format",
-            "response_format is not served through a cluster router; send it to a server that runs the model itself",
+            field,
+            format!(
+                "{what} is not served through a cluster router (its nodes decode unconstrained); send it to a server that runs the model itself"
+            ),
         ));
     }
     let grammars = a.model.grammars.clone();
@@ -279,17 +295,17 @@ async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<V
     });
     match tokio::time::timeout(Duration::from_millis(limit), compile).await {
         Ok(Ok(Ok(c))) => Ok(req.with_constraint(c)),
-        Ok(Ok(Err(e))) => Err(ApiError::field("response_format", format!("response_format: {e}"))),
+        Ok(Ok(Err(e))) => Err(ApiError::field(field, format!("{field}: {e}"))),
         Ok(Err(_)) => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal_error",
-            "compiling response_format failed",
+            format!("compiling {field} failed"),
         )),
         // The compile goes on until llguidance's own fuel limits stop it, holding the tenant's
         // slot; the request does not wait.
         Err(_) => Err(ApiError::field(
-            "response_format",
-            format!("response_format took longer than {limit} ms to compile; simplify the schema"),
+            field,
+            format!("{field} took longer than {limit} ms to compile; simplify the schema"),
         )),
     }
 }
@@ -367,10 +383,17 @@ async fn prepare(
                 )
             })?;
             let (template, tk) = (template.clone(), a.model.tokenizer.clone());
+            let tools = plan.tools.as_ref().and_then(Tools::shown);
             off_runtime(move || {
-                let text = template
-                    .render(&messages, true)
-                    .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+                // A template that does not render tools gets them, and the calls and results of
+                // the history, as text (see `tools::conversation`).
+                let rendered = if template.renders_tools() {
+                    template.render_with_tools(&messages, tools.as_ref(), true)
+                } else {
+                    template.render(&conversation(messages, tools.as_ref()), true)
+                };
+                let text =
+                    rendered.map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
                 Ok(tk.encode_chat(&text))
             })
             .await?
@@ -379,9 +402,16 @@ async fn prepare(
     Ok((prompt, plan, hooks))
 }
 
+/// How the output is answered beyond its text.
+struct Reply {
+    /// A chat's tools: each choice's output is read for calls.
+    calls: Option<CallReader>,
+    /// Completions' `echo`: the prompt before each choice's text.
+    echo: Option<String>,
+}
+
 /// Submits and answers a validated request in its `shape`: a JSON body, or an SSE stream that
-/// starts once every choice is admitted (so a rejection is an error status, never a 200);
-/// `echo` goes before each choice's text.
+/// starts once every choice is admitted (so a rejection is an error status, never a 200).
 #[allow(clippy::too_many_arguments)]
 async fn generate(
     state: &Arc<State>,
@@ -389,7 +419,7 @@ async fn generate(
     req: ValidRequest,
     shape: Shape,
     api: Api,
-    echo: Option<String>,
+    reply: Reply,
     id: String,
     hooks: Option<Hooks>,
     a: Admitted,
@@ -463,8 +493,11 @@ async fn generate(
         id,
         now(),
     );
-    if let Some(e) = echo {
+    if let Some(e) = reply.echo {
         responder = responder.with_echo(e);
+    }
+    if let Some(reader) = reply.calls {
+        responder = responder.with_calls(reader);
     }
     let mut pending = VecDeque::new();
     if shape.stream {

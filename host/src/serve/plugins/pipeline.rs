@@ -131,14 +131,21 @@ impl Hooks {
         params: Params,
         metadata: Vec<(String, String)>,
     ) -> Result<(Asked, Params), ApiError> {
+        // A chat's tool calls and results' ids stay with their messages when the plugin keeps
+        // the conversation's roles (it sees and may rewrite every message's text).
+        let mut history = Vec::new();
         let (input, tokens) = match asked {
             Asked::Chat(messages) => (
                 Input::Chat(
                     messages
                         .into_iter()
-                        .map(|m| Message {
-                            role: m.role,
-                            content: m.content,
+                        .map(|m| {
+                            let message = Message {
+                                role: m.role.clone(),
+                                content: m.content.clone(),
+                            };
+                            history.push(m);
+                            message
                         })
                         .collect(),
                 ),
@@ -196,15 +203,24 @@ impl Hooks {
             // A token prompt the plugin left alone keeps its exact ids.
             (Input::Prompt(p), Some(ids), Some(b)) if p == b => Asked::Tokens(ids),
             (Input::Prompt(p), _, _) => Asked::Text(p),
-            (Input::Chat(messages), _, _) => Asked::Chat(
-                messages
-                    .into_iter()
-                    .map(|m| ChatMessage {
-                        role: m.role,
-                        content: m.content,
-                    })
-                    .collect(),
-            ),
+            (Input::Chat(messages), _, _) => {
+                let same_roles =
+                    messages.len() == history.len() && messages.iter().zip(&history).all(|(m, h)| m.role == h.role);
+                Asked::Chat(
+                    messages
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, m)| {
+                            let mut out = ChatMessage::new(m.role, m.content);
+                            if same_roles {
+                                out.tool_calls = history[i].tool_calls.take();
+                                out.tool_call_id = history[i].tool_call_id.take();
+                            }
+                            out
+                        })
+                        .collect(),
+                )
+            }
         };
         Ok((asked, params))
     }
