@@ -97,6 +97,16 @@ impl Plugin for Adversary {
                     std::hint::black_box(tokenizer::decode(&ids));
                 }
             }
+            "print" => {
+                println!("to stdout\x1b[2J");
+                print!("no newline");
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+                eprintln!("to stderr");
+            }
+            "print-flood" => loop {
+                println!();
+                eprint!("{}", "e".repeat(4096));
+            },
             "log-loop" => {
                 let line = "y".repeat(1024);
                 loop {

@@ -23,6 +23,7 @@ use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 use super::access::{KvAccess, KvAccessError, KvPage, Sequence};
 use super::bindings::warden::plugin::{kv, log, types};
 use super::limits::{HostLimit, PluginLimits};
+use super::stdio::GuestOutput;
 use crate::kv::PageHandle;
 use crate::tokenizer::Tokenizer;
 
@@ -102,6 +103,9 @@ pub struct PluginHost {
     limiter: Limiter,
     tokenizer: Arc<Tokenizer>,
     logs: Vec<String>,
+    /// What the guest prints, for its log.
+    stdout: GuestOutput,
+    stderr: GuestOutput,
     /// Lines logged over the instance's life (the cap counts these).
     logged: usize,
     /// When the call in progress must end.
@@ -120,7 +124,11 @@ pub struct PluginHost {
 
 impl PluginHost {
     pub(super) fn new(limits: PluginLimits, tokenizer: Arc<Tokenizer>, seed: u64) -> Self {
+        let stdout = GuestOutput::new(MAX_LOG_LINES, MAX_LOG_LINE);
+        let stderr = GuestOutput::new(MAX_LOG_LINES, MAX_LOG_LINE);
         let wasi = WasiCtxBuilder::new()
+            .stdout(stdout.clone())
+            .stderr(stderr.clone())
             .secure_random(rand010::rngs::StdRng::seed_from_u64(seed))
             .insecure_random(rand010::rngs::StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15))
             .insecure_random_seed(u128::from(seed))
@@ -139,6 +147,8 @@ impl PluginHost {
             },
             tokenizer,
             logs: Vec::new(),
+            stdout,
+            stderr,
             logged: 0,
             deadline: Instant::now(),
             kv: None,
@@ -197,7 +207,16 @@ impl PluginHost {
         self.limiter.hit
     }
 
+    /// The lines logged since the last take: `log` calls', then what the guest printed on
+    /// stdout and stderr (its panic messages among them), each as `stdout: ` or `stderr: ` lines
+    /// under the same caps.
     pub(super) fn take_logs(&mut self) -> Vec<String> {
+        for line in self.stdout.take() {
+            self.line("stdout", &line);
+        }
+        for line in self.stderr.take() {
+            self.line("stderr", &line);
+        }
         std::mem::take(&mut self.logs)
     }
 }
@@ -399,6 +418,11 @@ pub(super) fn link_frozen_sleeps(linker: &mut Linker<PluginHost>) -> wasmtime::R
 
 impl PluginHost {
     fn log(&mut self, level: log::Level, message: &str) {
+        self.line(&format!("{level:?}").to_lowercase(), message);
+    }
+
+    /// One line of the log, `label: message`, under the caps.
+    fn line(&mut self, label: &str, message: &str) {
         self.logged += 1;
         if self.logged > MAX_LOG_LINES {
             if self.logged == MAX_LOG_LINES + 1 {
@@ -413,7 +437,7 @@ impl PluginHost {
             end -= 1;
         }
         // One line per call: control characters are escaped, so a plugin cannot forge lines.
-        let mut line = format!("{}: ", format!("{level:?}").to_lowercase());
+        let mut line = format!("{label}: ");
         for c in message[..end].chars() {
             if c.is_control() {
                 line.extend(c.escape_default());

@@ -12,7 +12,8 @@
 //! [`PluginFailure`] code.
 //!
 //! The sandbox: no preopened directories, no network, clocks that never move (and sleeps that
-//! return at once), randomness from a generator seeded by the host, stdio that goes nowhere.
+//! return at once), randomness from a generator seeded by the host, stdin empty, and stdout and
+//! stderr kept as lines of the tenant's plugin log (under the log's caps).
 //!
 //! Every bound holds whatever the guest does (invariant 8): each call is raced against its
 //! deadline, so a call waiting in a host import ends on time as surely as one spinning in guest
@@ -25,6 +26,7 @@ mod bindings;
 pub mod compile;
 mod host;
 mod limits;
+mod stdio;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

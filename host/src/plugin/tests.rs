@@ -335,6 +335,38 @@ async fn tokenizer_and_log_calls_are_bounded_and_charged_in_fuel() {
     }
 }
 
+/// What a guest prints, and its panic message, reach its log as lines under the log's caps;
+/// printing without end never fails the guest's writes, and the host keeps a log's worth.
+#[tokio::test]
+async fn a_guests_stdout_stderr_and_panics_become_capped_log_lines() {
+    let p = example("adversary");
+    let limits = PluginLimits {
+        call_timeout: Duration::from_secs(5),
+        ..PluginLimits::default()
+    };
+    let mut i = instance(&p, limits).await;
+    i.preprocess(&attack("print")).await.unwrap();
+    assert_eq!(
+        i.take_logs(),
+        ["stdout: to stdout\\u{1b}[2J", "stdout: no newline", "stderr: to stderr"]
+    );
+    let mut i = instance(&p, limits).await;
+    let e = i.preprocess(&attack("trap")).await.unwrap_err();
+    assert_eq!(e.code(), "plugin_trap", "{e}");
+    let logs = i.take_logs();
+    assert!(
+        logs.iter()
+            .any(|l| l.starts_with("stderr: ") && l.contains("the adversary traps")),
+        "{logs:?}"
+    );
+    let mut i = instance(&p, limits).await;
+    let e = i.preprocess(&attack("print-flood")).await.unwrap_err();
+    assert_eq!(e.code(), "plugin_fuel_exhausted", "{e}");
+    let logs = i.take_logs();
+    assert_eq!(logs.len(), 65, "64 lines and the note that the rest were dropped");
+    assert!(logs.iter().all(|l| l.len() <= 1024 + 16), "lines are cut at 1 KiB");
+}
+
 #[tokio::test]
 async fn a_requests_calls_share_one_time_budget() {
     let p = example("adversary");
