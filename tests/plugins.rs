@@ -184,8 +184,45 @@ fn plugins_upload_run_swap_roll_back_and_survive_a_restart() {
         )
         .await;
         assert_eq!(content(&r), expected);
+        // The configuration is versioned with the component: one more rollback returns to the
+        // system-prompt version as it was before its config was set, and it refuses again.
+        let r = call(&c, Method::POST, "/v1/plugins/style/rollback", &key, None).await;
+        let v = r.json().unwrap();
+        assert_eq!((&v["active"], &v["config_bytes"]), (&json!(sha(&sp)), &json!(0)), "{v}");
+        let r = call(
+            &c,
+            Method::POST,
+            "/v1/chat/completions",
+            &key,
+            Some(chat(user.clone(), None, 16, false)),
+        )
+        .await;
+        assert_eq!((r.status, code(&r).as_str()), (400, "plugin_refused"), "{}", r.text());
         let r = call(&c, Method::POST, "/v1/plugins/style/rollback", &key, None).await;
         assert_eq!((r.status, code(&r).as_str()), (409, "nothing_to_roll_back"));
+        // A configuration the active version refuses in its smoke call is refused, naming the
+        // plugin's own code, and changes nothing.
+        let r = call(&c, Method::PUT, "/v1/plugins/style/config", &key, Some(b"  ".to_vec())).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (400, "plugin_config_rejected"),
+            "{}",
+            r.text()
+        );
+        assert!(
+            r.text().contains("(plugin_config): system_prompt needs"),
+            "{}",
+            r.text()
+        );
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/style/config",
+            &key,
+            Some(system.as_bytes().to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
         // Activate by prefix; the active version cannot be deleted, an inactive one can.
         let body = json!({"version": &sha(&pii)[..12]}).to_string().into_bytes();
         let r = call(&c, Method::POST, "/v1/plugins/style/activate", &key, Some(body)).await;
@@ -991,11 +1028,12 @@ fn every_route_answers_each_caller_as_its_rights_say() {
                 Some(b"B was here".to_vec()),
                 [t, t, 0, 404, t],
             ),
+            // A's config change is in its history: rollback restores the config before it.
             (
                 Method::POST,
                 "/v1/plugins/pa/rollback".into(),
                 None,
-                [t, t, 409, 404, t],
+                [t, t, 200, 404, t],
             ),
             (
                 Method::POST,

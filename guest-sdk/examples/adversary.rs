@@ -14,7 +14,9 @@
 //! in a static and, if a static from an earlier request were still there, uses that instead
 //! (appending `[kept handle N]` or `[reused handle N: ...]`).
 //!
-//! Anything else passes the request on.
+//! Anything else passes the request on. Like a real attacker, it behaves in the server's smoke
+//! call (metadata `endpoint` = `upload-check`), which its configuration must pass: the attacks
+//! come in live traffic, where the runtime's limits are what stop them.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -45,10 +47,12 @@ fn recurse(n: u64, sink: &mut [u64; 16]) -> u64 {
 
 impl Plugin for Adversary {
     fn preprocess(mut req: Request) -> Result<Request, PluginError> {
+        let checked = req.metadata.iter().any(|(k, v)| k == "endpoint" && v == "upload-check");
+        let attack = if checked { "" } else { req.config.trim() };
         if let Ok(mut c) = CONFIG.lock() {
-            *c = req.config.trim().to_string();
+            *c = attack.to_string();
         }
-        match req.config.trim() {
+        match attack {
             "loop" => {
                 let mut x = 0u64;
                 loop {

@@ -187,6 +187,9 @@ impl From<PluginError> for ApiError {
             PluginError::NothingToRollBack(_) => (StatusCode::CONFLICT, "nothing_to_roll_back", None, None),
             PluginError::VersionActive { .. } => (StatusCode::CONFLICT, "version_active", None, None),
             PluginError::Rejected(f) => (StatusCode::BAD_REQUEST, f.code(), None, None),
+            PluginError::ConfigRejected { .. } => {
+                (StatusCode::BAD_REQUEST, "plugin_config_rejected", Some("config"), None)
+            }
             PluginError::Failed(f) => return ApiError::from(&f),
         };
         ApiError {

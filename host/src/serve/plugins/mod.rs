@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::store::records::{PluginRecord, version_of};
+use super::store::records::{Deployment, PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
 use crate::plugin::compile::{CompileLimits, compile_isolated};
@@ -293,8 +293,10 @@ impl Plugins {
     }
 
     /// A smoke call under the configured limits: instantiate, `capabilities`, `preprocess` of a
-    /// small chat request with the plugin's config, and a final `postprocess`. A refusal is
-    /// fine (the plugin ran); a trap, exhausted fuel, a timeout or the memory cap is not.
+    /// small chat request with `config`, and a final `postprocess`. A trap, exhausted fuel, a
+    /// timeout or the memory cap fails it, and so does the plugin's refusal of the request
+    /// (which [`upload`](Self::upload) lets pass: the version runs, with whatever configuration
+    /// it is given later).
     async fn smoke(&self, p: &Plugin, config: &str) -> Result<(), PluginFailure> {
         let limits = self.limits();
         let time = RequestTime::new(limits.request_time);
@@ -315,8 +317,12 @@ impl Plugins {
             config: config.into(),
             metadata: vec![("endpoint".into(), "upload-check".into())],
         };
-        ran(i.preprocess(&req).await)?;
-        ran(i.postprocess("Hello from the upload check.", true).await)
+        // Both calls run, so a failure of either counts before a refusal.
+        let pre = i.preprocess(&req).await.map(|_| ());
+        ran(pre.clone())?;
+        let post = i.postprocess("Hello from the upload check.", true).await.map(|_| ());
+        ran(post.clone())?;
+        pre.and(post)
     }
 
     /// Validates `bytes` (size, compiles within its bounds, implements the world with only the
@@ -355,7 +361,7 @@ impl Plugins {
         if !known {
             self.take_upload(t, policy)?;
             let plugin = self.compile(bytes.clone()).await.map_err(PluginError::Rejected)?;
-            self.smoke(&plugin, &config).await.map_err(|e| match e {
+            ran(self.smoke(&plugin, &config).await).map_err(|e| match e {
                 PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
                 e => PluginError::Rejected(PluginFailure::Invalid(format!("the upload check failed: {e}"))),
             })?;
@@ -395,7 +401,7 @@ impl Plugins {
                 break;
             };
             let old = rec.versions.remove(i);
-            rec.history.retain(|h| *h != old.sha256);
+            rec.history.retain(|h| h.version != old.sha256);
             self.store.plugins().remove_blob(t.id, &old.sha256)?;
             self.forget(t.id, &old.sha256);
         }
@@ -436,14 +442,18 @@ impl Plugins {
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
-    /// Returns to the version active before the current one.
+    /// Returns to what ran before the last activation or configuration: that version with the
+    /// configuration it had.
     pub fn rollback(&self, t: &Tenant, name: &str) -> Result<PluginView, PluginError> {
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
         let Some(prev) = rec.history.pop() else {
             return Err(PluginError::NothingToRollBack(name.into()));
         };
-        rec.active = Some(prev);
+        rec.active = Some(prev.version);
+        if let Some(config) = prev.config {
+            rec.config = config;
+        }
         self.store.plugins().put(t.id, &rec)?;
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
@@ -474,15 +484,19 @@ impl Plugins {
             });
         }
         rec.versions.retain(|v| v.sha256 != sha);
-        rec.history.retain(|h| *h != sha);
+        rec.history.retain(|h| h.version != sha);
         self.store.plugins().remove_blob(t.id, &sha)?;
         self.store.plugins().put(t.id, &rec)?;
         self.forget(t.id, &sha);
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
-    /// Sets the configuration every version of `name` gets.
-    pub fn set_config(&self, t: &Tenant, name: &str, config: &[u8]) -> Result<PluginView, PluginError> {
+    /// Sets the configuration `name`'s active version runs with (and versions activated later),
+    /// once the active version has run its smoke call with it: a configuration the plugin refuses
+    /// there (or that makes it trap, run out of fuel or time) is refused, naming the plugin's
+    /// code and message. The one it replaces goes into the history with its version, so rollback
+    /// restores both.
+    pub async fn set_config(&self, t: &Tenant, name: &str, config: &[u8]) -> Result<PluginView, PluginError> {
         if config.len() > self.cfg.max_config_bytes {
             return Err(PluginError::ConfigTooLarge {
                 got: config.len(),
@@ -490,9 +504,26 @@ impl Plugins {
             });
         }
         let config = std::str::from_utf8(config).map_err(PluginError::ConfigNotText)?;
+        let rec = self.record(t, name)?;
+        if rec.active.is_some() {
+            let resolved = self.resolve(t, name.to_string()).await?;
+            self.smoke(&resolved.plugin, config).await.map_err(|e| match e {
+                PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
+                e => PluginError::ConfigRejected {
+                    version: resolved.version.clone(),
+                    failure: e,
+                },
+            })?;
+        }
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
-        rec.config = config.into();
+        if rec.config != config {
+            if let Some(active) = rec.active.clone() {
+                let old = std::mem::replace(&mut rec.config, config.into());
+                remember(&mut rec, active, old);
+            }
+            rec.config = config.into();
+        }
         self.store.plugins().put(t.id, &rec)?;
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
@@ -575,10 +606,19 @@ fn set_active(rec: &mut PluginRecord, sha: &str) {
         return;
     }
     if let Some(old) = rec.active.replace(sha.into()) {
-        rec.history.push(old);
-        if rec.history.len() > HISTORY {
-            rec.history.remove(0);
-        }
+        let config = rec.config.clone();
+        remember(rec, old, config);
+    }
+}
+
+/// Keeps `version` with the `config` it ran with as the latest deployment rollback returns to.
+fn remember(rec: &mut PluginRecord, version: String, config: String) {
+    rec.history.push(Deployment {
+        version,
+        config: Some(config),
+    });
+    if rec.history.len() > HISTORY {
+        rec.history.remove(0);
     }
 }
 

@@ -180,6 +180,14 @@ pub enum PluginError {
     /// implement the world, or failed its upload check).
     #[error("{0}")]
     Rejected(PluginFailure),
+    /// The active version refused a new configuration in its smoke call (or failed with it).
+    #[error("version {version} refused the configuration: {failure}")]
+    ConfigRejected {
+        /// The active version.
+        version: String,
+        /// What it did.
+        failure: PluginFailure,
+    },
     /// Running the plugin service failed (the compiler is busy, or a component is over its
     /// limits).
     #[error("{0}")]

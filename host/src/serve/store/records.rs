@@ -30,10 +30,41 @@ pub struct PluginRecord {
     pub versions: Vec<Version>,
     /// The version requests run, if any.
     pub active: Option<String>,
-    /// Versions active before, most recent last: what rollback returns to.
-    pub history: Vec<String>,
-    /// The configuration every version is given (`request.config` in the world).
+    /// What ran before, most recent last: what rollback returns to (the version and its
+    /// configuration together).
+    #[serde(deserialize_with = "deployments")]
+    pub history: Vec<Deployment>,
+    /// The configuration the active version is given (`request.config` in the world).
     pub config: String,
+}
+
+/// A version as it ran: the component and the configuration it was given.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Deployment {
+    /// The version's id.
+    pub version: String,
+    /// Its configuration then; `None` for records stored before configurations were kept with
+    /// their versions (rolling back to one keeps the configuration of the moment).
+    pub config: Option<String>,
+}
+
+/// A history entry as stored: a deployment, or (older records) a bare version id.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stored {
+    Deployment(Deployment),
+    Version(String),
+}
+
+fn deployments<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Deployment>, D::Error> {
+    let stored: Vec<Stored> = Deserialize::deserialize(d)?;
+    Ok(stored
+        .into_iter()
+        .map(|s| match s {
+            Stored::Deployment(x) => x,
+            Stored::Version(version) => Deployment { version, config: None },
+        })
+        .collect())
 }
 
 impl PluginRecord {
@@ -201,4 +232,29 @@ pub fn version_of(bytes: &[u8]) -> (Version, [u8; 32]) {
         },
         sha,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records stored before configurations were kept with their versions still load: their
+    /// history entries are versions whose configuration was not recorded.
+    #[test]
+    fn old_histories_load_as_deployments_without_a_config() {
+        let old = r#"{"name":"p","versions":[],"active":"b","history":["a"],"config":"x"}"#;
+        let rec: PluginRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(
+            rec.history,
+            [Deployment {
+                version: "a".into(),
+                config: None
+            }]
+        );
+        let again: PluginRecord = serde_json::from_slice(&serde_json::to_vec(&rec).unwrap()).unwrap();
+        assert_eq!(again, rec);
+        let new = r#"{"name":"p","versions":[],"active":"b","history":[{"version":"a","config":"y"}],"config":"x"}"#;
+        let rec: PluginRecord = serde_json::from_str(new).unwrap();
+        assert_eq!(rec.history[0].config.as_deref(), Some("y"));
+    }
 }
