@@ -479,3 +479,16 @@ fn the_library_says_why_with_types_not_strings() {
     }
     assert!(wrong.is_empty(), "untyped errors in the library:\n{}", wrong.join("\n"));
 }
+
+/// The guest SDK builds on its own from its copy of the world: that copy must be the server's,
+/// byte for byte, or plugins would be built against a world the server does not link.
+#[test]
+fn the_guest_sdks_world_is_the_servers() {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let server = std::fs::read(repo.join("wit/plugin.wit")).expect("wit/plugin.wit");
+    let sdk = std::fs::read(repo.join("guest-sdk/wit/plugin.wit")).expect("guest-sdk/wit/plugin.wit");
+    assert!(
+        server == sdk,
+        "guest-sdk/wit/plugin.wit differs from wit/plugin.wit: copy the server's world into the SDK"
+    );
+}

@@ -558,6 +558,76 @@ fn adversarial_plugins_fail_only_their_own_requests() {
     });
 }
 
+/// `warden plugin test` runs a component on one request with the real model and prints every
+/// stage; a plugin that fails says where and how, with a failing exit status.
+#[test]
+fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
+    let dir = std::env::temp_dir().join(format!("warden-plugin-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let request = dir.join("request.json");
+    std::fs::write(
+        &request,
+        r#"{"model":"m","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":6,"temperature":0}"#,
+    )
+    .unwrap();
+    let run = |plugin: &str, config: Option<&str>| {
+        let wasm = root().join(format!("guest-sdk/target/wasm32-wasip2/release/examples/{plugin}.wasm"));
+        let mut cmd = std::process::Command::new(common::warden_bin());
+        cmd.args(["plugin", "test"])
+            .arg(&wasm)
+            .arg("--request")
+            .arg(&request)
+            .arg("--model")
+            .arg(common::model());
+        if let Some(c) = config {
+            let f = dir.join(format!("{plugin}.cfg"));
+            std::fs::write(&f, c).unwrap();
+            cmd.arg("--config").arg(f);
+        }
+        let out = cmd.output().expect("run warden plugin test");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (ok, out, err) = run("system_prompt", Some("Answer in French."));
+    assert!(ok, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0], "capabilities: on-token=false");
+    assert!(
+        lines[1].starts_with("preprocess <- ") && !lines[1].contains("Answer in French.\"}"),
+        "{out}"
+    );
+    assert!(
+        lines[2].contains(r#"{"role":"system","content":"Answer in French."}"#),
+        "the rewritten request shows the plugin's system prompt: {out}"
+    );
+    assert_eq!(lines.iter().filter(|l| l.starts_with("token ")).count(), 6, "{out}");
+    assert!(
+        out.contains("finish: length, ") && out.contains("\noutput: \""),
+        "{out}"
+    );
+    // on-token's actions: the JSON guard stops the choice once the output cannot be JSON.
+    let (ok, out, err) = run("json_guard", None);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("capabilities: on-token=true") && out.contains("-> stop"),
+        "{out}"
+    );
+    assert!(out.contains("finish: stop, "), "{out}");
+    // What the plugin prints is in the report; a failure names its stage and code.
+    let (ok, out, _) = run("adversary", Some("print"));
+    assert!(
+        ok && out.contains("log: stdout: to stdout") && out.contains("log: stderr: to stderr"),
+        "{out}"
+    );
+    let (ok, _, err) = run("adversary", Some("trap"));
+    assert!(!ok, "a trapping plugin fails the run");
+    assert!(err.contains("the plugin failed in preprocess (plugin_trap)"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn the_cli_manages_plugins_beside_a_running_server() {
     let s = Server::start("plugcli", "");

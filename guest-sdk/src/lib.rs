@@ -1,7 +1,8 @@
 //! The SDK for Warden tenant plugins.
 //!
 //! A plugin is a WebAssembly component implementing the `tenant-plugin` world of
-//! `wit/plugin.wit`. With this crate, implement [`Plugin`] (every method has a pass-through
+//! `wit/plugin.wit` (the crate carries its own copy). `README.md` takes an author from nothing
+//! to an uploaded plugin. With this crate, implement [`Plugin`] (every method has a pass-through
 //! default) and export it with [`plugin!`]; build with
 //! `cargo build --target wasm32-wasip2 --release` and upload the `.wasm` file.
 //!
@@ -37,7 +38,9 @@
 #[allow(clippy::too_many_arguments)] // generated code
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "../wit",
+        // The SDK's own copy of the world, so the crate builds on its own; the host's tests
+        // check that it equals the server's `wit/plugin.wit`.
+        path: "wit",
         world: "tenant-plugin",
         pub_export_macro: true,
         export_macro_name: "export_world",

@@ -182,6 +182,20 @@ enum PluginCmd {
         /// A text file (often JSON).
         file: PathBuf,
     },
+    /// Run a component on this machine on one request, as the server would, printing every
+    /// stage: capabilities, the request preprocess gets and returns, each token with on-token's
+    /// action, each output piece with postprocess's, the plugin's log lines and the finish. No
+    /// server or store is involved: here --config FILE is the plugin's configuration.
+    Test {
+        /// The component (.wasm).
+        component: PathBuf,
+        /// A JSON request body for /v1/chat/completions (with "messages") or /v1/completions.
+        #[arg(long)]
+        request: PathBuf,
+        /// The model to run (the served model's file).
+        #[arg(long, default_value = warden::DEFAULT_MODEL)]
+        model: PathBuf,
+    },
     /// Make the plugin the tenant's default (run when a request names none); --clear undoes it.
     Default {
         /// Plugin name.
@@ -194,7 +208,8 @@ enum PluginCmd {
 
 #[derive(clap::Args)]
 struct StoreArgs {
-    /// The server's configuration file (its data_dir holds the store).
+    /// The server's configuration file (its data_dir holds the store); for `plugin test`, the
+    /// plugin's configuration file instead.
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     /// The data dir, overriding the configuration's.
@@ -377,6 +392,30 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         // Its exit status is its protocol with the server.
         Command::CompilePlugin => std::process::exit(warden::plugin::compile::precompile_main()),
+        Command::Plugin {
+            op:
+                PluginCmd::Test {
+                    component,
+                    request,
+                    model,
+                },
+            store,
+            ..
+        } => {
+            let config = match &store.config {
+                Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+                None => String::new(),
+            };
+            let run = warden::serve::plugins::local::LocalRun {
+                component,
+                config,
+                request,
+                model,
+            };
+            let mut out = std::io::stdout().lock();
+            warden::serve::plugins::local::run(&run, &mut out)?;
+            Ok(())
+        }
         Command::Plugin { op, tenant, store } => {
             let op = match op {
                 PluginCmd::Upload {
@@ -400,6 +439,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 PluginCmd::Config { name, file } => PluginOp::Config { name, file },
                 PluginCmd::Default { name, clear: false } => PluginOp::Default(name),
                 PluginCmd::Default { name, clear: true } => PluginOp::ClearDefault(name),
+                PluginCmd::Test { .. } => unreachable!("handled above"),
             };
             let cfg = config(store.config.as_deref())?;
             let data_dir = store.data_dir.clone().unwrap_or_else(|| cfg.data_dir.clone());

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::error::ApiError;
-use crate::chat::ChatMessage;
+use crate::chat::{ChatError, ChatMessage, ChatTemplate};
 use crate::grammar::Format;
 
 /// Most tools a request may declare (OpenAI's limit).
@@ -265,6 +265,17 @@ impl Tools {
             g.push_str(&format!("args_{i}: %json {schema}\n"));
         }
         Some(Format::Grammar(g))
+    }
+}
+
+/// The prompt text of a chat: `messages` rendered with `template` and `tools` (if shown), as
+/// the template takes them if it [renders tools](ChatTemplate::renders_tools), else as text
+/// ([`conversation`]).
+pub fn render(template: &ChatTemplate, messages: Vec<ChatMessage>, tools: Option<&Value>) -> Result<String, ChatError> {
+    if template.renders_tools() {
+        template.render_with_tools(&messages, tools, true)
+    } else {
+        template.render(&conversation(messages, tools), true)
     }
 }
 

@@ -25,7 +25,7 @@ use crate::serve::quota::Grant;
 use crate::serve::state::{Served, State};
 use crate::serve::store::Tenant;
 use crate::serve::stream::{Api, Responder, SseBody};
-use crate::serve::tools::{CallReader, Tools, conversation};
+use crate::serve::tools::{CallReader, Tools, render};
 
 fn now() -> u64 {
     SystemTime::now()
@@ -385,15 +385,8 @@ async fn prepare(
             let (template, tk) = (template.clone(), a.model.tokenizer.clone());
             let tools = plan.tools.as_ref().and_then(Tools::shown);
             off_runtime(move || {
-                // A template that does not render tools gets them, and the calls and results of
-                // the history, as text (see `tools::conversation`).
-                let rendered = if template.renders_tools() {
-                    template.render_with_tools(&messages, tools.as_ref(), true)
-                } else {
-                    template.render(&conversation(messages, tools.as_ref()), true)
-                };
-                let text =
-                    rendered.map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+                let text = render(&template, messages, tools.as_ref())
+                    .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
                 Ok(tk.encode_chat(&text))
             })
             .await?

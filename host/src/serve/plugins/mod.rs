@@ -8,6 +8,7 @@
 //! share nothing.
 
 pub mod artefacts;
+pub mod local;
 pub mod logs;
 pub mod pipeline;
 pub mod registry;
@@ -144,12 +145,7 @@ impl Plugins {
 
     /// What each instance may use.
     pub fn limits(&self) -> PluginLimits {
-        PluginLimits {
-            fuel_per_call: self.cfg.fuel_per_call,
-            memory_bytes: self.cfg.memory_mib << 20,
-            call_timeout: Duration::from_millis(self.cfg.call_timeout_ms),
-            request_time: Duration::from_millis(self.cfg.request_time_ms),
-        }
+        limits_of(&self.cfg)
     }
 
     /// Limits for a plugin of a tenant under `policy`: its fuel, memory and time where it sets
@@ -590,6 +586,16 @@ impl Plugins {
             config: rec.config,
             plugin,
         })
+    }
+}
+
+/// What each instance may use under `cfg`.
+pub fn limits_of(cfg: &PluginsConfig) -> PluginLimits {
+    PluginLimits {
+        fuel_per_call: cfg.fuel_per_call,
+        memory_bytes: cfg.memory_mib << 20,
+        call_timeout: Duration::from_millis(cfg.call_timeout_ms),
+        request_time: Duration::from_millis(cfg.request_time_ms),
     }
 }
 

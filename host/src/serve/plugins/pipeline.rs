@@ -122,107 +122,21 @@ impl Hooks {
     }
 
     /// Runs `preprocess` on what the request asks and its parameters, as the plugin's WIT types,
-    /// and checks what it returns as a client's request is checked: its sizes, then
-    /// [`Params::new`]'s ranges. A token prompt reaches the plugin as its text, and keeps its
-    /// exact ids if the plugin leaves that text alone. `metadata` follows the endpoint's entry.
+    /// and checks what it returns as a client's request is checked (see [`Rewrite`]).
+    /// `metadata` follows the endpoint's entry.
     pub async fn preprocess(
         &mut self,
         asked: Asked,
         params: Params,
         metadata: Vec<(String, String)>,
     ) -> Result<(Asked, Params), ApiError> {
-        // A chat's tool calls and results' ids stay with their messages when the plugin keeps
-        // the conversation's roles (it sees and may rewrite every message's text).
-        let mut history = Vec::new();
-        let (input, tokens) = match asked {
-            Asked::Chat(messages) => (
-                Input::Chat(
-                    messages
-                        .into_iter()
-                        .map(|m| {
-                            let message = Message {
-                                role: m.role.clone(),
-                                content: m.content.clone(),
-                            };
-                            history.push(m);
-                            message
-                        })
-                        .collect(),
-                ),
-                None,
-            ),
-            Asked::Text(text) => (Input::Prompt(text), None),
-            Asked::Tokens(ids) => (Input::Prompt(self.tokenizer.decode(&ids)), Some(ids)),
-        };
-        let endpoint = match input {
-            Input::Chat(_) => "chat.completions",
-            Input::Prompt(_) => "completions",
-        };
-        let s = params.sampling();
-        let sampling = Sampling {
-            temperature: s.temperature,
-            top_p: s.top_p,
-            max_tokens: params.max_tokens().min(u32::MAX as usize) as u32,
-            seed: s.seed,
-            stop: params.stop().to_vec(),
-        };
-        let req = Request {
-            input,
-            sampling,
-            config: self.resolved.config.clone(),
-            metadata: std::iter::once(("endpoint".to_string(), endpoint.to_string()))
-                .chain(metadata)
-                .collect(),
-        };
-        let before = match (&req.input, &tokens) {
-            (Input::Prompt(p), Some(_)) => Some(p.clone()),
-            _ => None,
-        };
-        let out = self.first.preprocess(&req).await;
+        let call = Rewrite::new(asked, params, self.resolved.config.clone(), metadata, &self.tokenizer);
+        let out = self.first.preprocess(&call.request).await;
         self.reporter.flush_logs(&self.resolved, &mut self.first);
         let out = out
             .and_then(|out| check_rewritten(&out, self.max_request_bytes).map(|()| out))
             .map_err(|f| self.reporter.error(&f))?;
-        let mut sampling = params.sampling().clone();
-        sampling.temperature = out.sampling.temperature;
-        sampling.top_p = out.sampling.top_p;
-        sampling.seed = out.sampling.seed;
-        let params = Params::new(
-            sampling,
-            out.sampling.max_tokens as usize,
-            out.sampling.stop,
-            params.ignore_eos(),
-            params.logprobs(),
-        )
-        .map_err(|e| {
-            let mut e = ApiError::from(e);
-            e.message = format!("after the plugin's preprocess: {}", e.message);
-            e
-        })?;
-        let asked = match (out.input, tokens, before) {
-            // A token prompt the plugin left alone keeps its exact ids.
-            (Input::Prompt(p), Some(ids), Some(b)) if p == b => Asked::Tokens(ids),
-            (Input::Prompt(p), _, _) => Asked::Text(p),
-            (Input::Chat(messages), _, _) => {
-                let same_roles =
-                    messages.len() == history.len() && messages.iter().zip(&history).all(|(m, h)| m.role == h.role);
-                Asked::Chat(
-                    messages
-                        .into_iter()
-                        .enumerate()
-                        .map(|(i, m)| {
-                            let mut out = ChatMessage::new(m.role, m.content);
-                            if same_roles {
-                                out.tool_calls = history[i].tool_calls.take();
-                                out.tool_call_id = history[i].tool_call_id.take();
-                            }
-                            out
-                        })
-                        .collect(),
-                )
-            }
-        };
-        Ok((asked, params))
+        call.finish(out)
     }
 
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
@@ -266,6 +180,130 @@ impl Hooks {
             resolved,
             _share: share,
         })
+    }
+}
+
+/// One `preprocess` call: the request as the plugin's WIT types, and what it returns turned
+/// back into the server's, checked as a client's request is ([`Params::new`]'s ranges; the
+/// caller checks sizes first with [`check_rewritten`]). A token prompt reaches the plugin as its
+/// text and keeps its exact ids if the plugin leaves that text alone; a chat's tool calls and
+/// results' ids stay with their messages when the plugin keeps the conversation's roles (it
+/// sees and may rewrite every message's text).
+pub struct Rewrite {
+    /// What the plugin is given.
+    pub request: Request,
+    params: Params,
+    tokens: Option<Vec<u32>>,
+    history: Vec<ChatMessage>,
+}
+
+impl Rewrite {
+    /// The call for `asked` with `params`, the plugin's `config` and `metadata` (after the
+    /// endpoint's entry).
+    pub fn new(
+        asked: Asked,
+        params: Params,
+        config: String,
+        metadata: Vec<(String, String)>,
+        tokenizer: &Tokenizer,
+    ) -> Self {
+        let mut history = Vec::new();
+        let (input, tokens) = match asked {
+            Asked::Chat(messages) => (
+                Input::Chat(
+                    messages
+                        .into_iter()
+                        .map(|m| {
+                            let message = Message {
+                                role: m.role.clone(),
+                                content: m.content.clone(),
+                            };
+                            history.push(m);
+                            message
+                        })
+                        .collect(),
+                ),
+                None,
+            ),
+            Asked::Text(text) => (Input::Prompt(text), None),
+            Asked::Tokens(ids) => (Input::Prompt(tokenizer.decode(&ids)), Some(ids)),
+        };
+        let endpoint = match input {
+            Input::Chat(_) => "chat.completions",
+            Input::Prompt(_) => "completions",
+        };
+        let s = params.sampling();
+        let sampling = Sampling {
+            temperature: s.temperature,
+            top_p: s.top_p,
+            max_tokens: params.max_tokens().min(u32::MAX as usize) as u32,
+            seed: s.seed,
+            stop: params.stop().to_vec(),
+        };
+        let request = Request {
+            input,
+            sampling,
+            config,
+            metadata: std::iter::once(("endpoint".to_string(), endpoint.to_string()))
+                .chain(metadata)
+                .collect(),
+        };
+        Self {
+            request,
+            params,
+            tokens,
+            history,
+        }
+    }
+
+    /// What the plugin returned (`out`), as the request the server goes on with.
+    pub fn finish(self, out: Request) -> Result<(Asked, Params), ApiError> {
+        let Self {
+            request,
+            params,
+            tokens,
+            mut history,
+        } = self;
+        let mut sampling = params.sampling().clone();
+        sampling.temperature = out.sampling.temperature;
+        sampling.top_p = out.sampling.top_p;
+        sampling.seed = out.sampling.seed;
+        let params = Params::new(
+            sampling,
+            out.sampling.max_tokens as usize,
+            out.sampling.stop,
+            params.ignore_eos(),
+            params.logprobs(),
+        )
+        .map_err(|e| {
+            let mut e = ApiError::from(e);
+            e.message = format!("after the plugin's preprocess: {}", e.message);
+            e
+        })?;
+        let asked = match (out.input, tokens, request.input) {
+            // A token prompt the plugin left alone keeps its exact ids.
+            (Input::Prompt(p), Some(ids), Input::Prompt(before)) if p == before => Asked::Tokens(ids),
+            (Input::Prompt(p), _, _) => Asked::Text(p),
+            (Input::Chat(messages), _, _) => {
+                let same_roles =
+                    messages.len() == history.len() && messages.iter().zip(&history).all(|(m, h)| m.role == h.role);
+                Asked::Chat(
+                    messages
+                        .into_iter()
+                        .enumerate()
+                        .map(|(i, m)| {
+                            let mut out = ChatMessage::new(m.role, m.content);
+                            if same_roles {
+                                out.tool_calls = history[i].tool_calls.take();
+                                out.tool_call_id = history[i].tool_call_id.take();
+                            }
+                            out
+                        })
+                        .collect(),
+                )
+            }
+        };
+        Ok((asked, params))
     }
 }
 

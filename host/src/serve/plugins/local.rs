@@ -1,0 +1,295 @@
+//! `warden plugin test`: a plugin run on this machine, as the server would run it on one
+//! request, with every stage printed: its capabilities, the request `preprocess` is given and the
+//! one it returns, the prompt, each generated token with `on-token`'s action, each piece of
+//! output with what `postprocess` made of it, the log lines (its `log` calls and what it printed)
+//! after each call, and the finish. The model is a real one (the served model's file), so the
+//! tokens are the ones the server would generate; the limits are the server's defaults.
+
+use serde_json::{Value, json};
+use std::io::Write;
+use std::path::PathBuf;
+
+use super::limits_of;
+use super::pipeline::{Rewrite, check_rewritten};
+use crate::config::{PluginsConfig, UnknownFields};
+use crate::engine::request::Outcome;
+use crate::engine::{Engine, EngineConfig, Event};
+use crate::grammar::{Format, GrammarLimits, Grammars};
+use crate::loaded::{LoadError, LoadedModel};
+use crate::plugin::{Input, Instance, PluginFailure, Request, RequestTime, Runtime, Token, TokenAction};
+use crate::serve::error::ApiError;
+use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, RequestLimits};
+use crate::serve::tools::{Tools, render};
+use crate::tenant::TenantId;
+use crate::tokenizer::Tokenizer;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct LocalRun {
+    /// The component (.wasm).
+    pub component: PathBuf,
+    /// The configuration it is given.
+    pub config: String,
+    /// A request body for `/v1/chat/completions` (it has `messages`) or `/v1/completions`.
+    pub request: PathBuf,
+    /// The model file.
+    pub model: PathBuf,
+}
+
+/// Why a local run stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    /// A file could not be read.
+    #[error("reading {0}: {1}")]
+    Read(PathBuf, std::io::Error),
+    /// The model did not load.
+    #[error("loading the model: {0}")]
+    Model(#[from] LoadError),
+    /// The request (or the plugin's rewrite of it) is one the server would refuse.
+    #[error("the server would refuse the request ({}): {}", .0.code, .0.message)]
+    Request(ApiError),
+    /// The plugin failed (or refused the request) in `stage`.
+    #[error("the plugin failed in {stage} ({}): {failure}", failure.code())]
+    Plugin {
+        /// Which call.
+        stage: &'static str,
+        /// What happened.
+        failure: PluginFailure,
+    },
+    /// The engine refused or ended the request.
+    #[error("generation failed: {0}")]
+    Engine(String),
+    /// The report could not be written.
+    #[error("writing the report: {0}")]
+    Write(#[from] std::io::Error),
+}
+
+impl From<ApiError> for LocalError {
+    fn from(e: ApiError) -> Self {
+        Self::Request(e)
+    }
+}
+
+/// The tenant a local run's request belongs to: its engine has no other.
+const LOCAL_TENANT: TenantId = match TenantId::new(1) {
+    Some(t) => t,
+    None => panic!("1 is a tenant id"),
+};
+
+/// Runs `run`, printing each stage to `out`.
+pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
+    let read = |p: &PathBuf| std::fs::read(p).map_err(|e| LocalError::Read(p.clone(), e));
+    let component = read(&run.component)?;
+    let body = read(&run.request)?;
+    let model = LoadedModel::open(&run.model)?;
+    let limits = limits_of(&PluginsConfig::default());
+    let plugin_failed = |stage| move |failure| LocalError::Plugin { stage, failure };
+    let runtime = Runtime::new(1, limits.memory_bytes).map_err(plugin_failed("setup"))?;
+    let plugin = runtime.compile(&component).map_err(plugin_failed("compile"))?;
+    let (asked, plan) = parse(&body)?;
+    let tokio = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(LocalError::Write)?;
+    tokio.block_on(async {
+        let seed = plan.params.sampling().seed.unwrap_or(0);
+        let time = RequestTime::new(limits.request_time);
+        let tk = model.tokenizer.clone();
+        let mut i = plugin
+            .instantiate(limits, tk.clone(), seed, time)
+            .await
+            .map_err(plugin_failed("instantiate"))?;
+        let caps = i.capabilities().await;
+        logs(&mut i, out)?;
+        let caps = caps.map_err(plugin_failed("capabilities"))?;
+        writeln!(out, "capabilities: on-token={}", caps.on_token)?;
+        let metadata = vec![
+            ("tenant".to_string(), "local".to_string()),
+            ("request-id".into(), "local".into()),
+            ("model".into(), model_id(run)),
+        ];
+        let call = Rewrite::new(asked, plan.params, run.config.clone(), metadata, &tk);
+        writeln!(out, "preprocess <- {}", request_json(&call.request))?;
+        let rewritten = i.preprocess(&call.request).await;
+        logs(&mut i, out)?;
+        let rewritten = rewritten.map_err(plugin_failed("preprocess"))?;
+        writeln!(out, "preprocess -> {}", request_json(&rewritten))?;
+        check_rewritten(&rewritten, 1 << 20).map_err(plugin_failed("preprocess"))?;
+        let (asked, params) = call.finish(rewritten)?;
+        let prompt = match asked {
+            Asked::Tokens(ids) => ids,
+            Asked::Text(text) => tk.encode(&text, true),
+            Asked::Chat(messages) => {
+                let template = model.chat.as_ref().ok_or_else(|| {
+                    LocalError::Engine("the model has no chat template; send a completions request".into())
+                })?;
+                let tools = plan.tools.as_ref().and_then(Tools::shown);
+                let text = render(template, messages, tools.as_ref())
+                    .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
+                tk.encode_chat(&text)
+            }
+        };
+        writeln!(out, "prompt: {} tokens", prompt.len())?;
+        // One request: the pool need only hold it.
+        let mut cfg = EngineConfig::for_model(&model.model);
+        let need = (prompt.len() + params.max_tokens()).next_multiple_of(cfg.page_size);
+        cfg.max_context = cfg.max_context.min(need.max(cfg.page_size));
+        let mut engine =
+            Engine::new(model.model.clone(), tk.clone(), cfg).map_err(|e| LocalError::Engine(e.to_string()))?;
+        let mut req = params
+            .with_prompt(LOCAL_TENANT, prompt, &engine.limits())
+            .map_err(ApiError::from)?;
+        if plan.format != Format::Text {
+            let grammars = Grammars::new(
+                tk.clone(),
+                GrammarLimits {
+                    max_schema_bytes: usize::MAX,
+                    compile_ms: u64::MAX,
+                },
+            );
+            let field = if matches!(plan.format, Format::Grammar(_)) {
+                "tools"
+            } else {
+                "response_format"
+            };
+            let c = grammars
+                .compile(&plan.format)
+                .map_err(|e| ApiError::field(field, format!("{field}: {e}")))?;
+            req = req.with_constraint(c);
+        }
+        let id = engine
+            .submit(req)
+            .map_err(|r| LocalError::Engine(format!("{} ({})", r.reason, r.reason.code())))?;
+        generate(&mut engine, &tk, id, caps.on_token, &mut i, out).await
+    })
+}
+
+/// Steps the engine until request `id` ends, running the plugin's output calls on each token.
+async fn generate(
+    engine: &mut Engine,
+    tk: &Tokenizer,
+    id: crate::engine::request::RequestId,
+    on_token: bool,
+    i: &mut Instance,
+    out: &mut dyn Write,
+) -> Result<(), LocalError> {
+    let failed = |stage| move |failure| LocalError::Plugin { stage, failure };
+    let mut index = 0u32;
+    let mut output = String::new();
+    loop {
+        for ev in engine.step() {
+            match ev {
+                Event::Token { token, text, .. } => {
+                    index += 1;
+                    let shown = String::from_utf8_lossy(&tk.token_bytes(token)).into_owned();
+                    if on_token {
+                        let action = i
+                            .on_token(&Token {
+                                id: token,
+                                text: shown.clone(),
+                                index,
+                            })
+                            .await;
+                        logs(i, out)?;
+                        let action = action.map_err(failed("on-token"))?;
+                        let said = match action {
+                            TokenAction::Continue => "continue",
+                            TokenAction::Stop => "stop",
+                        };
+                        writeln!(out, "token {index}: {token} {shown:?} -> {said}")?;
+                        if action == TokenAction::Stop {
+                            engine.stop(id);
+                        }
+                    } else {
+                        writeln!(out, "token {index}: {token} {shown:?}")?;
+                    }
+                    if !text.is_empty() {
+                        let post = i.postprocess(&text, false).await;
+                        logs(i, out)?;
+                        let post = post.map_err(failed("postprocess"))?;
+                        writeln!(out, "postprocess {text:?} -> {post:?}")?;
+                        output.push_str(&post);
+                    }
+                }
+                Event::Done {
+                    outcome, text, usage, ..
+                } => {
+                    let post = i.postprocess(&text, true).await;
+                    logs(i, out)?;
+                    let post = post.map_err(failed("postprocess"))?;
+                    writeln!(out, "postprocess (final) {text:?} -> {post:?}")?;
+                    output.push_str(&post);
+                    let finish = match outcome {
+                        Outcome::Finished(f) => f.as_str(),
+                        Outcome::Aborted(why) => return Err(LocalError::Engine(why.to_string())),
+                    };
+                    writeln!(
+                        out,
+                        "finish: {finish}, {} prompt + {} completion tokens",
+                        usage.prompt_tokens, usage.completion_tokens
+                    )?;
+                    writeln!(out, "output: {output:?}")?;
+                    return Ok(());
+                }
+                Event::Prefilled { .. } | Event::Opened { .. } => {
+                    return Err(LocalError::Engine(
+                        "the request ended as half of a disaggregated one".into(),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+/// The model's id as the server names it: its file name without `.gguf`.
+fn model_id(run: &LocalRun) -> String {
+    run.model
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// Prints the log lines of the call that just ran.
+fn logs(i: &mut Instance, out: &mut dyn Write) -> std::io::Result<()> {
+    for line in i.take_logs() {
+        writeln!(out, "log: {line}")?;
+    }
+    Ok(())
+}
+
+/// The request body as the server checks it (one choice), as what it asks and its plan.
+fn parse(body: &[u8]) -> Result<(Asked, crate::serve::openai::Plan), LocalError> {
+    let lim = RequestLimits {
+        default_max_tokens: 256,
+        max_n: 1,
+    };
+    let is_chat = serde_json::from_slice::<Value>(body)
+        .ok()
+        .is_some_and(|v| v.get("messages").is_some());
+    if is_chat {
+        let r = ChatRequest::parse(body, 64, UnknownFields::Ignore)?;
+        Ok((Asked::Chat(r.chat_messages()?), r.plan(&lim)?))
+    } else {
+        let r = CompletionRequest::parse(body, 64, UnknownFields::Ignore)?;
+        let plan = r.common.plan(&lim, r.logprobs()?)?;
+        Ok((r.asked()?, plan))
+    }
+}
+
+/// A WIT request as JSON, for the report.
+fn request_json(r: &Request) -> Value {
+    let input = match &r.input {
+        Input::Chat(messages) => json!({"chat": messages
+            .iter()
+            .map(|m| json!({"role": m.role, "content": m.content}))
+            .collect::<Vec<_>>()}),
+        Input::Prompt(p) => json!({"prompt": p}),
+    };
+    let s = &r.sampling;
+    json!({
+        "input": input,
+        "sampling": {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed, "stop": s.stop},
+        "config": r.config,
+        "metadata": r.metadata,
+    })
+}
