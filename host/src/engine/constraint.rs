@@ -16,6 +16,9 @@ pub enum ConstraintError {
     /// The grammar failed (a limit of its work per token was hit).
     #[error("the output constraint failed: {0}")]
     Failed(String),
+    /// The plugin's constraint on the next token, with the request's own, allows no token.
+    #[error("the plugin's token constraint allows no next token")]
+    SteeredToNothing,
 }
 
 /// A compiled constraint and the mask for the next token, once computed.

@@ -15,7 +15,8 @@
 //! model), `prefix` (the prefix cache's uses beyond admission: shared first pages, plugins' pins,
 //! public prefixes), `disagg` (the prefill and decode halves of a disaggregated request),
 //! `request` and `field` (validated requests and their errors), `sampling`, `constraint` (a
-//! sequence's output grammar) and `text`.
+//! sequence's output grammar), `steer` (a sequence whose next token waits for a verdict from
+//! outside, its plugin's) and `text`.
 
 pub mod constraint;
 mod cost;
@@ -25,6 +26,7 @@ mod prefix;
 pub mod request;
 pub mod sampling;
 mod schedule;
+pub mod steer;
 pub mod text;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -46,6 +48,7 @@ use request::{
 };
 use sampling::Sampler;
 use schedule::{Planner, SeqView};
+use steer::Steer;
 use text::{Detokenizer, TextStream};
 
 /// Engine settings.
@@ -242,6 +245,8 @@ struct Seq {
     ignore_eos: bool,
     sampler: Sampler,
     text: TextStream,
+    /// Its tokens' verdicts, when something outside steers it (see [`steer`]).
+    steer: Option<Arc<Steer>>,
 }
 
 impl Seq {
@@ -268,6 +273,11 @@ impl Seq {
     /// Whether computing up to `upto` ends in a token to sample.
     fn samples_at(&self, upto: usize) -> bool {
         self.role != Role::PrefillOnly && upto == self.tokens.len()
+    }
+
+    /// Whether it waits for the verdict on a token it emitted before it may go on.
+    fn awaits_verdict(&self) -> bool {
+        self.steer.as_ref().is_some_and(|s| s.pending())
     }
 }
 
@@ -510,7 +520,11 @@ impl Engine {
                 },
             });
         }
-        let ValidRequest { req: r, constraint } = valid;
+        let ValidRequest {
+            req: r,
+            constraint,
+            steer,
+        } = valid;
         // A tenant that was idle starts at the lowest counter of the active ones (the VTC's
         // lift): idling banks no credit against tenants that kept the engine busy. On an idle
         // engine it starts at the highest counter, so what others were served while nobody
@@ -546,6 +560,7 @@ impl Engine {
             ignore_eos: r.ignore_eos,
             sampler: Sampler::new(r.sampling, constraint),
             text: TextStream::new(r.stop),
+            steer,
         });
         Ok(id)
     }
@@ -711,14 +726,20 @@ impl Engine {
     /// Plans a step over the running set (see [`schedule::Planner::plan`]). Returns (running
     /// index, new tokens).
     fn plan(&self) -> Vec<(usize, usize)> {
-        let running: Vec<SeqView> = self
-            .running
+        // A sequence that waits for a verdict sits this step out.
+        let ready: Vec<usize> = (0..self.running.len())
+            .filter(|&i| !self.running[i].awaits_verdict())
+            .collect();
+        let running: Vec<SeqView> = ready
             .iter()
-            .map(|s| SeqView {
-                owner: s.owner,
-                computed: s.computed,
-                target: s.target(),
-                samples: s.role != Role::PrefillOnly,
+            .map(|&i| {
+                let s = &self.running[i];
+                SeqView {
+                    owner: s.owner,
+                    computed: s.computed,
+                    target: s.target(),
+                    samples: s.role != Role::PrefillOnly,
+                }
             })
             .collect();
         let served = |o: TenantId| self.served(o);
@@ -729,6 +750,15 @@ impl Engine {
             served: &served,
         }
         .plan(&running)
+        .into_iter()
+        .map(|(k, n)| (ready[k], n))
+        .collect()
+    }
+
+    /// Whether a running sequence waits for the verdict on its last token (its driver may wait
+    /// a moment for it, so the sequence joins the next step).
+    pub fn awaits_verdicts(&self) -> bool {
+        self.running.iter().any(Seq::awaits_verdict)
     }
 
     /// Runs one step and returns its events.
@@ -757,6 +787,16 @@ impl Engine {
                 .iter()
                 .filter_map(|&(i, _)| self.running[i].sampler.take_constraint().map(|c| (i, c)))
                 .collect();
+            // A steered sequence's verdict on its last token holds for the token this step
+            // samples.
+            for &(i, n) in &step {
+                let s = &mut self.running[i];
+                if s.samples_at(s.computed + n)
+                    && let Some(c) = s.steer.as_ref().and_then(|st| st.take())
+                {
+                    s.sampler.steer_next(c);
+                }
+            }
             let seqs: Vec<StepSeq<'_>> = step
                 .iter()
                 .map(|&(i, n)| {
@@ -868,6 +908,9 @@ impl Engine {
             text,
             logprobs,
         });
+        if let Some(st) = &s.steer {
+            st.emitted();
+        }
         if stopped {
             Some(Outcome::Finished(FinishReason::Stop))
         } else if s.output_len() >= s.max_tokens {

@@ -11,9 +11,12 @@
 
 use warden_kernels::tag::IsolationViolation;
 
+use std::sync::Arc;
+
 use super::constraint::Constraint;
 pub use super::field::{Field, InvalidParam};
 use super::sampling::SamplingParams;
+use super::steer::Steer;
 use crate::kv::{KvError, SeqId};
 use crate::tenant::TenantId;
 
@@ -319,6 +322,7 @@ impl Params {
                 logprobs,
             },
             constraint: None,
+            steer: None,
         })
     }
 }
@@ -344,6 +348,8 @@ pub struct ValidRequest {
     pub(super) req: GenerateRequest,
     /// What its output must match (a compiled `response_format`); in this process only.
     pub(super) constraint: Option<Constraint>,
+    /// Its tokens' verdicts, when its plugin steers it; in this process only.
+    pub(super) steer: Option<Arc<Steer>>,
 }
 
 impl ValidRequest {
@@ -370,6 +376,18 @@ impl ValidRequest {
         self.constraint.is_some()
     }
 
+    /// Its steering, if its plugin steers it.
+    pub fn steer(&self) -> Option<&Arc<Steer>> {
+        self.steer.as_ref()
+    }
+
+    /// Each token it emits waits for a verdict through `steer` before the next is computed
+    /// (see [`steer`](super::steer)).
+    pub fn with_steer(mut self, steer: Arc<Steer>) -> Self {
+        self.steer = Some(steer);
+        self
+    }
+
     /// Choice `index` of a request with `n` choices: the same request, its seed (if it has one)
     /// moved on by `index` so that choices differ.
     pub fn choice(&self, index: usize) -> Self {
@@ -378,6 +396,7 @@ impl ValidRequest {
         Self {
             req,
             constraint: self.constraint.clone(),
+            steer: None,
         }
     }
 }
@@ -464,6 +483,9 @@ impl AbortReason {
             AbortReason::Kv(_) => "kv_unavailable",
             AbortReason::Transfer(_) => "kv_transfer_failed",
             AbortReason::Constraint(super::constraint::ConstraintError::NoToken) => "constraint_allows_no_token",
+            AbortReason::Constraint(super::constraint::ConstraintError::SteeredToNothing) => {
+                "plugin_constraint_allows_no_token"
+            }
             AbortReason::Constraint(_) => "constraint_failed",
             AbortReason::Node { code, .. } => code,
         }

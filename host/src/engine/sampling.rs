@@ -15,6 +15,7 @@ use rand_chacha::ChaCha8Rng;
 
 use super::constraint::{Constraint, ConstraintError};
 use super::field::{Field, InvalidParam};
+use super::steer::TokenConstraint;
 
 /// Sampling parameters, validated at admission (see [`SamplingParams::validate`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -138,6 +139,8 @@ pub struct Sampler {
     counts: HashMap<u32, u32>,
     counted: usize,
     constraint: Option<Constraint>,
+    /// A constraint on the next token only (a steering verdict's).
+    next: Option<TokenConstraint>,
 }
 
 impl Sampler {
@@ -152,6 +155,7 @@ impl Sampler {
             counts: HashMap::new(),
             counted: 0,
             constraint,
+            next: None,
         }
     }
 
@@ -166,6 +170,11 @@ impl Sampler {
         self.constraint = Some(c);
     }
 
+    /// Puts the next token (only) under `c` as well as under the request's own constraint.
+    pub fn steer_next(&mut self, c: TokenConstraint) {
+        self.next = Some(c);
+    }
+
     /// Picks the next token from `logits` given the sequence's tokens so far, `history`, whose
     /// output starts at `output_from`: the repetition penalty looks at both prompt and output (as
     /// llama.cpp's does), the presence and frequency penalties at the output only (as OpenAI
@@ -174,6 +183,11 @@ impl Sampler {
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32], output_from: usize) -> Result<u32, ConstraintError> {
         if let Some(c) = &mut self.constraint {
             c.apply(logits)?;
+        }
+        if let Some(c) = self.next.take()
+            && !c.apply(logits)
+        {
+            return Err(ConstraintError::SteeredToNothing);
         }
         let tok = self.draw(logits, history, output_from);
         if let Some(c) = &mut self.constraint {

@@ -1093,3 +1093,63 @@ fn a_request_that_a_new_floor_leaves_no_room_for_ends_with_its_error() {
     e.forget_owner(tenant(2));
     assert_quiescent(&mut e, &[1]);
 }
+
+/// A steered sequence computes nothing while its last token waits for a verdict (others go on
+/// without it), samples its next token under the verdict's constraint, and fails alone with
+/// `plugin_constraint_allows_no_token` when a constraint leaves nothing.
+#[test]
+fn a_steered_sequence_waits_for_each_verdict_and_samples_under_it() {
+    use super::steer::{Steer, TokenConstraint};
+    let mut e = engine(512);
+    let prompt: Vec<u32> = (1..40).collect();
+    let free = solo(&prompt, 4);
+    let steer = Arc::new(Steer::new());
+    let limits = e.limits();
+    let valid = |owner| {
+        GenerateRequest::greedy(tenant(owner), prompt.clone(), 4)
+            .validate(&limits)
+            .expect("valid")
+    };
+    let a = e.submit(valid(1).with_steer(steer.clone())).expect("admitted");
+    let b = e.submit(valid(2)).expect("admitted");
+    let mut runs = Runs::default();
+    let tokens = |r: &Runs, id| r.tokens.get(&id).map_or(0, Vec::len);
+    while tokens(&runs, a) == 0 {
+        runs.absorb(e.step());
+    }
+    assert_eq!(runs.tokens[&a], free[..1], "the first token needs no verdict");
+    assert!(e.awaits_verdicts());
+    // Without a verdict A waits; B runs to its end.
+    for _ in 0..6 {
+        runs.absorb(e.step());
+    }
+    assert_eq!(tokens(&runs, a), 1, "no verdict, no next token");
+    assert_eq!(runs.tokens[&b], free, "the unsteered sequence is not held up");
+    // A verdict that allows one token only: the next token is that one.
+    let forced = free[1] + 1;
+    steer.answer(Some(TokenConstraint {
+        allowed: Some(vec![forced]),
+        bias: vec![],
+    }));
+    assert!(!e.awaits_verdicts());
+    while tokens(&runs, a) == 1 {
+        runs.absorb(e.step());
+    }
+    assert_eq!(runs.tokens[&a][1], forced);
+    // Plain verdicts go on; a constraint that leaves nothing ends A alone, with its code.
+    steer.answer(None);
+    while tokens(&runs, a) == 2 {
+        runs.absorb(e.step());
+    }
+    steer.answer(Some(TokenConstraint {
+        allowed: Some(vec![]),
+        bias: vec![],
+    }));
+    runs.drain(&mut e);
+    match &runs.outcomes[&a] {
+        Outcome::Aborted(r) => assert_eq!(r.code(), "plugin_constraint_allows_no_token"),
+        o => panic!("{o:?}"),
+    }
+    assert!(matches!(runs.outcomes[&b], Outcome::Finished(_)));
+    assert_quiescent(&mut e, &[1, 2]);
+}

@@ -213,7 +213,14 @@ enum Cmd {
     /// Make these the public prefixes; answer how that went.
     PublicPrefixes(Vec<Vec<u32>>, oneshot::Sender<Result<(), KvError>>),
     Shutdown(Instant, oneshot::Sender<()>),
+    /// A steered choice got a verdict: the thread may be waiting for it.
+    Wake,
 }
+
+/// How long the engine thread waits, after a step, for the verdicts its steered choices owe on
+/// the tokens it just emitted, so they join the next step instead of the one after. Short
+/// against a step, and the most a slow plugin can delay anyone else's next step.
+const VERDICT_GRACE: Duration = Duration::from_millis(1);
 
 /// KV questions waiting at most; beyond, a plugin's call fails (it never delays jobs, which
 /// have their own queue).
@@ -445,6 +452,13 @@ impl LocalEngine {
 
 impl EngineHandle for LocalEngine {
     fn submit(&self, job: Job) -> Result<(), Busy> {
+        if let Some(steer) = job.req.steer() {
+            let tx = self.tx.clone();
+            steer.set_waker(move || {
+                // A full queue means the thread has work and wakes anyway.
+                let _ = tx.try_send(Cmd::Wake);
+            });
+        }
         match self.tx.try_send(Cmd::Job(Box::new(job), Instant::now())) {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err(Busy),
@@ -681,6 +695,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
     let mut ends = Ends::default();
     let mut stalled = false;
+    let mut grace_until = Instant::now();
     let publish = |engine: &Engine| {
         let (waiting, running) = engine.queue_lengths();
         metrics.engine_state(engine.kv_counters(), waiting, running);
@@ -690,19 +705,46 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
         // Block for work when there is nothing to step, and briefly when the last step could
         // do nothing (requests wait for pages that transfers or held prompts keep): then a
         // command (a frame, an acknowledgement) is what makes progress.
+        // And for a moment when steered choices wait for verdicts on their last tokens.
         let mut cmds = Vec::new();
-        if !engine.has_work() || stalled {
+        let grace = if engine.awaits_verdicts() {
+            grace_until.saturating_duration_since(Instant::now())
+        } else {
+            Duration::ZERO
+        };
+        if !engine.has_work() || stalled || !grace.is_zero() {
             let wait = if shutdown.is_some() {
                 Duration::ZERO
-            } else if engine.has_work() {
+            } else if !engine.has_work() {
+                Duration::from_millis(500)
+            } else if stalled {
                 Duration::from_millis(2)
             } else {
-                Duration::from_millis(500)
+                grace
             };
             match rx.recv_timeout(wait) {
                 Ok(c) => cmds.push(c),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => break,
+            }
+            // Within the grace, each verdict wakes the thread: wait on for the rest.
+            let mut gone = false;
+            while !stalled && engine.has_work() && shutdown.is_none() && engine.awaits_verdicts() {
+                let left = grace_until.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                match rx.recv_timeout(left) {
+                    Ok(c) => cmds.push(c),
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        gone = true;
+                        break;
+                    }
+                }
+            }
+            if gone {
+                break;
             }
         }
         cmds.extend(rx.try_iter());
@@ -776,6 +818,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     publish(&engine);
                 }
                 Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
+                Cmd::Wake => {}
             }
         }
         // Plugins' questions about their own KV, between steps.
@@ -830,6 +873,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
             _ => engine.step(),
         };
         stalled = events.is_empty() && engine.tokens_computed() == computed;
+        grace_until = Instant::now() + VERDICT_GRACE;
         for f in ends.take_finished() {
             metrics.transfer_done(f.outcome, f.pages, f.bytes, f.seconds);
         }

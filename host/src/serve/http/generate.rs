@@ -438,14 +438,18 @@ async fn generate(
                     (stop.clone(), kv)
                 })
                 .collect();
-            Some(h.output(choices).await?)
+            Some(h.output(choices, model.engine.takes_constraints()).await?)
         }
         None => None,
     };
     let (tx, rx) = mpsc::unbounded_channel::<(usize, Update)>();
     for (i, (stop, slot)) in stops.iter().zip(&slots).enumerate() {
+        let mut choice = req.choice(i);
+        if let Some(steer) = output.as_ref().and_then(|o| o.steer(i)) {
+            choice = choice.with_steer(steer);
+        }
         let job = Job {
-            req: req.choice(i),
+            req: choice,
             tenant: t.name.clone(),
             index: i,
             tx: tx.clone(),

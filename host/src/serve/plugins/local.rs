@@ -8,11 +8,13 @@
 use serde_json::{Value, json};
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use super::limits_of;
 use super::pipeline::{Rewrite, check_rewritten};
 use crate::config::{PluginsConfig, UnknownFields};
 use crate::engine::request::Outcome;
+use crate::engine::steer::Steer;
 use crate::engine::{Engine, EngineConfig, Event};
 use crate::grammar::{Format, GrammarLimits, Grammars};
 use crate::loaded::{LoadError, LoadedModel};
@@ -157,10 +159,15 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
                 .map_err(|e| ApiError::field(field, format!("{field}: {e}")))?;
             req = req.with_constraint(c);
         }
+        // As the server does: each token waits for on-token's verdict.
+        let steer = caps.on_token.then(|| Arc::new(Steer::new()));
+        if let Some(s) = &steer {
+            req = req.with_steer(s.clone());
+        }
         let id = engine
             .submit(req)
             .map_err(|r| LocalError::Engine(format!("{} ({})", r.reason, r.reason.code())))?;
-        generate(&mut engine, &tk, id, caps.on_token, &mut i, out).await
+        generate(&mut engine, &tk, id, steer, &mut i, out).await
     })
 }
 
@@ -169,7 +176,7 @@ async fn generate(
     engine: &mut Engine,
     tk: &Tokenizer,
     id: crate::engine::request::RequestId,
-    on_token: bool,
+    steer: Option<Arc<Steer>>,
     i: &mut Instance,
     out: &mut dyn Write,
 ) -> Result<(), LocalError> {
@@ -182,7 +189,7 @@ async fn generate(
                 Event::Token { token, text, .. } => {
                     index += 1;
                     let shown = String::from_utf8_lossy(&tk.token_bytes(token)).into_owned();
-                    if on_token {
+                    if let Some(steer) = &steer {
                         let action = i
                             .on_token(&Token {
                                 id: token,
@@ -200,6 +207,7 @@ async fn generate(
                         if action == TokenAction::Stop {
                             engine.stop(id);
                         }
+                        steer.answer(None);
                     } else {
                         writeln!(out, "token {index}: {token} {shown:?}")?;
                     }

@@ -18,6 +18,7 @@ use super::logs::{Source, TenantLogs};
 use super::{Resolved, Share};
 use crate::chat::ChatMessage;
 use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Params, Usage};
+use crate::engine::steer::Steer;
 use crate::metrics::Metrics;
 use crate::plugin::{
     Input, Instance, KvAccess, Message, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
@@ -140,7 +141,14 @@ impl Hooks {
     }
 
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
-    pub async fn output(self, choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>) -> Result<Output, ApiError> {
+    /// With `steer` (the engine runs in this process), a choice whose plugin takes tokens is
+    /// steered: each token waits for `on-token`'s verdict before the next is computed (see
+    /// [`Output::steer`]), so a stop is exact and a constraint holds for the very next token.
+    pub async fn output(
+        self,
+        choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>,
+        steer: bool,
+    ) -> Result<Output, ApiError> {
         let Hooks {
             first,
             resolved,
@@ -168,6 +176,7 @@ impl Hooks {
             choices.push(ChoiceStage {
                 instance,
                 on_token,
+                steer: (on_token && steer).then(|| Arc::new(Steer::new())),
                 stop,
                 tokens: 0,
                 stopping: false,
@@ -344,6 +353,8 @@ pub fn check_rewritten(req: &Request, max_bytes: usize) -> Result<(), PluginFail
 struct ChoiceStage {
     instance: Instance,
     on_token: bool,
+    /// Where its verdicts go, when the engine waits for them.
+    steer: Option<Arc<Steer>>,
     stop: Arc<EndFlag>,
     tokens: u32,
     /// Its plugin said stop: tokens already in flight are dropped, and the engine's `Done`
@@ -362,6 +373,11 @@ pub struct Output {
 }
 
 impl Output {
+    /// Choice `index`'s steering, for its job: the engine waits for each of its verdicts.
+    pub fn steer(&self, index: usize) -> Option<Arc<Steer>> {
+        self.choices.get(index).and_then(|c| c.steer.clone())
+    }
+
     /// Starts the stage over the engine's channel `rx`; the responder reads the returned one.
     /// When the responder's side goes away (the client left), the stage ends and drops `rx`,
     /// which cancels the request in the engine.
@@ -425,6 +441,14 @@ impl Output {
                         Ok(TokenAction::Stop) => stop = true,
                         Ok(TokenAction::Continue) => {}
                         Err(f) => return c.fail(r.failed(f)),
+                    }
+                    // The engine computes the next token once it has the verdict (a stop ends
+                    // the sequence first: its flag is raised below, before the engine looks).
+                    if let Some(s) = &c.steer {
+                        if stop {
+                            c.stop.stop();
+                        }
+                        s.answer(None);
                     }
                 }
                 let text = match c.instance.postprocess(&text, false).await {
