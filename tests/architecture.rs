@@ -480,15 +480,18 @@ fn the_library_says_why_with_types_not_strings() {
     assert!(wrong.is_empty(), "untyped errors in the library:\n{}", wrong.join("\n"));
 }
 
-/// The guest SDK builds on its own from its copy of the world: that copy must be the server's,
-/// byte for byte, or plugins would be built against a world the server does not link.
+/// The guest SDK builds on its own from its copy of the worlds (0.2.0, and 0.1.0 which it
+/// imports from): each copy must be the server's, byte for byte, or plugins would be built
+/// against a world the server does not link.
 #[test]
 fn the_guest_sdks_world_is_the_servers() {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let server = std::fs::read(repo.join("wit/plugin.wit")).expect("wit/plugin.wit");
-    let sdk = std::fs::read(repo.join("guest-sdk/wit/plugin.wit")).expect("guest-sdk/wit/plugin.wit");
-    assert!(
-        server == sdk,
-        "guest-sdk/wit/plugin.wit differs from wit/plugin.wit: copy the server's world into the SDK"
-    );
+    for file in ["wit/plugin.wit", "wit/deps/plugin-0.1.0/plugin.wit"] {
+        let server = std::fs::read(repo.join(file)).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let sdk = std::fs::read(repo.join("guest-sdk").join(file)).unwrap_or_else(|e| panic!("guest-sdk/{file}: {e}"));
+        assert!(
+            server == sdk,
+            "guest-sdk/{file} differs from {file}: copy the server's world into the SDK"
+        );
+    }
 }

@@ -368,12 +368,36 @@ fn the_redactor_holds_pii_back_across_stream_chunks_and_the_guard_stops_generati
             .filter_map(|l| l.strip_suffix(" items")?.rsplit_once("info: redacted ")?.1.parse().ok())
             .collect();
         assert!(counts.len() == 2 && counts[0] == counts[1] && counts[0] >= 2, "{lines:?}");
-        // The JSON guard stops a reply that cannot be JSON at its first token.
-        let body = chat(json!([{"role": "user", "content": "Say hello."}]), Some("json"), 32, false);
-        let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(body)).await;
-        let v = r.json().unwrap();
-        assert_eq!(v["choices"][0]["finish_reason"], json!("stop"), "{v}");
-        assert_eq!(v["usage"]["completion_tokens"], json!(1), "{v}");
+        // The JSON guard (0.2.0) steers: every token, the first included, keeps the reply the
+        // start of a JSON object (its config says object), and it stops once the object is
+        // complete, even to a question that asks for none.
+        let r = call(&c, Method::PUT, "/v1/plugins/json/config", &key, Some(b"object".to_vec())).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        for stream in [false, true] {
+            let body = chat(json!([{"role": "user", "content": "Say hello."}]), Some("json"), 64, stream);
+            let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(body)).await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            let (reply, finish) = if stream {
+                let finish = r
+                    .text()
+                    .lines()
+                    .filter_map(|l| l.strip_prefix("data: "))
+                    .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+                    .find_map(|v| v["choices"][0]["finish_reason"].as_str().map(String::from));
+                (sse_content(&r.text()), finish.unwrap_or_default())
+            } else {
+                let v = r.json().unwrap();
+                let finish = v["choices"][0]["finish_reason"].as_str().unwrap_or_default().to_string();
+                (content(&r), finish)
+            };
+            assert!(reply.trim_start().starts_with('{'), "{reply:?}");
+            if finish == "stop" {
+                let v: Value = serde_json::from_str(&reply).unwrap_or_else(|e| panic!("{reply:?}: {e}"));
+                assert!(v.is_object(), "{reply:?}");
+            } else {
+                assert_eq!(finish, "length", "{reply:?}");
+            }
+        }
         // Its pages went back: nothing is left running.
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         assert_eq!(s.metric("warden_running_sequences").await, 0.0);
@@ -465,6 +489,9 @@ fn adversarial_plugins_fail_only_their_own_requests() {
             // Host calls: over their input limit, or charged until the fuel runs out.
             ("encode-huge", "plugin_host_call_too_large"),
             ("encode-loop", "plugin_fuel_exhausted"),
+            // Steering: a constraint that leaves no token, or names one outside the vocabulary.
+            ("constrain-nothing", "plugin_constraint_allows_no_token"),
+            ("constrain-outside", "plugin_constraint_invalid"),
         ];
         for (attack, expected) in attacks {
             let r = call(
@@ -594,13 +621,16 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
     let (ok, out, err) = run("system_prompt", Some("Answer in French."));
     assert!(ok, "{err}");
     let lines: Vec<&str> = out.lines().collect();
-    assert_eq!(lines[0], "capabilities: on-token=false");
+    assert_eq!(
+        lines[..2],
+        ["world: warden:plugin@0.2.0", "capabilities: on-token=false"]
+    );
     assert!(
-        lines[1].starts_with("preprocess <- ") && !lines[1].contains("Answer in French.\"}"),
+        lines[2].starts_with("preprocess <- ") && !lines[2].contains("Answer in French.\"}"),
         "{out}"
     );
     assert!(
-        lines[2].contains(r#"{"role":"system","content":"Answer in French."}"#),
+        lines[3].contains(r#"{"role":"system","content":"Answer in French."}"#),
         "the rewritten request shows the plugin's system prompt: {out}"
     );
     assert_eq!(lines.iter().filter(|l| l.starts_with("token ")).count(), 6, "{out}");
@@ -608,14 +638,20 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
         out.contains("finish: length, ") && out.contains("\noutput: \""),
         "{out}"
     );
-    // on-token's actions: the JSON guard stops the choice once the output cannot be JSON.
-    let (ok, out, err) = run("json_guard", None);
+    // on-token's actions: the JSON guard constrains the first token and each next one.
+    let (ok, out, err) = run("json_guard", Some("object"));
     assert!(ok, "{err}");
     assert!(
-        out.contains("capabilities: on-token=true") && out.contains("-> stop"),
+        out.contains("capabilities: on-token=true") && out.contains("first token: constrain (allowed: "),
         "{out}"
     );
-    assert!(out.contains("finish: stop, "), "{out}");
+    assert!(out.contains("-> constrain (allowed: "), "{out}");
+    // A 0.1.0 component runs as it did.
+    let (ok, out, err) = run("legacy_v0_1", Some("Answer in French."));
+    assert!(ok, "{err}");
+    assert!(out.starts_with("world: warden:plugin@0.1.0\n"), "{out}");
+    let output = out.lines().find_map(|l| l.strip_prefix("output: ")).unwrap_or_default();
+    assert!(output.len() > 2 && output == output.to_uppercase(), "{out}");
     // What the plugin prints is in the report; a failure names its stage and code.
     let (ok, out, _) = run("adversary", Some("print"));
     assert!(

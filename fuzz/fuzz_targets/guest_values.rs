@@ -34,12 +34,19 @@ fn request(u: &mut Unstructured) -> Result<Request> {
         sampling: Sampling {
             temperature: u.arbitrary()?,
             top_p: u.arbitrary()?,
+            top_k: u.arbitrary()?,
+            min_p: u.arbitrary()?,
+            repetition_penalty: u.arbitrary()?,
+            presence_penalty: u.arbitrary()?,
+            frequency_penalty: u.arbitrary()?,
             max_tokens: u.arbitrary()?,
             seed: u.arbitrary()?,
             stop: u.arbitrary()?,
+            logit_bias: u.arbitrary()?,
         },
         config: String::new(),
         metadata: Vec::new(),
+        first_token: None,
     })
 }
 

@@ -2,11 +2,13 @@
 //!
 //! In `preprocess`: `loop` spins forever, `bomb` allocates without bound, `recurse` recurses
 //! without bound, `trap` panics, `huge` returns a 64 MiB prompt, `big` an 8 MiB one and `big40` a 40 MiB
-//! one (they fit the guest's memory; the host must refuse them before tokenizing), `many` 100,000 messages, `sleep`
+//! one (they fit the guest's memory; the host must refuse them before tokenizing), `many` 50,000 messages, `sleep`
 //! sleeps 20 s and `sleep-forever` as long as it can (on the host's clock, if it could),
 //! `encode-huge` asks the tokenizer to encode 16 MiB, `encode-loop` encodes 64 KiB over and over,
 //! `decode-loop` decodes 64 Ki tokens over and over, `log-loop` logs 1 KiB lines over and over.
 //! `flood` (in its output calls) turns every chunk into 2 MiB of text, `swell` into 8 KiB.
+//! `constrain-nothing` answers each token with a constraint that allows no next token, and
+//! `constrain-outside` with one naming a token id outside the vocabulary.
 //!
 //! In the first `postprocess` (while the sequence is live), against the `kv` capabilities: `kv` reports its own pages
 //! (`[kv pages=N written=W] [epochs E1,E2,...]`, appended to the output); `forge-page:N` and `forge-seq:N` call the
@@ -20,7 +22,10 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use warden_guest::{Chunk, Input, Message, Plugin, PluginError, Request, kv, log, tokenizer};
+use warden_guest::{
+    Capabilities, Chunk, Finish, Input, Message, Plugin, PluginError, Request, Token, TokenAction, TokenConstraint, kv,
+    log, tokenizer,
+};
 
 struct Adversary;
 
@@ -46,6 +51,26 @@ fn recurse(n: u64, sink: &mut [u64; 16]) -> u64 {
 }
 
 impl Plugin for Adversary {
+    fn capabilities() -> Capabilities {
+        Capabilities {
+            on_token: config().starts_with("constrain-"),
+        }
+    }
+
+    fn on_token(_token: Token) -> TokenAction {
+        let only = |ids: Vec<u32>| {
+            TokenAction::Constrain(TokenConstraint {
+                allowed: Some(ids),
+                bias: vec![],
+            })
+        };
+        match config().as_str() {
+            "constrain-nothing" => only(vec![]),
+            "constrain-outside" => only(vec![u32::MAX]),
+            _ => TokenAction::Continue,
+        }
+    }
+
     fn preprocess(mut req: Request) -> Result<Request, PluginError> {
         let checked = req.metadata.iter().any(|(k, v)| k == "endpoint" && v == "upload-check");
         let attack = if checked { "" } else { req.config.trim() };
@@ -76,7 +101,7 @@ impl Plugin for Adversary {
             "big40" => req.input = Input::Prompt("x ".repeat(20 << 20)),
             "many" => {
                 req.input = Input::Chat(
-                    (0..100_000)
+                    (0..50_000)
                         .map(|_| Message {
                             role: "user".into(),
                             content: String::new(),
@@ -122,13 +147,21 @@ impl Plugin for Adversary {
         Ok(req)
     }
 
-    fn postprocess(mut chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
+    fn postprocess(mut chunk: Chunk, end: Option<Finish>) -> Result<Chunk, PluginError> {
         match config().as_str() {
-            "flood" => return Ok(Chunk { text: "z".repeat(2 << 20) }),
-            "swell" => return Ok(Chunk { text: "z".repeat(8 << 10) }),
+            "flood" => {
+                return Ok(Chunk {
+                    text: "z".repeat(2 << 20),
+                });
+            }
+            "swell" => {
+                return Ok(Chunk {
+                    text: "z".repeat(8 << 10),
+                });
+            }
             _ => {}
         }
-        if is_final || STRUCK.swap(true, Ordering::SeqCst) {
+        if end.is_some() || STRUCK.swap(true, Ordering::SeqCst) {
             return Ok(chunk);
         }
         let cfg = config();
@@ -143,7 +176,11 @@ impl Plugin for Adversary {
                             epochs.push(i.epoch.to_string());
                         }
                     }
-                    format!(" [kv pages={} written={written}] [epochs {}]", pages.len(), epochs.join(","))
+                    format!(
+                        " [kv pages={} written={written}] [epochs {}]",
+                        pages.len(),
+                        epochs.join(",")
+                    )
                 }
                 Err(e) => format!(" [kv error: {e}]"),
             }

@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 
-use warden_guest::{Chunk, Plugin, PluginError};
+use warden_guest::{Chunk, Finish, Plugin, PluginError};
 
 /// Longest PII the holdback covers: anything that might be part of one within this many bytes
 /// of the end waits for more text.
@@ -96,10 +96,10 @@ fn redact(s: &str) -> String {
 struct PiiRedactor;
 
 impl Plugin for PiiRedactor {
-    fn postprocess(chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
+    fn postprocess(chunk: Chunk, end: Option<Finish>) -> Result<Chunk, PluginError> {
         HELD.with_borrow_mut(|held| {
             held.push_str(&chunk.text);
-            if is_final {
+            if end.is_some() {
                 let all = std::mem::take(held);
                 let text = redact(&all);
                 let n = REDACTED.get() + find_pii(&all).len();

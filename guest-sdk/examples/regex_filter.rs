@@ -5,14 +5,15 @@
 //! replace: \bACME-\d{4}\b => [ticket]   # rewrite the output
 //! ```
 //!
-//! Output is held until the final chunk, so a replacement sees the whole text. Lines that are
-//! empty or start with `#` are skipped; a rule that does not parse refuses the request and says
-//! which line.
+//! The rules are compiled once, in `init`: a rule that does not parse refuses the configuration
+//! (and says which line), so a bad one never reaches a request. Output is held until the final
+//! chunk, so a replacement sees the whole text. Lines that are empty or start with `#` are
+//! skipped.
 
 use std::cell::RefCell;
 
 use regex::Regex;
-use warden_guest::{Chunk, Input, Plugin, PluginError, Request};
+use warden_guest::{Chunk, Finish, Input, Plugin, PluginError, Request};
 
 struct Rules {
     deny: Vec<Regex>,
@@ -62,28 +63,35 @@ thread_local! {
 struct RegexFilter;
 
 impl Plugin for RegexFilter {
+    fn init(config: String) -> Result<(), PluginError> {
+        let rules = Rules::parse(&config)?;
+        RULES.with_borrow_mut(|r| *r = Some(rules));
+        Ok(())
+    }
+
     fn preprocess(req: Request) -> Result<Request, PluginError> {
-        let rules = Rules::parse(&req.config)?;
         let texts: Vec<&str> = match &req.input {
             Input::Chat(m) => m.iter().map(|m| m.content.as_str()).collect(),
             Input::Prompt(p) => vec![p.as_str()],
         };
-        for re in &rules.deny {
-            if texts.iter().any(|t| re.is_match(t)) {
-                return Err(PluginError {
-                    code: "denied".into(),
-                    message: format!("the request matches a deny rule ({})", re.as_str()),
-                });
+        RULES.with_borrow(|r| {
+            for re in r.iter().flat_map(|r| &r.deny) {
+                if texts.iter().any(|t| re.is_match(t)) {
+                    return Err(PluginError {
+                        code: "denied".into(),
+                        message: format!("the request matches a deny rule ({})", re.as_str()),
+                    });
+                }
             }
-        }
-        RULES.with_borrow_mut(|r| *r = Some(rules));
+            Ok(())
+        })?;
         Ok(req)
     }
 
-    fn postprocess(chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
+    fn postprocess(chunk: Chunk, end: Option<Finish>) -> Result<Chunk, PluginError> {
         HELD.with_borrow_mut(|held| {
             held.push_str(&chunk.text);
-            if !is_final {
+            if end.is_none() {
                 return Ok(Chunk { text: String::new() });
             }
             let mut text = std::mem::take(held);

@@ -17,8 +17,10 @@
 //! ```
 //!
 //! Warden instantiates a plugin afresh for every request (and each choice of an `n` > 1
-//! request), so statics live for one request: a streaming `postprocess` may keep held-back
-//! text in one, and `preprocess` may leave state there for the output calls. There is no clock,
+//! request), starting as [`Plugin::init`] left it, so statics set there are in every request and
+//! what a request changes lives for that request: a streaming `postprocess` may keep held-back
+//! text in one, and `preprocess` may leave state there for the output calls. `on_token` may
+//! constrain the next token ([`TokenAction::Constrain`]); [`vocabulary`] says what each id is. There is no clock,
 //! network, filesystem or threads; [`kv`], [`tokenizer`] and [`log`] are the host's services.
 //!
 //! `kv::current()` gives the request's sequence during `on_token` and `postprocess` (not in
@@ -38,42 +40,57 @@
 #[allow(clippy::too_many_arguments)] // generated code
 pub mod bindings {
     wit_bindgen::generate!({
-        // The SDK's own copy of the world, so the crate builds on its own; the host's tests
-        // check that it equals the server's `wit/plugin.wit`.
+        // The SDK's own copy of the world (and of 0.1.0's, which it imports from), so the crate
+        // builds on its own; the host's tests check that it equals the server's `wit/`.
         path: "wit",
         world: "tenant-plugin",
         pub_export_macro: true,
         export_macro_name: "export_world",
         default_bindings_module: "warden_guest::bindings",
+        // The 0.1.0 interfaces the world imports (`kv`, `tokenizer`, `log`) are generated here too.
+        generate_all,
     });
 }
 
-pub use bindings::warden::plugin::types::{
-    Capabilities, Chunk, Input, Message, PluginError, Request, Sampling, Token, TokenAction,
-};
-pub use bindings::warden::plugin::{kv, log, tokenizer};
+pub use bindings::warden::plugin0_1_0::types::{Capabilities, Chunk, Input, Message, PluginError, Token};
+pub use bindings::warden::plugin0_1_0::{kv, log, tokenizer};
+pub use bindings::warden::plugin0_2_0::types::{Finish, Request, Sampling, TokenAction, TokenConstraint};
+pub use bindings::warden::plugin0_2_0::vocabulary;
 
 /// A plugin. Every method has a default that passes its input through unchanged.
 pub trait Plugin {
+    /// Sets up from the tenant's configuration before any request (parse it, compile its
+    /// rules); an error refuses the configuration. Keep what it builds in a static: every
+    /// request's instance starts as `init` left it. Default: nothing to set up.
+    fn init(config: String) -> Result<(), PluginError> {
+        let _ = config;
+        Ok(())
+    }
+
     /// What the plugin implements beyond `preprocess` and `postprocess`. Default: nothing, so
     /// `on_token` is never called.
     fn capabilities() -> Capabilities {
         Capabilities { on_token: false }
     }
 
-    /// Before tokenizing: rewrite the request, or refuse it with an error the client sees.
+    /// Before tokenizing: rewrite the request (messages or prompt, and every sampling field),
+    /// or refuse it with an error the client sees.
     fn preprocess(req: Request) -> Result<Request, PluginError> {
         Ok(req)
     }
 
-    /// Each piece of output text, `is_final` on the last. Text may be held back (kept in a
-    /// static) and released on a later call; the final call must release everything.
-    fn postprocess(chunk: Chunk, is_final: bool) -> Result<Chunk, PluginError> {
-        let _ = is_final;
+    /// Each piece of output text; the last comes with `end`, how the choice ended (its finish
+    /// reason and token counts). Text may be held back (kept in a static) and released on a
+    /// later call; the last call must release everything.
+    fn postprocess(chunk: Chunk, end: Option<Finish>) -> Result<Chunk, PluginError> {
+        let _ = end;
         Ok(chunk)
     }
 
-    /// Each generated token, when [`capabilities`](Plugin::capabilities) sets `on_token`.
+    /// Each generated token, when [`capabilities`](Plugin::capabilities) sets `on_token`:
+    /// continue, stop the choice after it, or constrain the next token
+    /// ([`TokenAction::Constrain`]: only some ids, and/or a bias per id). The next token waits
+    /// for this answer.
     fn on_token(token: Token) -> TokenAction {
         let _ = token;
         TokenAction::Continue
@@ -93,6 +110,9 @@ macro_rules! plugin {
         pub struct __WardenPlugin;
 
         impl $crate::bindings::Guest for __WardenPlugin {
+            fn init(config: ::std::string::String) -> ::core::result::Result<(), $crate::PluginError> {
+                <$ty as $crate::Plugin>::init(config)
+            }
             fn capabilities() -> $crate::Capabilities {
                 <$ty as $crate::Plugin>::capabilities()
             }
@@ -101,9 +121,9 @@ macro_rules! plugin {
             }
             fn postprocess(
                 chunk: $crate::Chunk,
-                is_final: bool,
+                end: ::core::option::Option<$crate::Finish>,
             ) -> ::core::result::Result<$crate::Chunk, $crate::PluginError> {
-                <$ty as $crate::Plugin>::postprocess(chunk, is_final)
+                <$ty as $crate::Plugin>::postprocess(chunk, end)
             }
             fn on_token(token: $crate::Token) -> $crate::TokenAction {
                 <$ty as $crate::Plugin>::on_token(token)

@@ -55,12 +55,19 @@ fn request(config: &str) -> Request {
         sampling: Sampling {
             temperature: 0.7,
             top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             max_tokens: 128,
             seed: Some(1),
             stop: vec![],
+            logit_bias: vec![],
         },
         config: config.into(),
         metadata: vec![("endpoint".into(), "chat.completions".into())],
+        first_token: None,
     }
 }
 
@@ -73,6 +80,11 @@ async fn main() -> anyhow::Result<()> {
     let runtime = Runtime::new(64, 64 << 20)?;
     let limits = PluginLimits::default();
     let iters = 2000;
+    let end = warden::plugin::Finish {
+        reason: "stop".into(),
+        prompt_tokens: 20,
+        completion_tokens: 30,
+    };
 
     // Baseline: the host's own work on the same request, no plugin.
     let mut base = Vec::with_capacity(iters);
@@ -104,12 +116,13 @@ async fn main() -> anyhow::Result<()> {
                     tokenizer.clone(),
                     i as u64,
                     RequestTime::new(limits.request_time),
+                    config,
                 )
                 .await?;
             let t1 = Instant::now();
             std::hint::black_box(inst.preprocess(&req).await?);
             let t2 = Instant::now();
-            std::hint::black_box(inst.postprocess(OUTPUT, true).await?);
+            std::hint::black_box(inst.postprocess(OUTPUT, Some(&end)).await?);
             let t3 = Instant::now();
             drop(inst);
             drop_t.push(t3.elapsed());
@@ -142,18 +155,19 @@ async fn main() -> anyhow::Result<()> {
     let mut sent = 0;
     while sent < n_tokens {
         let mut g = guard
-            .instantiate(limits, tokenizer.clone(), 0, RequestTime::new(limits.request_time))
+            .instantiate(limits, tokenizer.clone(), 0, RequestTime::new(limits.request_time), "")
             .await?;
         let mut r = redactor
-            .instantiate(limits, tokenizer.clone(), 0, RequestTime::new(limits.request_time))
+            .instantiate(limits, tokenizer.clone(), 0, RequestTime::new(limits.request_time), "")
             .await?;
         // Keep each stream open-ended JSON (a long string), so the guard keeps saying continue.
         for (i, text) in std::iter::once("{\"notes\": \"".to_string())
             .chain(tokens.iter().skip(3).cycle().take(500).cloned())
             .enumerate()
         {
+            // The guard reads a token's bytes by its id: the piece's first token.
             let tok = Token {
-                id: 0,
+                id: tokenizer.encode(&text, false).first().copied().unwrap_or(0),
                 text: text.clone(),
                 index: i as u32 + 1,
             };
@@ -161,7 +175,7 @@ async fn main() -> anyhow::Result<()> {
             std::hint::black_box(g.on_token(&tok).await?);
             on_token.push(t.elapsed());
             let t = Instant::now();
-            std::hint::black_box(r.postprocess(&text, false).await?);
+            std::hint::black_box(r.postprocess(&text, None).await?);
             post_token.push(t.elapsed());
             sent += 1;
         }

@@ -59,6 +59,8 @@ struct State {
 /// One sequence's verdicts (see the module's documentation).
 #[derive(Default)]
 pub struct Steer {
+    /// Each emitted token waits for a verdict (else only the first token is constrained).
+    gated: bool,
     state: Mutex<State>,
     /// Tells the engine's driver that a verdict came (it may be waiting for one).
     waker: OnceLock<Box<dyn Fn() + Send + Sync>>,
@@ -73,9 +75,29 @@ impl std::fmt::Debug for Steer {
 }
 
 impl Steer {
-    /// A sequence's steering, with no token emitted yet.
-    pub fn new() -> Self {
-        Self::default()
+    /// A sequence's steering, with no token emitted yet, its first token under `first`:
+    /// every token it emits waits for a verdict.
+    pub fn new(first: Option<TokenConstraint>) -> Self {
+        Self {
+            gated: true,
+            state: Mutex::new(State {
+                next: first,
+                ..State::default()
+            }),
+            waker: OnceLock::new(),
+        }
+    }
+
+    /// A sequence whose first token is under `first`, and no token waits for anything.
+    pub fn first_only(first: TokenConstraint) -> Self {
+        Self {
+            gated: false,
+            state: Mutex::new(State {
+                next: Some(first),
+                ..State::default()
+            }),
+            waker: OnceLock::new(),
+        }
     }
 
     /// Sets what is called after each verdict (once; later calls are ignored).
@@ -102,7 +124,9 @@ impl Steer {
 
     /// The engine emitted a token: the next waits for its verdict.
     pub(super) fn emitted(&self) {
-        self.state().emitted += 1;
+        if self.gated {
+            self.state().emitted += 1;
+        }
     }
 
     /// Whether a token still waits for its verdict.
@@ -123,7 +147,12 @@ mod tests {
 
     #[test]
     fn verdicts_gate_and_constrain_one_token() {
-        let s = Steer::new();
+        let first = TokenConstraint {
+            allowed: None,
+            bias: vec![(0, 1.0)],
+        };
+        let s = Steer::new(Some(first.clone()));
+        assert_eq!(s.take(), Some(first.clone()), "the first token's constraint");
         let woken = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let w = woken.clone();
         s.set_waker(move || {

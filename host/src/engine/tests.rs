@@ -1103,7 +1103,7 @@ fn a_steered_sequence_waits_for_each_verdict_and_samples_under_it() {
     let mut e = engine(512);
     let prompt: Vec<u32> = (1..40).collect();
     let free = solo(&prompt, 4);
-    let steer = Arc::new(Steer::new());
+    let steer = Arc::new(Steer::new(None));
     let limits = e.limits();
     let valid = |owner| {
         GenerateRequest::greedy(tenant(owner), prompt.clone(), 4)

@@ -21,7 +21,8 @@ use wasmtime_wasi::p2::{DynPollable, Pollable};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use super::access::{KvAccess, KvAccessError, KvPage, Sequence};
-use super::bindings::warden::plugin::{kv, log, types};
+use super::bindings::v1::warden::plugin::{kv, log, types};
+use super::bindings::v2::warden::plugin0_2_0::{types as types2, vocabulary};
 use super::limits::{HostLimit, PluginLimits};
 use super::stdio::GuestOutput;
 use crate::kv::PageHandle;
@@ -231,6 +232,26 @@ impl WasiView for PluginHost {
 }
 
 impl types::Host for PluginHost {}
+
+impl types2::Host for PluginHost {}
+
+/// Most tokens one `vocabulary.token-bytes` call returns.
+pub const MAX_VOCABULARY_TOKENS: u32 = 4096;
+
+impl vocabulary::Host for PluginHost {
+    fn size(&mut self) -> u32 {
+        self.debt += FUEL_PER_HOST_CALL;
+        u32::try_from(self.tokenizer.vocab_size()).unwrap_or(u32::MAX)
+    }
+
+    fn token_bytes(&mut self, first: u32, count: u32) -> Vec<Vec<u8>> {
+        let size = u32::try_from(self.tokenizer.vocab_size()).unwrap_or(u32::MAX);
+        let end = first.saturating_add(count.min(MAX_VOCABULARY_TOKENS)).min(size);
+        let ids = first.min(end)..end;
+        self.debt += FUEL_PER_HOST_CALL + FUEL_PER_DECODED_TOKEN * u64::from(end - first.min(end));
+        ids.map(|id| self.tokenizer.token_bytes(id)).collect()
+    }
+}
 
 impl kv::Host for PluginHost {
     fn current(&mut self) -> Option<Resource<Sequence>> {

@@ -39,15 +39,15 @@ use wasmtime::{
 
 use crate::tokenizer::Tokenizer;
 pub use access::{BoxFuture, KvAccess, KvAccessError};
-pub use bindings::warden::plugin::types::{
-    Capabilities, Chunk, Input, Message, PluginError as GuestError, Request, Sampling, Token, TokenAction,
-};
+use bindings::{v1, v2};
 use host::PluginHost;
 pub use host::{
     FUEL_PER_DECODED_TOKEN, FUEL_PER_ENCODED_BYTE, FUEL_PER_HOST_CALL, FUEL_PER_LOGGED_BYTE, FUEL_PER_PAGE,
     MAX_DECODE_TOKENS, MAX_ENCODE_BYTES,
 };
 pub use limits::{ComponentLimits, HostLimit, PluginLimits, RequestTime};
+pub use v1::warden::plugin::types::{Capabilities, Chunk, Input, Message, PluginError as GuestError, Token};
+pub use v2::warden::plugin0_2_0::types::{Finish, Request, Sampling, TokenAction, TokenConstraint as GuestConstraint};
 
 /// Why a plugin call, or getting a plugin at all, failed. Each has a stable code.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -93,6 +93,10 @@ pub enum PluginFailure {
     /// The bytes are not a valid component, or it imports what the host does not provide.
     #[error("invalid plugin: {0}")]
     Invalid(String),
+    /// `on-token` returned a token constraint the host does not take (ids outside the
+    /// vocabulary, too long, a bias out of range, or one a cluster router cannot apply).
+    #[error("the plugin's token constraint is invalid: {0}")]
+    BadConstraint(String),
     /// Every instance slot is in use; retry later.
     #[error("every plugin instance slot is in use")]
     Busy,
@@ -114,6 +118,7 @@ impl PluginFailure {
             PluginFailure::CompileMemory(_) => "component_compile_memory",
             PluginFailure::OutOfMemory(_) => "plugin_out_of_memory",
             PluginFailure::Invalid(_) => "plugin_invalid",
+            PluginFailure::BadConstraint(_) => "plugin_constraint_invalid",
             PluginFailure::Busy => "plugin_busy",
         }
     }
@@ -171,9 +176,10 @@ impl Runtime {
         let engine = Engine::new(&cfg).map_err(setup)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker).map_err(setup)?;
-        use bindings::warden::plugin::{kv, types};
-        types::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
-        kv::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
+        v1::warden::plugin::types::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
+        v1::warden::plugin::kv::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
+        v2::warden::plugin0_2_0::types::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
+        v2::warden::plugin0_2_0::vocabulary::add_to_linker::<_, HasSelf<_>>(&mut linker, |h| h).map_err(setup)?;
         host::link_charged(&mut linker).map_err(setup)?;
         linker.allow_shadowing(true);
         host::link_frozen_sleeps(&mut linker).map_err(setup)?;
@@ -247,7 +253,13 @@ impl Runtime {
             .linker
             .instantiate_pre(&component)
             .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
-        let pre = bindings::TenantPluginPre::new(pre).map_err(|e| PluginFailure::Invalid(format!("{e:#}")))?;
+        let invalid = |e: wasmtime::Error| PluginFailure::Invalid(format!("{e:#}"));
+        // Which world it implements is told by its exports: 0.2.0's has `init`.
+        let pre = if component.get_export_index(None, "init").is_some() {
+            Pre::V2(v2::TenantPluginPre::new(pre).map_err(invalid)?)
+        } else {
+            Pre::V1(v1::TenantPluginPre::new(pre).map_err(invalid)?)
+        };
         Ok(Plugin {
             pre,
             component,
@@ -259,15 +271,28 @@ impl Runtime {
 /// A compiled plugin version, ready to instantiate.
 #[derive(Clone)]
 pub struct Plugin {
-    pre: bindings::TenantPluginPre<PluginHost>,
+    pre: Pre,
     component: Component,
     engine: Engine,
+}
+
+/// A component linked against the world it implements.
+#[derive(Clone)]
+enum Pre {
+    V1(v1::TenantPluginPre<PluginHost>),
+    V2(v2::TenantPluginPre<PluginHost>),
+}
+
+/// An instance's exports, in its world's version.
+enum Guest {
+    V1(v1::TenantPlugin),
+    V2(v2::TenantPlugin),
 }
 
 /// One request's instance of a plugin.
 pub struct Instance {
     store: Store<PluginHost>,
-    bindings: bindings::TenantPlugin,
+    bindings: Guest,
     limits: PluginLimits,
     /// The request's plugin time, shared with its other instances.
     time: Arc<RequestTime>,
@@ -327,15 +352,25 @@ impl Plugin {
             .map_err(|e| PluginFailure::Invalid(format!("{e:#}")))
     }
 
+    /// Which version of the world the component implements: `"0.1.0"` or `"0.2.0"`.
+    pub fn world(&self) -> &'static str {
+        match self.pre {
+            Pre::V1(_) => "0.1.0",
+            Pre::V2(_) => "0.2.0",
+        }
+    }
+
     /// A fresh instance in its own store, with `limits`, the served model's tokenizer,
     /// randomness seeded from `seed`, and the request's plugin time `time` (instantiating
-    /// spends it too).
+    /// spends it too), initialised with the tenant's `config` (0.2.0's `init`: its refusal is
+    /// [`PluginFailure::Refused`]).
     pub async fn instantiate(
         &self,
         limits: PluginLimits,
         tokenizer: Arc<Tokenizer>,
         seed: u64,
         time: Arc<RequestTime>,
+        config: &str,
     ) -> Result<Instance, PluginFailure> {
         let mut store = Store::new(&self.engine, PluginHost::new(limits, tokenizer, seed));
         store.limiter(|h| h.limiter());
@@ -353,21 +388,29 @@ impl Plugin {
         });
         let (deadline, cut_short) = arm(&mut store, &limits, &time)?;
         let started = Instant::now();
-        let r = tokio::time::timeout_at(deadline.into(), self.pre.instantiate_async(&mut store)).await;
+        let instantiated = async {
+            match &self.pre {
+                Pre::V1(p) => p.instantiate_async(&mut store).await.map(Guest::V1),
+                Pre::V2(p) => p.instantiate_async(&mut store).await.map(Guest::V2),
+            }
+        };
+        let r = tokio::time::timeout_at(deadline.into(), instantiated).await;
         time.spend(started.elapsed());
         let timeout = || timeout_failure(&limits, cut_short);
-        match r {
-            Ok(Ok(bindings)) => Ok(Instance {
+        let mut instance = match r {
+            Ok(Ok(bindings)) => Instance {
                 store,
                 bindings,
                 limits,
                 time,
                 fuel_used: 0,
                 postprocessed: OutputBound::default(),
-            }),
-            Ok(Err(e)) => Err(classify(&store, &limits, e, timeout)),
-            Err(_) => Err(timeout()),
-        }
+            },
+            Ok(Err(e)) => return Err(classify(&store, &limits, e, timeout)),
+            Err(_) => return Err(timeout()),
+        };
+        instance.init(config).await?;
+        Ok(instance)
     }
 }
 
@@ -468,31 +511,114 @@ macro_rules! call {
 }
 
 impl Instance {
+    /// Which version of the world it implements.
+    pub fn world(&self) -> &'static str {
+        match self.bindings {
+            Guest::V1(_) => "0.1.0",
+            Guest::V2(_) => "0.2.0",
+        }
+    }
+
+    /// Runs 0.2.0's `init` with the tenant's configuration (0.1.0 has none).
+    async fn init(&mut self, config: &str) -> Result<(), PluginFailure> {
+        if let Guest::V1(_) = self.bindings {
+            return Ok(());
+        }
+        call!(self, |b, s| async move {
+            match b {
+                Guest::V2(g) => g.call_init(s, config).await,
+                Guest::V1(_) => Ok(Ok(())),
+            }
+        })?
+        .map_err(refused)
+    }
+
     /// What the plugin implements beyond preprocess and postprocess.
     pub async fn capabilities(&mut self) -> Result<Capabilities, PluginFailure> {
-        call!(self, |b, s| b.call_capabilities(s))
+        call!(self, |b, s| async move {
+            match b {
+                Guest::V1(g) => g.call_capabilities(s).await,
+                Guest::V2(g) => g.call_capabilities(s).await,
+            }
+        })
     }
 
-    /// Runs `preprocess`.
+    /// Runs `preprocess`. A 0.1.0 plugin sees the sampling fields its world has, and the ones it
+    /// cannot see stay as they were.
     pub async fn preprocess(&mut self, req: &Request) -> Result<Request, PluginFailure> {
-        call!(self, |b, s| b.call_preprocess(s, req))?.map_err(refused)
+        if let Guest::V2(_) = self.bindings {
+            return call!(self, |b, s| async move {
+                match b {
+                    Guest::V2(g) => g.call_preprocess(s, req).await,
+                    Guest::V1(_) => unreachable!("matched above"),
+                }
+            })?
+            .map_err(refused);
+        }
+        let old = v1::warden::plugin::types::Request {
+            input: req.input.clone(),
+            sampling: v1::warden::plugin::types::Sampling {
+                temperature: req.sampling.temperature,
+                top_p: req.sampling.top_p,
+                max_tokens: req.sampling.max_tokens,
+                seed: req.sampling.seed,
+                stop: req.sampling.stop.clone(),
+            },
+            config: req.config.clone(),
+            metadata: req.metadata.clone(),
+        };
+        let out = call!(self, |b, s| async {
+            match b {
+                Guest::V1(g) => g.call_preprocess(s, &old).await,
+                Guest::V2(_) => unreachable!("matched above"),
+            }
+        })?
+        .map_err(refused)?;
+        Ok(Request {
+            input: out.input,
+            sampling: Sampling {
+                temperature: out.sampling.temperature,
+                top_p: out.sampling.top_p,
+                max_tokens: out.sampling.max_tokens,
+                seed: out.sampling.seed,
+                stop: out.sampling.stop,
+                ..req.sampling.clone()
+            },
+            config: out.config,
+            metadata: out.metadata,
+            first_token: None,
+        })
     }
 
-    /// Runs `postprocess` on a chunk of output (`is_final` on the last). What it returns is
-    /// bounded: at most [`POSTPROCESS_MAX_CHUNK`] bytes a call, and over the instance's life at
-    /// most [`POSTPROCESS_RATIO`] times the text it was given plus [`POSTPROCESS_SLACK`].
-    pub async fn postprocess(&mut self, text: &str, is_final: bool) -> Result<String, PluginFailure> {
+    /// Runs `postprocess` on a chunk of output (`end` on the last: how the choice ended). What
+    /// it returns is bounded: at most [`POSTPROCESS_MAX_CHUNK`] bytes a call, and over the
+    /// instance's life at most [`POSTPROCESS_RATIO`] times the text it was given plus
+    /// [`POSTPROCESS_SLACK`].
+    pub async fn postprocess(&mut self, text: &str, end: Option<&Finish>) -> Result<String, PluginFailure> {
         let chunk = Chunk { text: text.to_string() };
-        let out = call!(self, |b, s| b.call_postprocess(s, &chunk, is_final))?
-            .map_err(refused)?
-            .text;
+        let out = call!(self, |b, s| async {
+            match b {
+                Guest::V1(g) => g.call_postprocess(s, &chunk, end.is_some()).await,
+                Guest::V2(g) => g.call_postprocess(s, &chunk, end).await,
+            }
+        })?
+        .map_err(refused)?
+        .text;
         self.postprocessed.admit(text.len(), out.len())?;
         Ok(out)
     }
 
     /// Runs `on-token`.
     pub async fn on_token(&mut self, token: &Token) -> Result<TokenAction, PluginFailure> {
-        call!(self, |b, s| b.call_on_token(s, token))
+        call!(self, |b, s| async move {
+            match b {
+                Guest::V1(g) => g.call_on_token(s, token).await.map(|a| match a {
+                    v1::warden::plugin::types::TokenAction::Continue => TokenAction::Continue,
+                    v1::warden::plugin::types::TokenAction::Stop => TokenAction::Stop,
+                }),
+                Guest::V2(g) => g.call_on_token(s, token).await,
+            }
+        })
     }
 
     /// Gives the instance its request's KV: from now on `kv.current()` shows the sequence

@@ -27,14 +27,28 @@ fn example(name: &str) -> Plugin {
 }
 
 async fn instance(p: &Plugin, limits: PluginLimits) -> Instance {
+    configured(p, limits, "").await.expect("instantiate")
+}
+
+/// An instance `init` got `config` (0.2.0).
+async fn configured(p: &Plugin, limits: PluginLimits, config: &str) -> Result<Instance, PluginFailure> {
     p.instantiate(
         limits,
         crate::testutil::tokenizer(),
         7,
         RequestTime::new(limits.request_time),
+        config,
     )
     .await
-    .expect("instantiate")
+}
+
+/// How a choice ended, for a last `postprocess`.
+fn end() -> Finish {
+    Finish {
+        reason: "stop".into(),
+        prompt_tokens: 3,
+        completion_tokens: 4,
+    }
 }
 
 /// `p` is the system-prompt example: with config "S" it puts a system message "S" first.
@@ -62,12 +76,19 @@ fn chat(config: &str, messages: &[(&str, &str)]) -> Request {
         sampling: Sampling {
             temperature: 0.0,
             top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             max_tokens: 16,
             seed: None,
             stop: vec![],
+            logit_bias: vec![],
         },
         config: config.into(),
         metadata: vec![],
+        first_token: None,
     }
 }
 
@@ -103,59 +124,81 @@ async fn the_redactor_catches_pii_split_across_chunks() {
         let mut out = String::new();
         let bytes: Vec<char> = text.chars().collect();
         for piece in bytes.chunks(cut) {
-            out.push_str(&i.postprocess(&piece.iter().collect::<String>(), false).await.unwrap());
+            out.push_str(&i.postprocess(&piece.iter().collect::<String>(), None).await.unwrap());
             // Nothing emitted so far holds a fragment of the PII.
             for frag in ["jane.doe@", "@example", "555 123", "4111 1111"] {
                 assert!(!out.contains(frag), "cut {cut}: {out:?}");
             }
         }
-        out.push_str(&i.postprocess("", true).await.unwrap());
+        out.push_str(&i.postprocess("", Some(&end())).await.unwrap());
         assert_eq!(out, "Mail me at [EMAIL] or call [PHONE]; card [CARD] ok.", "cut {cut}");
     }
 }
 
+/// The JSON guard (0.2.0) reads the vocabulary in `init`, constrains the first token in
+/// `preprocess`, and after each token the next to those that keep the output the start of a JSON
+/// value, then stops once the value is complete.
 #[tokio::test]
-async fn the_json_guard_stops_once_the_output_cannot_be_json() {
+async fn the_json_guard_constrains_each_token_to_json_and_stops_when_complete() {
     let p = example("json_guard");
-    let mut i = instance(&p, PluginLimits::default()).await;
+    let tk = crate::testutil::tokenizer();
+    let limits = PluginLimits {
+        call_timeout: Duration::from_secs(5),
+        ..PluginLimits::default()
+    };
+    let mut i = instance(&p, limits).await;
+    assert_eq!(i.world(), "0.2.0");
     assert!(i.capabilities().await.unwrap().on_token);
-    let mut actions = Vec::new();
-    for (n, t) in ["{\"a\"", ": [1, ", "true]", "}", " trailing"].iter().enumerate() {
+    let one = |text: &str| match tk.encode(text, false)[..] {
+        [id] => id,
+        ref ids => panic!("{text:?} is {ids:?}"),
+    };
+    let out = i.preprocess(&chat("", &[("user", "x")])).await.unwrap();
+    let first = out
+        .first_token
+        .and_then(|c| c.allowed)
+        .expect("the first token is constrained");
+    assert!(first.contains(&one("{")) && !first.contains(&one("Hello")));
+    let ids: Vec<u32> = tk.encode("{\"a\": [1, true]}", false);
+    let mut outside = false;
+    for (n, &id) in ids.iter().enumerate() {
         let tok = Token {
-            id: 0,
-            text: t.to_string(),
+            id,
+            text: String::new(),
             index: n as u32 + 1,
         };
-        actions.push(i.on_token(&tok).await.unwrap());
+        match (i.on_token(&tok).await.unwrap(), ids.get(n + 1)) {
+            (TokenAction::Constrain(c), Some(next)) => {
+                let allowed = c.allowed.expect("an allowed set");
+                assert!(
+                    allowed.contains(next),
+                    "token {n}: the text's own next token is allowed"
+                );
+                // Outside a string (after `{"a": [1, true`, say) a bare word may not follow.
+                if tk.decode(&ids[..=n]).ends_with("true") {
+                    assert!(!allowed.contains(&one("Hello")) && allowed.contains(&one("]")));
+                    outside = true;
+                }
+            }
+            (TokenAction::Stop, None) => {}
+            (a, next) => panic!("token {n} ({next:?} next): {a:?}"),
+        }
     }
-    assert_eq!(
-        actions,
-        [
-            TokenAction::Continue,
-            TokenAction::Continue,
-            TokenAction::Continue,
-            TokenAction::Stop,
-            TokenAction::Stop
-        ]
-    );
-    let mut i = instance(&p, PluginLimits::default()).await;
-    let tok = Token {
-        id: 0,
-        text: "Sure! {".into(),
-        index: 1,
-    };
-    assert_eq!(i.on_token(&tok).await.unwrap(), TokenAction::Stop);
+    assert!(outside, "the check after `true` ran");
 }
 
 #[tokio::test]
 async fn each_request_gets_a_fresh_instance() {
     let p = example("pii_redactor");
     let mut a = instance(&p, PluginLimits::default()).await;
-    assert_eq!(a.postprocess("held back: jane@exa", false).await.unwrap(), "");
+    assert_eq!(a.postprocess("held back: jane@exa", None).await.unwrap(), "");
     // A new instance has no held text from the old one.
     let mut b = instance(&p, PluginLimits::default()).await;
-    assert_eq!(b.postprocess("", true).await.unwrap(), "");
-    assert_eq!(a.postprocess("mple.com", true).await.unwrap(), "held back: [EMAIL]");
+    assert_eq!(b.postprocess("", Some(&end())).await.unwrap(), "");
+    assert_eq!(
+        a.postprocess("mple.com", Some(&end())).await.unwrap(),
+        "held back: [EMAIL]"
+    );
 }
 
 #[tokio::test]
@@ -238,27 +281,29 @@ async fn a_busy_guest_yields_to_other_tasks_on_the_same_thread() {
 async fn the_regex_filter_denies_and_rewrites_by_its_config() {
     let p = example("regex_filter");
     let config = "# rules\ndeny: (?i)\\bpassword\\b\nreplace: \\bACME-\\d{4}\\b => [ticket]";
-    let mut i = instance(&p, PluginLimits::default()).await;
+    let limits = PluginLimits::default();
+    let mut i = configured(&p, limits, config).await.unwrap();
     match i.preprocess(&chat(config, &[("user", "my PASSWORD is x")])).await {
         Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "denied"),
         other => panic!("{other:?}"),
     }
-    let mut i = instance(&p, PluginLimits::default()).await;
+    let mut i = configured(&p, limits, config).await.unwrap();
     i.preprocess(&chat(config, &[("user", "status of ACME-1234?")]))
         .await
         .unwrap();
-    assert_eq!(i.postprocess("Ticket ACME-12", false).await.unwrap(), "");
+    assert_eq!(i.postprocess("Ticket ACME-12", None).await.unwrap(), "");
     assert_eq!(
-        i.postprocess("34 is open.", true).await.unwrap(),
+        i.postprocess("34 is open.", Some(&end())).await.unwrap(),
         "Ticket [ticket] is open."
     );
-    let mut i = instance(&p, PluginLimits::default()).await;
-    match i.preprocess(&chat("replace: ( => x", &[("user", "hi")])).await {
+    // A rule that does not parse is refused by `init`, before any request.
+    match configured(&p, limits, "replace: ( => x").await {
         Err(PluginFailure::Refused { code, message }) => {
             assert_eq!(code, "plugin_config");
             assert!(message.contains("line 1"), "{message}");
         }
-        other => panic!("{other:?}"),
+        Ok(_) => panic!("a bad rule was accepted"),
+        Err(other) => panic!("{other:?}"),
     }
 }
 
@@ -377,7 +422,7 @@ async fn a_requests_calls_share_one_time_budget() {
         ..PluginLimits::default()
     };
     let time = RequestTime::new(limits.request_time);
-    let make = || p.instantiate(limits, crate::testutil::tokenizer(), 7, time.clone());
+    let make = || p.instantiate(limits, crate::testutil::tokenizer(), 7, time.clone(), "");
     // The first call takes its whole 100 ms, the second (another choice) the 50 ms left.
     let e = make().await.unwrap().preprocess(&attack("loop")).await.unwrap_err();
     assert_eq!(e.code(), "plugin_timeout", "{e}");
@@ -398,18 +443,18 @@ async fn postprocess_output_is_bounded_by_its_input() {
     // 2 MiB from a 5-byte chunk: over the per-call cap.
     let mut i = instance(&p, PluginLimits::default()).await;
     i.preprocess(&attack("flood")).await.unwrap();
-    let e = i.postprocess("hello", false).await.unwrap_err();
+    let e = i.postprocess("hello", None).await.unwrap_err();
     assert_eq!(e.code(), "plugin_output_too_large", "{e}");
     // 8 KiB per 5-byte chunk: within the cap, over the ratio once the slack is spent.
     let mut i = instance(&p, PluginLimits::default()).await;
     i.preprocess(&attack("swell")).await.unwrap();
-    let e = i.postprocess("hello", false).await.unwrap_err();
+    let e = i.postprocess("hello", None).await.unwrap_err();
     assert_eq!(e.code(), "plugin_output_too_large", "{e}");
     // A plugin that returns what it is given, or adds a little, is untouched.
     let mut i = instance(&p, PluginLimits::default()).await;
     i.preprocess(&attack("pass")).await.unwrap();
     for _ in 0..100 {
-        assert_eq!(i.postprocess("hello", false).await.unwrap(), "hello");
+        assert_eq!(i.postprocess("hello", None).await.unwrap(), "hello");
     }
 }
 
@@ -461,7 +506,7 @@ async fn page_epochs_say_nothing_of_the_pools_history() {
     let mut i = instance(&p, PluginLimits::default()).await;
     i.preprocess(&attack("kv")).await.unwrap();
     i.attach_kv(Arc::new(ChurnedKv));
-    let out = i.postprocess("text", false).await.unwrap();
+    let out = i.postprocess("text", None).await.unwrap();
     assert!(out.ends_with("[kv pages=2 written=32] [epochs 1,2]"), "{out}");
 }
 

@@ -121,6 +121,10 @@ impl From<&AbortReason> for ApiError {
             AbortReason::Shutdown | AbortReason::Kv(_) => StatusCode::SERVICE_UNAVAILABLE,
             AbortReason::Transfer(_) => StatusCode::BAD_GATEWAY,
             // The request's own format left the model no way on.
+            // The plugin's constraint, not the client's request, left nothing.
+            AbortReason::Constraint(crate::engine::constraint::ConstraintError::SteeredToNothing) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
             AbortReason::Constraint(_) => StatusCode::BAD_REQUEST,
             // A node's own ending, passed on by a router, keeps its status.
             AbortReason::Node { code, .. } => match *code {

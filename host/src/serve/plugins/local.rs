@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::limits_of;
-use super::pipeline::{Rewrite, check_rewritten};
+use super::pipeline::{Rewrite, check_rewritten, engine_constraint, finish};
 use crate::config::{PluginsConfig, UnknownFields};
 use crate::engine::request::Outcome;
 use crate::engine::steer::Steer;
@@ -97,10 +97,11 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
         let seed = plan.params.sampling().seed.unwrap_or(0);
         let time = RequestTime::new(limits.request_time);
         let tk = model.tokenizer.clone();
+        writeln!(out, "world: warden:plugin@{}", plugin.world())?;
         let mut i = plugin
-            .instantiate(limits, tk.clone(), seed, time)
+            .instantiate(limits, tk.clone(), seed, time, &run.config)
             .await
-            .map_err(plugin_failed("instantiate"))?;
+            .map_err(plugin_failed("init"))?;
         let caps = i.capabilities().await;
         logs(&mut i, out)?;
         let caps = caps.map_err(plugin_failed("capabilities"))?;
@@ -117,7 +118,19 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
         let rewritten = rewritten.map_err(plugin_failed("preprocess"))?;
         writeln!(out, "preprocess -> {}", request_json(&rewritten))?;
         check_rewritten(&rewritten, 1 << 20).map_err(plugin_failed("preprocess"))?;
-        let (asked, params) = call.finish(rewritten)?;
+        let (asked, params, first) = call.finish(rewritten)?;
+        let first = first
+            .map(|c| engine_constraint(c, tk.vocab_size(), true))
+            .transpose()
+            .map_err(plugin_failed("preprocess"))?;
+        if let Some(c) = &first {
+            let allowed = c.allowed.as_ref().map_or("any".to_string(), |a| a.len().to_string());
+            writeln!(
+                out,
+                "first token: constrain (allowed: {allowed}, biased: {})",
+                c.bias.len()
+            )?;
+        }
         let prompt = match asked {
             Asked::Tokens(ids) => ids,
             Asked::Text(text) => tk.encode(&text, true),
@@ -160,13 +173,18 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
             req = req.with_constraint(c);
         }
         // As the server does: each token waits for on-token's verdict.
-        let steer = caps.on_token.then(|| Arc::new(Steer::new()));
+        let steer = match (caps.on_token, first) {
+            (true, first) => Some(Arc::new(Steer::new(first))),
+            (false, Some(first)) => Some(Arc::new(Steer::first_only(first))),
+            (false, None) => None,
+        };
         if let Some(s) = &steer {
             req = req.with_steer(s.clone());
         }
         let id = engine
             .submit(req)
             .map_err(|r| LocalError::Engine(format!("{} ({})", r.reason, r.reason.code())))?;
+        let steer = steer.filter(|_| caps.on_token);
         generate(&mut engine, &tk, id, steer, &mut i, out).await
     })
 }
@@ -198,21 +216,26 @@ async fn generate(
                             })
                             .await;
                         logs(i, out)?;
-                        let action = action.map_err(failed("on-token"))?;
-                        let said = match action {
-                            TokenAction::Continue => "continue",
-                            TokenAction::Stop => "stop",
+                        let (said, next) = match action.map_err(failed("on-token"))? {
+                            TokenAction::Continue => ("continue".to_string(), None),
+                            TokenAction::Stop => {
+                                engine.stop(id);
+                                ("stop".to_string(), None)
+                            }
+                            TokenAction::Constrain(c) => {
+                                let c = engine_constraint(c, tk.vocab_size(), true).map_err(failed("on-token"))?;
+                                let allowed = c.allowed.as_ref().map_or("any".to_string(), |a| a.len().to_string());
+                                let said = format!("constrain (allowed: {allowed}, biased: {})", c.bias.len());
+                                (said, Some(c))
+                            }
                         };
                         writeln!(out, "token {index}: {token} {shown:?} -> {said}")?;
-                        if action == TokenAction::Stop {
-                            engine.stop(id);
-                        }
-                        steer.answer(None);
+                        steer.answer(next);
                     } else {
                         writeln!(out, "token {index}: {token} {shown:?}")?;
                     }
                     if !text.is_empty() {
-                        let post = i.postprocess(&text, false).await;
+                        let post = i.postprocess(&text, None).await;
                         logs(i, out)?;
                         let post = post.map_err(failed("postprocess"))?;
                         writeln!(out, "postprocess {text:?} -> {post:?}")?;
@@ -222,15 +245,16 @@ async fn generate(
                 Event::Done {
                     outcome, text, usage, ..
                 } => {
-                    let post = i.postprocess(&text, true).await;
+                    let reason = match outcome {
+                        Outcome::Finished(f) => f,
+                        Outcome::Aborted(why) => return Err(LocalError::Engine(why.to_string())),
+                    };
+                    let post = i.postprocess(&text, Some(&finish(reason, &usage))).await;
                     logs(i, out)?;
                     let post = post.map_err(failed("postprocess"))?;
                     writeln!(out, "postprocess (final) {text:?} -> {post:?}")?;
                     output.push_str(&post);
-                    let finish = match outcome {
-                        Outcome::Finished(f) => f.as_str(),
-                        Outcome::Aborted(why) => return Err(LocalError::Engine(why.to_string())),
-                    };
+                    let finish = reason.as_str();
                     writeln!(
                         out,
                         "finish: {finish}, {} prompt + {} completion tokens",
@@ -296,8 +320,16 @@ fn request_json(r: &Request) -> Value {
     let s = &r.sampling;
     json!({
         "input": input,
-        "sampling": {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens, "seed": s.seed, "stop": s.stop},
+        "sampling": {
+            "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
+            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty, "max_tokens": s.max_tokens, "seed": s.seed,
+            "stop": s.stop, "logit_bias": s.logit_bias,
+        },
         "config": r.config,
         "metadata": r.metadata,
+        "first_token": r.first_token.as_ref().map(|c| json!({
+            "allowed": c.allowed.as_ref().map(Vec::len), "bias": c.bias.len(),
+        })),
     })
 }

@@ -22,7 +22,9 @@ use super::store::records::{Deployment, PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
 use crate::plugin::compile::{CompileLimits, compile_isolated};
-use crate::plugin::{Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling};
+use crate::plugin::{
+    Finish, Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling,
+};
 use crate::policy::rate::{Denied, Gcra};
 use crate::tenant::TenantId;
 use crate::tenant::valid_tenant_name;
@@ -296,7 +298,8 @@ impl Plugins {
     async fn smoke(&self, p: &Plugin, config: &str) -> Result<(), PluginFailure> {
         let limits = self.limits();
         let time = RequestTime::new(limits.request_time);
-        let mut i = p.instantiate(limits, self.tokenizer.clone(), 0, time).await?;
+        // 0.2.0's `init` runs here, with `config`.
+        let mut i = p.instantiate(limits, self.tokenizer.clone(), 0, time, config).await?;
         i.capabilities().await?;
         let req = Request {
             input: Input::Chat(vec![Message {
@@ -306,17 +309,32 @@ impl Plugins {
             sampling: Sampling {
                 temperature: 1.0,
                 top_p: 1.0,
+                top_k: 0,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                presence_penalty: 0.0,
+                frequency_penalty: 0.0,
                 max_tokens: 16,
                 seed: None,
                 stop: vec![],
+                logit_bias: vec![],
             },
             config: config.into(),
             metadata: vec![("endpoint".into(), "upload-check".into())],
+            first_token: None,
         };
         // Both calls run, so a failure of either counts before a refusal.
         let pre = i.preprocess(&req).await.map(|_| ());
         ran(pre.clone())?;
-        let post = i.postprocess("Hello from the upload check.", true).await.map(|_| ());
+        let end = Finish {
+            reason: "stop".into(),
+            prompt_tokens: 16,
+            completion_tokens: 8,
+        };
+        let post = i
+            .postprocess("Hello from the upload check.", Some(&end))
+            .await
+            .map(|_| ());
         ran(post.clone())?;
         pre.and(post)
     }

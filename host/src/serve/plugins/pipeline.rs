@@ -18,10 +18,11 @@ use super::logs::{Source, TenantLogs};
 use super::{Resolved, Share};
 use crate::chat::ChatMessage;
 use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Params, Usage};
-use crate::engine::steer::Steer;
+use crate::engine::steer::{Steer, TokenConstraint};
 use crate::metrics::Metrics;
 use crate::plugin::{
-    Input, Instance, KvAccess, Message, PluginFailure, PluginLimits, Request, RequestTime, Sampling, Token, TokenAction,
+    Finish, GuestConstraint, Input, Instance, KvAccess, Message, PluginFailure, PluginLimits, Request, RequestTime,
+    Sampling, Token, TokenAction,
 };
 use crate::runner::{EndFlag, Update};
 use crate::serve::error::ApiError;
@@ -83,6 +84,8 @@ pub struct Hooks {
     seed: u64,
     reporter: Reporter,
     max_request_bytes: usize,
+    /// What `preprocess` set the first generated token's constraint to.
+    first_token: Option<TokenConstraint>,
 }
 
 /// The smallest JSON a chat message takes in a request body (`{"role":"","content":""}`):
@@ -106,7 +109,7 @@ impl Hooks {
         let time = RequestTime::new(limits.request_time);
         let first = resolved
             .plugin
-            .instantiate(limits, tokenizer.clone(), seed, time.clone())
+            .instantiate(limits, tokenizer.clone(), seed, time.clone(), &resolved.config)
             .await
             .map_err(|f| reporter.error(&f))?;
         Ok(Self {
@@ -119,6 +122,7 @@ impl Hooks {
             seed,
             reporter,
             max_request_bytes,
+            first_token: None,
         })
     }
 
@@ -137,7 +141,12 @@ impl Hooks {
         let out = out
             .and_then(|out| check_rewritten(&out, self.max_request_bytes).map(|()| out))
             .map_err(|f| self.reporter.error(&f))?;
-        call.finish(out)
+        let (asked, params, first) = call.finish(out)?;
+        self.first_token = first
+            .map(|c| engine_constraint(c, self.tokenizer.vocab_size(), true))
+            .transpose()
+            .map_err(|f| self.reporter.error(&f))?;
+        Ok((asked, params))
     }
 
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
@@ -158,8 +167,15 @@ impl Hooks {
             tokenizer,
             seed,
             reporter,
+            first_token,
             ..
         } = self;
+        if first_token.is_some() && !steer {
+            let f = PluginFailure::BadConstraint(
+                "token constraints need the model in this process; a cluster router cannot apply them".into(),
+            );
+            return Err(reporter.error(&f));
+        }
         let mut choices = Vec::with_capacity(choices_in.len());
         let mut next = Some(first);
         for (i, (stop, kv)) in choices_in.into_iter().enumerate() {
@@ -167,7 +183,13 @@ impl Hooks {
                 Some(first) => first,
                 None => resolved
                     .plugin
-                    .instantiate(limits, tokenizer.clone(), seed.wrapping_add(i as u64), time.clone())
+                    .instantiate(
+                        limits,
+                        tokenizer.clone(),
+                        seed.wrapping_add(i as u64),
+                        time.clone(),
+                        &resolved.config,
+                    )
                     .await
                     .map_err(|f| reporter.error(&f))?,
             };
@@ -176,7 +198,12 @@ impl Hooks {
             choices.push(ChoiceStage {
                 instance,
                 on_token,
-                steer: (on_token && steer).then(|| Arc::new(Steer::new())),
+                steer: match (steer, on_token, &first_token) {
+                    (false, _, _) => None,
+                    (true, true, first) => Some(Arc::new(Steer::new(first.clone()))),
+                    (true, false, Some(first)) => Some(Arc::new(Steer::first_only(first.clone()))),
+                    (true, false, None) => None,
+                },
                 stop,
                 tokens: 0,
                 stopping: false,
@@ -185,6 +212,7 @@ impl Hooks {
         }
         Ok(Output {
             choices,
+            vocab: tokenizer.vocab_size(),
             reporter,
             resolved,
             _share: share,
@@ -245,9 +273,15 @@ impl Rewrite {
         let sampling = Sampling {
             temperature: s.temperature,
             top_p: s.top_p,
+            top_k: u32::try_from(s.top_k).unwrap_or(u32::MAX),
+            min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
             max_tokens: params.max_tokens().min(u32::MAX as usize) as u32,
             seed: s.seed,
             stop: params.stop().to_vec(),
+            logit_bias: s.logit_bias.clone(),
         };
         let request = Request {
             input,
@@ -256,6 +290,7 @@ impl Rewrite {
             metadata: std::iter::once(("endpoint".to_string(), endpoint.to_string()))
                 .chain(metadata)
                 .collect(),
+            first_token: None,
         };
         Self {
             request,
@@ -265,22 +300,33 @@ impl Rewrite {
         }
     }
 
-    /// What the plugin returned (`out`), as the request the server goes on with.
-    pub fn finish(self, out: Request) -> Result<(Asked, Params), ApiError> {
+    /// What the plugin returned (`out`), as the request the server goes on with, and the
+    /// constraint it set on the first token, if any (checked by the caller, which knows the
+    /// vocabulary).
+    pub fn finish(self, out: Request) -> Result<(Asked, Params, Option<GuestConstraint>), ApiError> {
         let Self {
             request,
             params,
             tokens,
             mut history,
         } = self;
+        let first_token = out.first_token;
         let mut sampling = params.sampling().clone();
-        sampling.temperature = out.sampling.temperature;
-        sampling.top_p = out.sampling.top_p;
-        sampling.seed = out.sampling.seed;
+        let o = out.sampling;
+        sampling.temperature = o.temperature;
+        sampling.top_p = o.top_p;
+        sampling.top_k = o.top_k as usize;
+        sampling.min_p = o.min_p;
+        sampling.repetition_penalty = o.repetition_penalty;
+        sampling.presence_penalty = o.presence_penalty;
+        sampling.frequency_penalty = o.frequency_penalty;
+        sampling.seed = o.seed;
+        sampling.logit_bias = o.logit_bias;
+        sampling.logit_bias.sort_by_key(|&(id, _)| id);
         let params = Params::new(
             sampling,
-            out.sampling.max_tokens as usize,
-            out.sampling.stop,
+            o.max_tokens as usize,
+            o.stop,
             params.ignore_eos(),
             params.logprobs(),
         )
@@ -312,7 +358,7 @@ impl Rewrite {
                 )
             }
         };
-        Ok((asked, params))
+        Ok((asked, params, first_token))
     }
 }
 
@@ -366,6 +412,8 @@ struct ChoiceStage {
 /// The output stage of a request.
 pub struct Output {
     choices: Vec<ChoiceStage>,
+    /// The model's vocabulary size (token constraints are checked against it).
+    vocab: usize,
     reporter: Reporter,
     resolved: Resolved,
     /// The request's instances count against its tenant's share until the stage ends.
@@ -437,21 +485,26 @@ impl Output {
                         text: text.clone(),
                         index: c.tokens,
                     };
+                    let mut next = None;
                     match c.instance.on_token(&t).await {
                         Ok(TokenAction::Stop) => stop = true,
                         Ok(TokenAction::Continue) => {}
+                        Ok(TokenAction::Constrain(k)) => match engine_constraint(k, self.vocab, c.steer.is_some()) {
+                            Ok(k) => next = Some(k),
+                            Err(f) => return c.fail(r.failed(f)),
+                        },
                         Err(f) => return c.fail(r.failed(f)),
                     }
                     // The engine computes the next token once it has the verdict (a stop ends
-                    // the sequence first: its flag is raised below, before the engine looks).
+                    // the sequence first: its flag is raised before the engine can look).
                     if let Some(s) = &c.steer {
                         if stop {
                             c.stop.stop();
                         }
-                        s.answer(None);
+                        s.answer(next);
                     }
                 }
-                let text = match c.instance.postprocess(&text, false).await {
+                let text = match c.instance.postprocess(&text, None).await {
                     Ok(t) => t,
                     Err(f) => return c.fail(r.failed(f)),
                 };
@@ -470,25 +523,28 @@ impl Output {
                 // What the engine generated after the plugin's stop was never shown: neither its
                 // text nor its tokens count.
                 c.done = true;
-                match c.instance.postprocess("", true).await {
+                let usage = Usage {
+                    completion_tokens: c.tokens as usize,
+                    ..usage
+                };
+                let end = finish(FinishReason::Stop, &usage);
+                match c.instance.postprocess("", Some(&end)).await {
                     Ok(text) => vec![Update::Done {
                         outcome: Outcome::Finished(FinishReason::Stop),
                         text,
-                        usage: Usage {
-                            completion_tokens: c.tokens as usize,
-                            ..usage
-                        },
+                        usage,
                     }],
                     Err(f) => vec![Update::Failed(r.failed(f))],
                 }
             }
             Update::Done {
-                outcome: outcome @ Outcome::Finished(_),
+                outcome: outcome @ Outcome::Finished(reason),
                 text,
                 usage,
             } => {
                 c.done = true;
-                match c.instance.postprocess(&text, true).await {
+                let end = finish(reason, &usage);
+                match c.instance.postprocess(&text, Some(&end)).await {
                     Ok(text) => vec![Update::Done { outcome, text, usage }],
                     Err(f) => vec![Update::Failed(r.failed(f))],
                 }
@@ -501,6 +557,47 @@ impl Output {
             }
         }
     }
+}
+
+/// How a choice ended, as `postprocess` sees it.
+pub fn finish(reason: FinishReason, usage: &Usage) -> Finish {
+    Finish {
+        reason: reason.as_str().into(),
+        prompt_tokens: u32::try_from(usage.prompt_tokens).unwrap_or(u32::MAX),
+        completion_tokens: u32::try_from(usage.completion_tokens).unwrap_or(u32::MAX),
+    }
+}
+
+/// Most a token constraint's bias may move a logit (as a client's `logit_bias`).
+const MAX_CONSTRAINT_BIAS: f32 = 100.0;
+
+/// A plugin's constraint on the next token as the engine takes it, checked: at most `vocab`
+/// ids in each part, each within the vocabulary, biases finite within ±100. Without `steer`
+/// (the engine is a cluster router's, which takes no constraints) none is taken.
+pub fn engine_constraint(c: GuestConstraint, vocab: usize, steer: bool) -> Result<TokenConstraint, PluginFailure> {
+    let bad = |m: String| Err(PluginFailure::BadConstraint(m));
+    if !steer {
+        return bad("token constraints need the model in this process; a cluster router cannot apply them".into());
+    }
+    let allowed_len = c.allowed.as_ref().map_or(0, Vec::len);
+    if allowed_len > vocab || c.bias.len() > vocab {
+        return bad(format!("more ids than the vocabulary's {vocab}"));
+    }
+    let ids = c.allowed.iter().flatten().chain(c.bias.iter().map(|(id, _)| id));
+    if let Some(id) = ids.into_iter().find(|&&id| id as usize >= vocab) {
+        return bad(format!("token id {id} is outside the vocabulary of {vocab}"));
+    }
+    if let Some((id, b)) = c
+        .bias
+        .iter()
+        .find(|(_, b)| !b.is_finite() || b.abs() > MAX_CONSTRAINT_BIAS)
+    {
+        return bad(format!("the bias {b} on token {id} is outside -100 to 100"));
+    }
+    Ok(TokenConstraint {
+        allowed: c.allowed,
+        bias: c.bias,
+    })
 }
 
 impl ChoiceStage {
