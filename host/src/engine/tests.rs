@@ -1153,3 +1153,51 @@ fn a_steered_sequence_waits_for_each_verdict_and_samples_under_it() {
     assert!(matches!(runs.outcomes[&b], Outcome::Finished(_)));
     assert_quiescent(&mut e, &[1, 2]);
 }
+
+/// A plugin's constraint and the request's own (its `response_format`) hold together: a token
+/// must pass both, and when none does the sequence fails with the plugin's code.
+#[test]
+fn a_steering_constraint_and_the_requests_format_both_hold() {
+    use super::steer::{Steer, TokenConstraint};
+    use crate::grammar::{Format, GrammarLimits, Grammars};
+    let tk = crate::testutil::tokenizer();
+    let one = |text: &str| match tk.encode(text, false)[..] {
+        [id] => id,
+        ref ids => panic!("{text:?} is {ids:?}"),
+    };
+    let (brace, word) = (one("{"), one("Hello"));
+    let grammars = Grammars::new(
+        tk.clone(),
+        GrammarLimits {
+            max_schema_bytes: 4096,
+            compile_ms: 2000,
+        },
+    );
+    let json = grammars.compile(&Format::JsonObject).unwrap();
+    let run = |allowed: Vec<u32>| {
+        let mut e = engine(512);
+        let prompt: Vec<u32> = (1..20).collect();
+        let req = GenerateRequest::greedy(tenant(1), prompt, 2)
+            .validate(&e.limits())
+            .expect("valid")
+            .with_constraint(json.clone())
+            .with_steer(Arc::new(Steer::first_only(TokenConstraint {
+                allowed: Some(allowed),
+                bias: vec![],
+            })));
+        let id = e.submit(req).expect("admitted");
+        let mut runs = Runs::default();
+        runs.drain(&mut e);
+        (runs.tokens.remove(&id).unwrap_or_default(), runs.outcomes.remove(&id))
+    };
+    // The plugin allows a word or a brace, the format only the brace: the brace it is.
+    let (tokens, _) = run(vec![word, brace]);
+    assert_eq!(tokens.first(), Some(&brace));
+    // The plugin allows only the word, which the format refuses: nothing is left.
+    let (tokens, outcome) = run(vec![word]);
+    assert!(tokens.is_empty());
+    match outcome {
+        Some(Outcome::Aborted(r)) => assert_eq!(r.code(), "plugin_constraint_allows_no_token"),
+        o => panic!("{o:?}"),
+    }
+}
