@@ -217,7 +217,13 @@ impl ChatTemplate {
         env.set_fuel(Some(limits.fuel));
         env.set_recursion_limit(limits.recursion);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_filter("tojson", tojson);
+        // Its output is capped like the whole render's: it is built before the render's own cap
+        // sees it, and an indent multiplies what a request's JSON (tools, arguments) makes.
+        let cap = limits.max_output_bytes;
+        env.add_filter(
+            "tojson",
+            move |value: minijinja::Value, kwargs: minijinja::value::Kwargs| tojson(value, kwargs, cap),
+        );
         env.add_function(
             "raise_exception",
             |message: String| -> Result<minijinja::Value, Error> {
@@ -311,7 +317,8 @@ impl ChatTemplate {
 /// `": "` between items, or `","` with an `indent`; non-ASCII kept unless `ensure_ascii`), with
 /// its `indent`, `separators`, `sort_keys` and `ensure_ascii` arguments, and no HTML escaping
 /// (minijinja's own escapes `<`, which would change how tools are shown to the model).
-fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<minijinja::Value, Error> {
+/// What it writes is at most `cap` bytes (more is an error, as the render's own cap makes it).
+fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs, cap: usize) -> Result<minijinja::Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let separators: Option<Vec<String>> = kwargs.get("separators")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
@@ -335,32 +342,45 @@ fn tojson(value: minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<m
         key,
         sort_keys: sort_keys.unwrap_or(false),
         ensure_ascii: ensure_ascii.unwrap_or(false),
+        cap,
     };
     let mut out = String::new();
-    style.write(&v, 0, &mut out);
+    style.write(&v, 0, &mut out).map_err(|TooLong| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: the JSON is longer than {cap} bytes"),
+        )
+    })?;
     Ok(minijinja::Value::from_safe_string(out))
 }
 
-/// How Python's `json.dumps` lays JSON out.
+/// How Python's `json.dumps` lays JSON out, within `cap` bytes.
 struct PyJson {
     indent: Option<usize>,
     item: String,
     key: String,
     sort_keys: bool,
     ensure_ascii: bool,
+    cap: usize,
 }
 
+/// The JSON would pass its cap.
+struct TooLong;
+
 impl PyJson {
-    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) -> Result<(), TooLong> {
         use serde_json::Value as J;
+        if out.len() > self.cap {
+            return Err(TooLong);
+        }
         match v {
             J::Array(items) if !items.is_empty() => {
                 out.push('[');
                 for (i, x) in items.iter().enumerate() {
-                    self.separate(i, depth + 1, out);
-                    self.write(x, depth + 1, out);
+                    self.separate(i, depth + 1, out)?;
+                    self.write(x, depth + 1, out)?;
                 }
-                self.close(depth, out);
+                self.close(depth, out)?;
                 out.push(']');
             }
             J::Object(map) if !map.is_empty() => {
@@ -370,34 +390,38 @@ impl PyJson {
                 }
                 out.push('{');
                 for (i, (k, x)) in entries.into_iter().enumerate() {
-                    self.separate(i, depth + 1, out);
+                    self.separate(i, depth + 1, out)?;
                     self.string(k, out);
                     out.push_str(&self.key);
-                    self.write(x, depth + 1, out);
+                    self.write(x, depth + 1, out)?;
                 }
-                self.close(depth, out);
+                self.close(depth, out)?;
                 out.push('}');
             }
             J::String(s) => self.string(s, out),
             other => out.push_str(&other.to_string()),
         }
+        if out.len() > self.cap { Err(TooLong) } else { Ok(()) }
     }
 
-    fn separate(&self, i: usize, depth: usize, out: &mut String) {
+    fn separate(&self, i: usize, depth: usize, out: &mut String) -> Result<(), TooLong> {
         if i > 0 {
             out.push_str(&self.item);
         }
-        if let Some(n) = self.indent {
-            out.push('\n');
-            out.push_str(&" ".repeat(n * depth));
-        }
+        self.close(depth, out)
     }
 
-    fn close(&self, depth: usize, out: &mut String) {
+    /// A new line and the indent of `depth`, when indenting.
+    fn close(&self, depth: usize, out: &mut String) -> Result<(), TooLong> {
         if let Some(n) = self.indent {
+            let width = n
+                .checked_mul(depth)
+                .filter(|w| out.len().saturating_add(*w) < self.cap)
+                .ok_or(TooLong)?;
             out.push('\n');
-            out.push_str(&" ".repeat(n * depth));
+            out.extend(std::iter::repeat_n(' ', width));
         }
+        Ok(())
     }
 
     fn string(&self, s: &str, out: &mut String) {
@@ -614,6 +638,21 @@ mod tests {
         );
         let t = ChatTemplate::new("{{ 1 | tojson(colour=1) }}", String::new(), String::new()).unwrap();
         assert!(t.render(&[], false).is_err());
+        // What it writes is capped like the render: a deep indent fails, it does not grow.
+        let limits = ChatLimits {
+            max_output_bytes: 1000,
+            ..ChatLimits::default()
+        };
+        let deep = "{% set v = [[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]] %}{{ v | tojson(indent=40) }}";
+        let t = ChatTemplate::with_limits(deep, String::new(), String::new(), limits).unwrap();
+        assert!(matches!(t.render(&[], false), Err(ChatError::Render(m)) if m.contains("longer than 1000")));
+        let t = ChatTemplate::new(
+            "{{ [1] | tojson(indent=18446744073709551615) }}",
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        assert!(t.render(&[], false).is_err(), "an indent past usize fails, never wraps");
         assert!(
             !ChatTemplate::new("{{ messages }}", String::new(), String::new())
                 .unwrap()

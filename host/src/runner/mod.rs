@@ -342,6 +342,9 @@ pub struct LocalEngine {
     tx: SyncSender<Cmd>,
     kv: SyncSender<KvQuery>,
     alive: Arc<AtomicBool>,
+    /// A wake-up is in the queue: verdicts add at most one, so they never fill it (jobs would
+    /// then be refused as a full queue).
+    waking: Arc<AtomicBool>,
     admission: AdmissionLimits,
     pool_pages: (usize, usize),
 }
@@ -366,6 +369,8 @@ impl LocalEngine {
         let flag = alive.clone();
         let admission = engine.limits();
         let pool_pages = (engine.kv_counters().pages_total, engine.pinnable_pages());
+        let waking = Arc::new(AtomicBool::new(false));
+        let woken = waking.clone();
         std::thread::Builder::new()
             .name("warden-engine".into())
             .spawn(move || {
@@ -377,12 +382,13 @@ impl LocalEngine {
                     }
                 }
                 let _alive = Alive(flag);
-                run(engine, rx, kv_rx, &metrics);
+                run(engine, rx, kv_rx, &metrics, &woken);
             })?;
         Ok(Self {
             tx,
             kv,
             alive,
+            waking,
             admission,
             pool_pages,
         })
@@ -453,10 +459,13 @@ impl LocalEngine {
 impl EngineHandle for LocalEngine {
     fn submit(&self, job: Job) -> Result<(), Busy> {
         if let Some(steer) = job.req.steer() {
-            let tx = self.tx.clone();
+            let (tx, waking) = (self.tx.clone(), self.waking.clone());
             steer.set_waker(move || {
-                // A full queue means the thread has work and wakes anyway.
-                let _ = tx.try_send(Cmd::Wake);
+                // One wake-up in the queue is enough; a full queue means the thread has work and
+                // wakes anyway.
+                if !waking.swap(true, Ordering::SeqCst) && tx.try_send(Cmd::Wake).is_err() {
+                    waking.store(false, Ordering::SeqCst);
+                }
             });
         }
         match self.tx.try_send(Cmd::Job(Box::new(job), Instant::now())) {
@@ -689,7 +698,7 @@ fn start(
     }
 }
 
-fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &ModelMetrics) {
+fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &ModelMetrics, waking: &AtomicBool) {
     let mut live: HashMap<RequestId, Live> = HashMap::new();
     let mut applied = Applied::default();
     let mut shutdown: Option<(Instant, oneshot::Sender<()>)> = None;
@@ -818,7 +827,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     publish(&engine);
                 }
                 Cmd::Shutdown(deadline, done) => shutdown = Some((deadline, done)),
-                Cmd::Wake => {}
+                Cmd::Wake => waking.store(false, Ordering::SeqCst),
             }
         }
         // Plugins' questions about their own KV, between steps.

@@ -191,6 +191,7 @@ impl From<PluginError> for ApiError {
             PluginError::NothingToRollBack(_) => (StatusCode::CONFLICT, "nothing_to_roll_back", None, None),
             PluginError::VersionActive { .. } => (StatusCode::CONFLICT, "version_active", None, None),
             PluginError::Rejected(f) => (StatusCode::BAD_REQUEST, f.code(), None, None),
+            PluginError::Changed(_) => (StatusCode::CONFLICT, "plugin_changed", None, None),
             PluginError::ConfigRejected { .. } => {
                 (StatusCode::BAD_REQUEST, "plugin_config_rejected", Some("config"), None)
             }

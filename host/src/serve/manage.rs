@@ -300,7 +300,12 @@ pub fn plugin(
                 PluginOp::Rollback(n) => answer(p.rollback(&t, &n)),
                 PluginOp::Delete(n) => answer(p.delete(&t, &n)),
                 PluginOp::DeleteVersion { name, version } => answer(p.delete_version(&t, &name, &version)),
-                PluginOp::Config { name, file } => answer(runtime()?.block_on(p.set_config(&t, &name, &read(&file)?))),
+                PluginOp::Config { name, file } => answer(runtime()?.block_on(p.set_config(
+                    &t,
+                    &crate::policy::Policy::default(),
+                    &name,
+                    &read(&file)?,
+                ))),
                 PluginOp::Default(n) => answer(p.set_default(&t, &n)),
                 PluginOp::ClearDefault(n) => answer(p.clear_default(&t, &n)),
             };

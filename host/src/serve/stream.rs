@@ -228,7 +228,10 @@ impl Responder {
                 self.done += 1;
                 if self.stream {
                     let pieces = c.read(&text, true);
-                    let finish = c.finish_reason(finish);
+                    // Calls the last pieces complete count too (a bare JSON call is only read
+                    // at the end).
+                    let more = pieces.iter().any(|p| matches!(p, Piece::Call(_)));
+                    let finish = c.finish_reason(finish, more);
                     self.send(index, pieces, None, Some(finish), out);
                     if self.finished() {
                         if self.include_usage {
@@ -247,7 +250,7 @@ impl Responder {
                             }
                         }
                     }
-                    c.finish_reason(finish);
+                    c.finish_reason(finish, false);
                 }
             }
             Update::Rejected(r) => self.fail(r.reason.into(), out),
@@ -368,9 +371,10 @@ impl Choice {
         out
     }
 
-    /// Records the choice's end: `tool_calls` where a finished output made calls.
-    fn finish_reason(&mut self, finish: &'static str) -> &'static str {
-        let f = if finish == "stop" && !self.calls.is_empty() {
+    /// Records the choice's end: `tool_calls` where a finished output made calls (`more`: calls
+    /// not yet counted in `calls`).
+    fn finish_reason(&mut self, finish: &'static str, more: bool) -> &'static str {
+        let f = if finish == "stop" && (more || !self.calls.is_empty()) {
             "tool_calls"
         } else {
             finish
@@ -677,6 +681,17 @@ mod tests {
             ev.iter().rfind(|e| e.is_object()).unwrap()["choices"][0]["finish_reason"],
             "tool_calls"
         );
+        // A bare JSON call, read only at the end, streams as a call and finishes as one.
+        let mut r = Responder::new(Api::Chat, "m", 1, true, false, tk.clone(), "id".into(), 1)
+            .with_calls(tools.reader().unwrap());
+        let mut out = VecDeque::new();
+        r.push(0, tok("{\"name\": \"f\","), &mut out);
+        r.push(0, tok(" \"arguments\": {}}"), &mut out);
+        r.push(0, done(FinishReason::Stop, 2), &mut out);
+        let ev = events(&out);
+        let last = ev.iter().rfind(|e| e.is_object()).unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "tool_calls", "{ev:?}");
+        assert_eq!(last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "f");
         // Output that makes no call stays text, finished as it finished; with no text at all,
         // a whole message's content is "" (and null only beside calls).
         let mut r =

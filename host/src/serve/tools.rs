@@ -379,6 +379,8 @@ pub struct CallReader {
     calls: usize,
     /// Whitespace held back: emitted before the next text, dropped at a call.
     ws: String,
+    /// Bytes of an open call's text already searched for its end.
+    scanned: usize,
     /// Drop the whitespace that opens the next text (it follows a call).
     after_call: bool,
 }
@@ -397,10 +399,20 @@ impl CallReader {
                 return;
             }
             if self.in_call {
-                let Some(i) = self.buf.find(CLOSE) else { return };
+                // Only what may hold a new `</tool_call>` is searched: a call left open for the
+                // rest of the output costs a scan of each piece once, not of all of it each time.
+                let from = self.scanned.saturating_sub(CLOSE.len() - 1);
+                let from = (from..=self.buf.len())
+                    .find(|&i| self.buf.is_char_boundary(i))
+                    .unwrap_or(0);
+                let Some(i) = self.buf[from..].find(CLOSE).map(|i| i + from) else {
+                    self.scanned = self.buf.len();
+                    return;
+                };
                 let body = self.buf[..i].to_string();
                 self.buf.drain(..i + CLOSE.len());
                 self.in_call = false;
+                self.scanned = 0;
                 self.segment(&body, true, out);
                 continue;
             }
@@ -421,6 +433,7 @@ impl CallReader {
                     self.buf.drain(..i + OPEN.len());
                     self.text(&before, out);
                     self.in_call = true;
+                    self.scanned = 0;
                 }
                 None => {
                     // Hold what may be the start of a tag (ASCII, so a character boundary).

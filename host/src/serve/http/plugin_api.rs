@@ -80,7 +80,8 @@ pub(super) async fn route(
         ([name, "config"], &Method::PUT) => {
             let name = name.to_string();
             let body = read_body_up_to(state, req, p.max_config_bytes(), "config_too_large").await?;
-            ok(p.set_config(t, &name, &body).await)
+            let policy = state.quotas.set().of(&t.name).clone();
+            ok(p.set_config(t, &policy, &name, &body).await)
         }
         ([name, "default"], &Method::PUT) => ok(p.set_default(t, name)),
         ([name, "default"], &Method::DELETE) => ok(p.clear_default(t, name)),

@@ -208,10 +208,12 @@ async fn generate(
                     index += 1;
                     let shown = String::from_utf8_lossy(&tk.token_bytes(token)).into_owned();
                     if let Some(steer) = &steer {
+                        // As the server gives it: the text the token makes safe to show (empty
+                        // while a character or a possible stop string is incomplete).
                         let action = i
                             .on_token(&Token {
                                 id: token,
-                                text: shown.clone(),
+                                text: text.clone(),
                                 index,
                             })
                             .await;
@@ -234,13 +236,12 @@ async fn generate(
                     } else {
                         writeln!(out, "token {index}: {token} {shown:?}")?;
                     }
-                    if !text.is_empty() {
-                        let post = i.postprocess(&text, None).await;
-                        logs(i, out)?;
-                        let post = post.map_err(failed("postprocess"))?;
-                        writeln!(out, "postprocess {text:?} -> {post:?}")?;
-                        output.push_str(&post);
-                    }
+                    // Every token, as the server calls it (its text may be empty).
+                    let post = i.postprocess(&text, None).await;
+                    logs(i, out)?;
+                    let post = post.map_err(failed("postprocess"))?;
+                    writeln!(out, "postprocess {text:?} -> {post:?}")?;
+                    output.push_str(&post);
                 }
                 Event::Done {
                     outcome, text, usage, ..

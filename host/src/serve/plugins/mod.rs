@@ -510,7 +510,15 @@ impl Plugins {
     /// there (or that makes it trap, run out of fuel or time) is refused, naming the plugin's
     /// code and message. The one it replaces goes into the history with its version, so rollback
     /// restores both.
-    pub async fn set_config(&self, t: &Tenant, name: &str, config: &[u8]) -> Result<PluginView, PluginError> {
+    /// The smoke call holds one of the tenant's plugin instances (its policy's share), as a
+    /// request would, so config changes cannot take the pool from other tenants.
+    pub async fn set_config(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        name: &str,
+        config: &[u8],
+    ) -> Result<PluginView, PluginError> {
         if config.len() > self.cfg.max_config_bytes {
             return Err(PluginError::ConfigTooLarge {
                 got: config.len(),
@@ -519,7 +527,9 @@ impl Plugins {
         }
         let config = std::str::from_utf8(config).map_err(PluginError::ConfigNotText)?;
         let rec = self.record(t, name)?;
+        let mut checked = None;
         if rec.active.is_some() {
+            let _share = self.take_instances(t, policy, 1)?;
             let resolved = self.resolve(t, name.to_string()).await?;
             self.smoke(&resolved.plugin, config).await.map_err(|e| match e {
                 PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
@@ -528,9 +538,14 @@ impl Plugins {
                     failure: e,
                 },
             })?;
+            checked = Some(resolved.version);
         }
         let _g = self.lock();
         let mut rec = self.record(t, name)?;
+        // The version checked must still be the one that will run with it.
+        if rec.active != checked {
+            return Err(PluginError::Changed(name.into()));
+        }
         if rec.config != config {
             if let Some(active) = rec.active.clone() {
                 let old = std::mem::replace(&mut rec.config, config.into());

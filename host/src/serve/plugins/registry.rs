@@ -180,6 +180,9 @@ pub enum PluginError {
     /// implement the world, or failed its upload check).
     #[error("{0}")]
     Rejected(PluginFailure),
+    /// The active version changed while a new configuration was being checked against it.
+    #[error("plugin {0:?}'s active version changed while its configuration was checked; send it again")]
+    Changed(String),
     /// The active version refused a new configuration in its smoke call (or failed with it).
     #[error("version {version} refused the configuration: {failure}")]
     ConfigRejected {
