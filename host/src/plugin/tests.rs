@@ -562,3 +562,50 @@ async fn artefacts_the_compiler_makes_load_into_the_servers_runtime() {
     let e = unsafe { runtime().load_artefact(&artefact) }.err().expect("refused");
     assert_eq!(e.code(), "component_over_limits", "{e}");
 }
+
+/// The regex guard (0.2.0) allows, before each token, only the tokens that keep the output a
+/// prefix of its pattern, the end of text once the output matches, and stops once nothing more
+/// could follow; a pattern that does not compile refuses the configuration.
+#[tokio::test]
+async fn the_regex_guard_keeps_output_inside_its_pattern() {
+    let p = example("regex_guard");
+    let tk = crate::testutil::tokenizer();
+    let limits = PluginLimits {
+        call_timeout: Duration::from_secs(5),
+        ..PluginLimits::default()
+    };
+    let pattern = "(yes|no), because [a-z ]{1,40}\\.";
+    let mut i = configured(&p, limits, pattern).await.unwrap();
+    let out = i.preprocess(&chat(pattern, &[("user", "x")])).await.unwrap();
+    let first = out
+        .first_token
+        .and_then(|c| c.allowed)
+        .expect("the first token is constrained");
+    let ids = |text: &str| tk.encode(text, false);
+    assert!(first.contains(&ids("yes")[0]) && first.contains(&ids("no")[0]));
+    assert!(!first.contains(&ids("maybe")[0]) && !first.contains(&ids(" yes")[0]));
+    let eos = tk.eos_id().expect("an end token");
+    assert!(!first.contains(&eos), "an empty output does not match");
+    let text = ids("yes, because it is.");
+    for (n, &id) in text.iter().enumerate() {
+        let tok = Token {
+            id,
+            text: String::new(),
+            index: n as u32 + 1,
+        };
+        match (i.on_token(&tok).await.unwrap(), text.get(n + 1)) {
+            (TokenAction::Constrain(c), Some(next)) => {
+                let allowed = c.allowed.expect("an allowed set");
+                assert!(allowed.contains(next), "token {n}: the text's own next token");
+                assert!(!allowed.contains(&ids("!")[0]), "token {n}: `!` is never in it");
+            }
+            (TokenAction::Stop, None) => {}
+            (a, next) => panic!("token {n} ({next:?} next): {a:?}"),
+        }
+    }
+    match configured(&p, limits, "(unclosed").await {
+        Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "plugin_config"),
+        Ok(_) => panic!("a bad pattern was accepted"),
+        Err(other) => panic!("{other:?}"),
+    }
+}
