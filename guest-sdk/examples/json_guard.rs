@@ -10,7 +10,7 @@
 
 use std::cell::RefCell;
 
-use warden_guest::{Capabilities, Plugin, PluginError, Request, Token, TokenAction, TokenConstraint, vocabulary};
+use warden_guest::{Capabilities, Plugin, PluginError, Request, Token, TokenAction, TokenConstraint};
 
 /// What may come next outside a string.
 #[derive(Default, Clone, Copy, PartialEq, Eq)]
@@ -232,17 +232,9 @@ thread_local! {
     static VOCAB: RefCell<Vocab> = RefCell::new(Vocab::default());
 }
 
-/// Reads every token's bytes, 4,096 at a time.
+/// Reads every token's bytes, and which keep a string open.
 fn read_vocabulary() -> Vocab {
-    let size = vocabulary::size();
-    let mut bytes = Vec::with_capacity(size as usize);
-    while (bytes.len() as u32) < size {
-        let got = vocabulary::token_bytes(bytes.len() as u32, 4096);
-        if got.is_empty() {
-            break;
-        }
-        bytes.extend(got);
-    }
+    let bytes = warden_guest::read_vocabulary();
     let plain = bytes
         .iter()
         .map(|b| !b.is_empty() && b.iter().all(|&c| c != b'"' && c != b'\\' && c >= 0x20))

@@ -13,7 +13,7 @@ use regex_automata::Anchored;
 use regex_automata::dfa::{Automaton, StartKind, dense};
 use regex_automata::util::primitives::StateID;
 use regex_automata::util::start;
-use warden_guest::{Capabilities, Plugin, PluginError, Request, Token, TokenAction, TokenConstraint, vocabulary};
+use warden_guest::{Capabilities, Plugin, PluginError, Request, Token, TokenAction, TokenConstraint};
 
 thread_local! {
     static DFA: RefCell<Option<dense::DFA<Vec<u32>>>> = const { RefCell::new(None) };
@@ -138,15 +138,7 @@ impl Plugin for RegexGuard {
             )
             .build(pattern)
             .map_err(|e| config_error(format!("regex_guard: {e}")))?;
-        let size = vocabulary::size();
-        let mut vocab = Vec::with_capacity(size as usize);
-        while (vocab.len() as u32) < size {
-            let got = vocabulary::token_bytes(vocab.len() as u32, 4096);
-            if got.is_empty() {
-                break;
-            }
-            vocab.extend(got);
-        }
+        let vocab = warden_guest::read_vocabulary();
         let start =
             start_state(&dfa).ok_or_else(|| config_error("regex_guard: the pattern has no anchored start".into()))?;
         let live = live_states(&dfa, start)
