@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use warden::chat::{ChatMessage, ChatTemplate};
 use warden::config::PluginsConfig;
-use warden::plugin::{Input, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token};
+use warden::plugin::{Input, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token, neutral_sampling};
 use warden::serve::plugins::Plugins;
 use warden::serve::store::Store;
 use warden::tokenizer::Tokenizer;
@@ -54,16 +54,8 @@ fn request(config: &str) -> Request {
         }]),
         sampling: Sampling {
             temperature: 0.7,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            max_tokens: 128,
             seed: Some(1),
-            stop: vec![],
-            logit_bias: vec![],
+            ..neutral_sampling(128)
         },
         config: config.into(),
         metadata: vec![("endpoint".into(), "chat.completions".into())],

@@ -18,7 +18,9 @@ use warden::engine::request::{GenerateRequest, Outcome, RequestId};
 use warden::engine::steer::Steer;
 use warden::engine::{Engine, EngineConfig, Event};
 use warden::loaded::LoadedModel;
-use warden::plugin::{Input, Instance, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token};
+use warden::plugin::{
+    Input, Instance, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token, neutral_sampling,
+};
 use warden::serve::plugins::pipeline::engine_constraint;
 use warden::tenant::TenantId;
 
@@ -47,16 +49,7 @@ fn request(config: &str) -> Request {
         }]),
         sampling: Sampling {
             temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            max_tokens: 1024,
-            seed: None,
-            stop: vec![],
-            logit_bias: vec![],
+            ..neutral_sampling(1024)
         },
         config: config.into(),
         metadata: vec![],

@@ -25,16 +25,14 @@ impl TokenConstraint {
     /// Returns whether any token is still possible.
     pub fn apply(&self, logits: &mut [f32]) -> bool {
         if let Some(allowed) = &self.allowed {
-            let mut keep = vec![false; logits.len()];
-            for &id in allowed {
-                if let Some(k) = keep.get_mut(id as usize) {
-                    *k = true;
-                }
-            }
-            for (l, k) in logits.iter_mut().zip(keep) {
-                if !k {
-                    *l = f32::NEG_INFINITY;
-                }
+            // The allowed logits are kept aside and put back: no vocabulary-sized mask a token.
+            let kept: Vec<(usize, f32)> = allowed
+                .iter()
+                .filter_map(|&id| logits.get(id as usize).map(|&l| (id as usize, l)))
+                .collect();
+            logits.fill(f32::NEG_INFINITY);
+            for (id, l) in kept {
+                logits[id] = l;
             }
         }
         for &(id, b) in &self.bias {
@@ -85,6 +83,16 @@ impl Steer {
                 ..State::default()
             }),
             waker: OnceLock::new(),
+        }
+    }
+
+    /// The steering a plugin asks for: every token waits for a verdict when it takes tokens
+    /// (`on_token`); else only a `first` token's constraint, if any; else none.
+    pub fn for_plugin(on_token: bool, first: Option<TokenConstraint>) -> Option<Self> {
+        match (on_token, first) {
+            (true, first) => Some(Self::new(first)),
+            (false, Some(first)) => Some(Self::first_only(first)),
+            (false, None) => None,
         }
     }
 

@@ -49,6 +49,24 @@ pub use limits::{ComponentLimits, HostLimit, PluginLimits, RequestTime};
 pub use v1::warden::plugin::types::{Capabilities, Chunk, Input, Message, PluginError as GuestError, Token};
 pub use v2::warden::plugin0_2_0::types::{Finish, Request, Sampling, TokenAction, TokenConstraint as GuestConstraint};
 
+/// Sampling that changes nothing (temperature 1, no truncation, penalty or bias) for
+/// `max_tokens`: what the host's own calls (the smoke call, benchmarks) give a plugin.
+pub fn neutral_sampling(max_tokens: u32) -> Sampling {
+    Sampling {
+        temperature: 1.0,
+        top_p: 1.0,
+        top_k: 0,
+        min_p: 0.0,
+        repetition_penalty: 1.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        max_tokens,
+        seed: None,
+        stop: vec![],
+        logit_bias: vec![],
+    }
+}
+
 /// Why a plugin call, or getting a plugin at all, failed. Each has a stable code.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PluginFailure {

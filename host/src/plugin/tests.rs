@@ -75,16 +75,7 @@ fn chat(config: &str, messages: &[(&str, &str)]) -> Request {
         ),
         sampling: Sampling {
             temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            max_tokens: 16,
-            seed: None,
-            stop: vec![],
-            logit_bias: vec![],
+            ..neutral_sampling(16)
         },
         config: config.into(),
         metadata: vec![],

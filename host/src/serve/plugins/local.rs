@@ -173,11 +173,7 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
             req = req.with_constraint(c);
         }
         // As the server does: each token waits for on-token's verdict.
-        let steer = match (caps.on_token, first) {
-            (true, first) => Some(Arc::new(Steer::new(first))),
-            (false, Some(first)) => Some(Arc::new(Steer::first_only(first))),
-            (false, None) => None,
-        };
+        let steer = Steer::for_plugin(caps.on_token, first).map(Arc::new);
         if let Some(s) = &steer {
             req = req.with_steer(s.clone());
         }

@@ -23,7 +23,7 @@ use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
 use crate::plugin::compile::{CompileLimits, compile_isolated};
 use crate::plugin::{
-    Finish, Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, Sampling,
+    Finish, Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, neutral_sampling,
 };
 use crate::policy::rate::{Denied, Gcra};
 use crate::tenant::TenantId;
@@ -306,19 +306,7 @@ impl Plugins {
                 role: "user".into(),
                 content: "Hello! This is Warden's upload check.".into(),
             }]),
-            sampling: Sampling {
-                temperature: 1.0,
-                top_p: 1.0,
-                top_k: 0,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                presence_penalty: 0.0,
-                frequency_penalty: 0.0,
-                max_tokens: 16,
-                seed: None,
-                stop: vec![],
-                logit_bias: vec![],
-            },
+            sampling: neutral_sampling(16),
             config: config.into(),
             metadata: vec![("endpoint".into(), "upload-check".into())],
             first_token: None,

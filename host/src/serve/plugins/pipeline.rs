@@ -198,12 +198,10 @@ impl Hooks {
             choices.push(ChoiceStage {
                 instance,
                 on_token,
-                steer: match (steer, on_token, &first_token) {
-                    (false, _, _) => None,
-                    (true, true, first) => Some(Arc::new(Steer::new(first.clone()))),
-                    (true, false, Some(first)) => Some(Arc::new(Steer::first_only(first.clone()))),
-                    (true, false, None) => None,
-                },
+                steer: steer
+                    .then(|| Steer::for_plugin(on_token, first_token.clone()))
+                    .flatten()
+                    .map(Arc::new),
                 stop,
                 tokens: 0,
                 stopping: false,
