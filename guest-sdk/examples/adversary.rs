@@ -16,6 +16,8 @@
 //! in a static and, if a static from an earlier request were still there, uses that instead
 //! (appending `[kept handle N]` or `[reused handle N: ...]`).
 //!
+//! `print-in-init` writes to stdout in `init`.
+//!
 //! Anything else passes the request on. Like a real attacker, it behaves in the server's smoke
 //! call (metadata `endpoint` = `upload-check`), which its configuration must pass: the attacks
 //! come in live traffic, where the runtime's limits are what stop them.
@@ -51,6 +53,14 @@ fn recurse(n: u64, sink: &mut [u64; 16]) -> u64 {
 }
 
 impl Plugin for Adversary {
+    fn init(config: String) -> Result<(), PluginError> {
+        // Writes to stdout while it is initialised: a snapshot of it must not keep the stream.
+        if config == "print-in-init" {
+            println!("initialising");
+        }
+        Ok(())
+    }
+
     fn capabilities() -> Capabilities {
         Capabilities {
             on_token: config().starts_with("constrain-"),

@@ -230,6 +230,8 @@ struct Vocab {
 thread_local! {
     static STATE: RefCell<Prefix> = RefCell::new(Prefix::default());
     static VOCAB: RefCell<Vocab> = RefCell::new(Vocab::default());
+    /// The tokens a reply may start with, worked out once in `init`.
+    static FIRST: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Reads every token's bytes, and which keep a string open.
@@ -270,8 +272,17 @@ fn allowed(p: &Prefix, v: &Vocab) -> Vec<u32> {
 struct JsonGuard;
 
 impl Plugin for JsonGuard {
-    fn init(_config: String) -> Result<(), PluginError> {
-        VOCAB.with_borrow_mut(|v| *v = read_vocabulary());
+    /// Reads the vocabulary, and works out the tokens a reply may start with: a JSON value's
+    /// start (with config `object`, an object's: its first character other than space is `{`).
+    /// The server runs this once per configuration, so requests start from its result.
+    fn init(config: String) -> Result<(), PluginError> {
+        let vocab = read_vocabulary();
+        let mut first = allowed(&Prefix::default(), &vocab);
+        if config.trim() == "object" {
+            first.retain(|&id| vocab.bytes[id as usize].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{'));
+        }
+        VOCAB.with_borrow_mut(|v| *v = vocab);
+        FIRST.with_borrow_mut(|f| *f = first);
         Ok(())
     }
 
@@ -279,19 +290,11 @@ impl Plugin for JsonGuard {
         Capabilities { on_token: true }
     }
 
-    /// The first token, which no `on-token` answer precedes, must start a JSON value too (with
-    /// config `object`, an object: its first character other than space is `{`).
+    /// The first token, which no `on-token` answer precedes, must start the reply too.
     fn preprocess(mut req: Request) -> Result<Request, PluginError> {
-        let object = req.config.trim() == "object";
-        req.first_token = VOCAB.with_borrow(|v| {
-            let mut ids = allowed(&Prefix::default(), v);
-            if object {
-                ids.retain(|&id| v.bytes[id as usize].iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{'));
-            }
-            Some(TokenConstraint {
-                allowed: Some(ids),
-                bias: vec![],
-            })
+        req.first_token = Some(TokenConstraint {
+            allowed: Some(FIRST.with_borrow(Vec::clone)),
+            bias: vec![],
         });
         Ok(req)
     }

@@ -11,23 +11,23 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use warden_guest::log::Level;
 use warden_guest::{Capabilities, Input, Message, Plugin, PluginError, Request, Token, TokenAction, kv, tokenizer};
 
-/// Tokens of the system prompt alone, counted in `preprocess` for `on_token` (statics live for
-/// one request).
+/// Tokens of the system prompt alone, counted in `init` for `on_token`.
 static PIN_TOKENS: AtomicU32 = AtomicU32::new(0);
 /// The config asked to release the pin instead.
 static UNPIN: AtomicBool = AtomicBool::new(false);
+thread_local! {
+    /// The system prompt, from the config.
+    static SYSTEM: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
 
 struct PrefixPin;
 
 impl Plugin for PrefixPin {
-    fn capabilities() -> Capabilities {
-        Capabilities { on_token: true }
-    }
-
-    fn preprocess(mut req: Request) -> Result<Request, PluginError> {
-        let (unpin, system) = match req.config.split_once('\n') {
+    /// Reads the config and counts the system prompt's tokens, once per configuration.
+    fn init(config: String) -> Result<(), PluginError> {
+        let (unpin, system) = match config.split_once('\n') {
             Some((first, rest)) if first.trim() == "#unpin" => (true, rest),
-            _ => (false, req.config.as_str()),
+            _ => (false, config.as_str()),
         };
         let system = system.trim().to_string();
         if system.is_empty() {
@@ -41,6 +41,16 @@ impl Plugin for PrefixPin {
         let n = u32::try_from(tokenizer::encode(&system).len()).unwrap_or(u32::MAX);
         PIN_TOKENS.store(n, Ordering::Relaxed);
         UNPIN.store(unpin, Ordering::Relaxed);
+        SYSTEM.set(system);
+        Ok(())
+    }
+
+    fn capabilities() -> Capabilities {
+        Capabilities { on_token: true }
+    }
+
+    fn preprocess(mut req: Request) -> Result<Request, PluginError> {
+        let system = SYSTEM.with_borrow(String::clone);
         req.input = match req.input {
             Input::Chat(mut messages) => {
                 match messages.first_mut() {

@@ -65,6 +65,10 @@ struct RegexFilter;
 impl Plugin for RegexFilter {
     fn init(config: String) -> Result<(), PluginError> {
         let rules = Rules::parse(&config)?;
+        // One search each builds the regexes' search caches now, so a request starts with them.
+        for re in rules.deny.iter().chain(rules.replace.iter().map(|(re, _)| re)) {
+            re.is_match("");
+        }
         RULES.with_borrow_mut(|r| *r = Some(rules));
         Ok(())
     }

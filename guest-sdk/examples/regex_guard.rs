@@ -21,6 +21,8 @@ thread_local! {
     static LIVE: RefCell<HashSet<StateID>> = RefCell::new(HashSet::new());
     static VOCAB: RefCell<Vec<Vec<u8>>> = const { RefCell::new(Vec::new()) };
     static STATE: Cell<Option<StateID>> = const { Cell::new(None) };
+    /// The tokens the output may start with, worked out once in `init`.
+    static FIRST: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Most memory the DFA may take, bytes (the guest's own memory is capped by the server too).
@@ -143,6 +145,8 @@ impl Plugin for RegexGuard {
             start_state(&dfa).ok_or_else(|| config_error("regex_guard: the pattern has no anchored start".into()))?;
         let live = live_states(&dfa, start)
             .ok_or_else(|| config_error(format!("regex_guard: the pattern needs more than {MAX_STATES} states")))?;
+        let (first, _) = allowed(&dfa, &live, start, &vocab);
+        FIRST.with_borrow_mut(|f| *f = first);
         LIVE.with_borrow_mut(|l| *l = live);
         DFA.with_borrow_mut(|d| *d = Some(dfa));
         VOCAB.with_borrow_mut(|v| *v = vocab);
@@ -155,12 +159,10 @@ impl Plugin for RegexGuard {
 
     fn preprocess(mut req: Request) -> Result<Request, PluginError> {
         DFA.with_borrow(|dfa| {
-            let Some(dfa) = dfa else { return };
-            let Some(start) = start_state(dfa) else { return };
+            let Some(start) = dfa.as_ref().and_then(start_state) else { return };
             STATE.set(Some(start));
-            let (ids, _) = LIVE.with_borrow(|live| VOCAB.with_borrow(|v| allowed(dfa, live, start, v)));
             req.first_token = Some(TokenConstraint {
-                allowed: Some(ids),
+                allowed: Some(FIRST.with_borrow(Vec::clone)),
                 bias: vec![],
             });
         });

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use warden::chat::{ChatMessage, ChatTemplate};
 use warden::config::PluginsConfig;
+use warden::plugin::snapshot::{Snapshot, pre_initialise};
 use warden::plugin::{Input, Message, PluginLimits, Request, RequestTime, Runtime, Sampling, Token, neutral_sampling};
 use warden::serve::plugins::Plugins;
 use warden::serve::store::Store;
@@ -96,8 +97,26 @@ async fn main() -> anyhow::Result<()> {
             "regex_filter",
             "deny: (?i)\\bpassword\\b\nreplace: \\bAlice\\b => [name]",
         ),
+        ("ban_words", "delve\ntapestry"),
+        ("regex_guard", "- [A-Z][a-z ,.]{0,200}"),
+        ("prefix_pin", "You are a concise assistant."),
+        ("legacy_v0_1", "You are a concise assistant."),
     ] {
-        let plugin = runtime.compile(&example(name))?;
+        // As the server runs it: initialised once for its configuration where it can be.
+        let bytes = example(name);
+        let plugin = match pre_initialise(
+            &bytes,
+            config,
+            limits,
+            tokenizer.clone(),
+            PluginsConfig::default().max_component_bytes,
+            async |b: Vec<u8>| runtime.compile(&b),
+        )
+        .await?
+        {
+            Snapshot::Taken(p) => p,
+            Snapshot::Kept(_) => runtime.compile(&bytes)?,
+        };
         let req = request(config);
         let (mut times, mut inst_t, mut pre_t, mut post_t, mut drop_t) = (vec![], vec![], vec![], vec![], vec![]);
         for i in 0..iters {
@@ -124,6 +143,7 @@ async fn main() -> anyhow::Result<()> {
             post_t.push(t3 - t2);
         }
         let mut v = percentiles(times);
+        v["pre_initialised"] = plugin.pre_initialised().into();
         v["instantiate_p50_us"] = percentiles(inst_t)["p50_us"].clone();
         v["preprocess_p50_us"] = percentiles(pre_t)["p50_us"].clone();
         v["postprocess_p50_us"] = percentiles(post_t)["p50_us"].clone();

@@ -333,6 +333,12 @@ pub struct PluginsConfig {
     /// Wall time of all of one request's calls together (every choice's instance), in
     /// milliseconds. Default 10,000.
     pub request_time_ms: u64,
+    /// Fuel for a plugin's `init` (its set-up: reading the vocabulary, compiling rules), which
+    /// runs once per (version, configuration) where the plugin can be pre-initialised, else
+    /// before each request (then within the request's time). Default 500,000,000.
+    pub init_fuel: u64,
+    /// Wall time for a plugin's `init`, in milliseconds. Default 1,000.
+    pub init_timeout_ms: u64,
     /// Instances one tenant's requests may hold at once (a tenant's policy may set its own).
     /// Past it the tenant's request gets 429 `plugin_instances_limit`, so no tenant can take the
     /// instances others need. Default 64.
@@ -362,6 +368,8 @@ impl Default for PluginsConfig {
             fuel_per_call: 50_000_000,
             call_timeout_ms: 100,
             request_time_ms: 10_000,
+            init_fuel: 500_000_000,
+            init_timeout_ms: 1000,
             tenant_instances: 64,
             uploads_per_minute: 10,
             compiles: 1,
@@ -592,7 +600,7 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 25] = [
+        let positive: [(&'static str, usize); 26] = [
             ("cluster.pages_per_batch", self.cluster.pages_per_batch),
             ("cluster.batches_in_flight", self.cluster.batches_in_flight),
             ("cluster.bytes_in_flight_mib", self.cluster.bytes_in_flight_mib),
@@ -604,6 +612,7 @@ impl ServeConfig {
             ("plugins.memory_mib", self.plugins.memory_mib),
             ("plugins.call_timeout_ms", self.plugins.call_timeout_ms as usize),
             ("plugins.request_time_ms", self.plugins.request_time_ms as usize),
+            ("plugins.init_timeout_ms", self.plugins.init_timeout_ms as usize),
             ("plugins.tenant_instances", self.plugins.tenant_instances as usize),
             ("plugins.uploads_per_minute", self.plugins.uploads_per_minute as usize),
             ("plugins.compiles", self.plugins.compiles),

@@ -204,6 +204,12 @@ impl PluginHost {
         &mut self.limiter
     }
 
+    /// Whether the host holds a resource for the guest (a WASI stream, a pollable, a KV
+    /// handle): state outside the guest's memory that a snapshot of it cannot carry.
+    pub(super) fn holds_resources(&self) -> bool {
+        !self.table.is_empty()
+    }
+
     pub(super) fn hit_memory_limit(&self) -> bool {
         self.limiter.hit
     }

@@ -15,6 +15,11 @@ pub struct PluginLimits {
     pub call_timeout: Duration,
     /// Wall time of all of one request's calls together (every choice's instance included).
     pub request_time: Duration,
+    /// Fuel for `init`, the set-up step (reading the vocabulary, compiling rules), which the
+    /// server runs once per configuration where it can ([`super::snapshot`]).
+    pub init_fuel: u64,
+    /// Wall time for `init`.
+    pub init_timeout: Duration,
 }
 
 impl Default for PluginLimits {
@@ -24,6 +29,8 @@ impl Default for PluginLimits {
             memory_bytes: 64 << 20,
             call_timeout: Duration::from_millis(200),
             request_time: Duration::from_secs(10),
+            init_fuel: 500_000_000,
+            init_timeout: Duration::from_secs(2),
         }
     }
 }

@@ -600,3 +600,111 @@ async fn the_regex_guard_keeps_output_inside_its_pattern() {
         Err(other) => panic!("{other:?}"),
     }
 }
+
+fn example_bytes(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../guest-sdk/target/wasm32-wasip2/release/examples")
+        .join(format!("{name}.wasm"));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Pre-initialises example `name` with `config` in the test runtime.
+async fn snapshot_of(name: &str, config: &str) -> Result<snapshot::Snapshot, PluginFailure> {
+    snapshot::pre_initialise(
+        &example_bytes(name),
+        config,
+        PluginLimits::default(),
+        crate::testutil::tokenizer(),
+        8 << 20,
+        async |b: Vec<u8>| runtime().compile(&b),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_pre_initialised_plugin_starts_from_its_init_and_skips_it() {
+    let config = "deny: (?i)\\bpassword\\b\nreplace: \\bACME-\\d{4}\\b => [ticket]";
+    let p = match snapshot_of("regex_filter", config).await.unwrap() {
+        snapshot::Snapshot::Taken(p) => p,
+        snapshot::Snapshot::Kept(why) => panic!("not pre-initialised: {why}"),
+    };
+    assert!(p.pre_initialised());
+    let limits = PluginLimits::default();
+    // Its instances behave as ones that ran init, for fewer instructions.
+    let mut fresh = configured(&example("regex_filter"), limits, config).await.unwrap();
+    let mut i = configured(&p, limits, config).await.unwrap();
+    assert!(
+        i.take_fuel() * 10 < fresh.take_fuel(),
+        "instantiating from the snapshot runs no init"
+    );
+    let req = chat(config, &[("user", "status of ACME-1234?")]);
+    assert_eq!(
+        format!("{:?}", i.preprocess(&req).await.unwrap()),
+        format!("{:?}", fresh.preprocess(&req).await.unwrap())
+    );
+    assert_eq!(
+        i.postprocess("Ticket ACME-1234 is open.", Some(&end())).await.unwrap(),
+        "Ticket [ticket] is open."
+    );
+    match i.preprocess(&chat(config, &[("user", "my PASSWORD is x")])).await {
+        Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "denied"),
+        other => panic!("{other:?}"),
+    }
+    // It takes only the configuration it was initialised with.
+    let e = configured(&p, limits, "deny: x").await.err().expect("another config");
+    assert_eq!(e.code(), "plugin_invalid");
+    // A configuration init refuses is refused here too.
+    match snapshot_of("regex_filter", "replace: ( => x").await {
+        Err(PluginFailure::Refused { code, .. }) => assert_eq!(code, "plugin_config"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a bad rule was pre-initialised"),
+    }
+}
+
+#[tokio::test]
+async fn what_a_snapshot_cannot_carry_leaves_init_to_each_request() {
+    // 0.1.0 has no init.
+    match snapshot_of("legacy_v0_1", "").await.unwrap() {
+        snapshot::Snapshot::Kept(why) => assert!(why.contains("no init"), "{why}"),
+        snapshot::Snapshot::Taken(_) => panic!("a 0.1.0 component was pre-initialised"),
+    }
+    // An init that printed: Rust's std keeps the stdout stream it opened, so the snapshot is
+    // refused; were the stream let go, the snapshot must print as before.
+    match snapshot_of("adversary", "print-in-init").await.unwrap() {
+        snapshot::Snapshot::Kept(why) => assert!(why.contains("resource"), "{why}"),
+        snapshot::Snapshot::Taken(p) => {
+            let mut i = configured(&p, PluginLimits::default(), "print-in-init").await.unwrap();
+            i.preprocess(&attack("print")).await.unwrap();
+            assert_eq!(
+                i.take_logs(),
+                ["stdout: to stdout\\u{1b}[2J", "stdout: no newline", "stderr: to stderr"]
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn init_runs_under_its_own_budget_not_a_calls() {
+    // json_guard's init reads the vocabulary and works out the first tokens: tens of millions
+    // of instructions, far more than a call may take here, and well within init's budget.
+    let p = example("json_guard");
+    let limits = PluginLimits {
+        fuel_per_call: 1_000_000,
+        call_timeout: Duration::from_secs(5),
+        init_timeout: Duration::from_secs(5),
+        ..PluginLimits::default()
+    };
+    let mut i = configured(&p, limits, "").await.unwrap();
+    let init = i.take_fuel();
+    assert!(init > limits.fuel_per_call, "{init}");
+    let r = i.preprocess(&chat("", &[("user", "x")])).await.unwrap();
+    assert!(r.first_token.is_some_and(|c| c.allowed.is_some_and(|a| !a.is_empty())));
+    assert!(i.take_fuel() < limits.fuel_per_call, "calls get their own budget back");
+    // Past init's own budget, init fails as a call would.
+    let short = PluginLimits {
+        init_fuel: init / 2,
+        ..limits
+    };
+    let e = configured(&p, short, "").await.err().expect("init ran out of fuel");
+    assert_eq!(e, PluginFailure::FuelExhausted(init / 2));
+}

@@ -617,6 +617,8 @@ pub fn limits_of(cfg: &PluginsConfig) -> PluginLimits {
         memory_bytes: cfg.memory_mib << 20,
         call_timeout: Duration::from_millis(cfg.call_timeout_ms),
         request_time: Duration::from_millis(cfg.request_time_ms),
+        init_fuel: cfg.init_fuel,
+        init_timeout: Duration::from_millis(cfg.init_timeout_ms),
     }
 }
 
