@@ -276,16 +276,24 @@ fn plugins_upload_run_swap_roll_back_and_survive_a_restart() {
         assert_eq!(content(&r), plain, "the other tenant's requests run no plugin");
     });
     assert!(s.stop(), "clean shutdown");
-    // A tampered compile in the cache is not loaded: it is recompiled from the stored bytes.
+    // A tampered compile in the cache (a version's, or a pre-initialised one's) is not loaded:
+    // it is recompiled from the stored bytes.
     let cache = data_dir.join("data/plugin-cache");
     let mut tampered = 0;
-    for e in std::fs::read_dir(&cache).expect("the plugin cache exists") {
-        let p = e.unwrap().path();
-        let mut b = std::fs::read(&p).unwrap();
-        let n = b.len();
-        b[n - 100] ^= 0xff;
-        std::fs::write(&p, b).unwrap();
-        tampered += 1;
+    let mut dirs = vec![cache];
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).expect("the plugin cache exists") {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+                continue;
+            }
+            let mut b = std::fs::read(&p).unwrap();
+            let n = b.len();
+            b[n - 100] ^= 0xff;
+            std::fs::write(&p, b).unwrap();
+            tampered += 1;
+        }
     }
     assert!(tampered >= 1);
     let s = Server::start_with(data_dir, config);
@@ -358,7 +366,13 @@ fn the_redactor_holds_pii_back_across_stream_chunks_and_the_guard_stops_generati
         // What the redactor logged reaches the tenant's plugin log, one line per call.
         let r = call(&c, Method::GET, "/v1/plugins/pii/logs", &key, None).await;
         let lines = r.json().unwrap()["data"].clone();
-        let lines: Vec<&str> = lines.as_array().unwrap().iter().filter_map(|l| l.as_str()).collect();
+        let lines: Vec<&str> = lines
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l.as_str())
+            .filter(|l| !l.contains(" init "))
+            .collect();
         assert_eq!(lines.len(), 2, "one line per redacting request: {lines:?}");
         // As many items as the reply held (the same in both: streamed and whole replies agree),
         // and at least the email and the phone number.
@@ -774,6 +788,11 @@ fn one_tenant_cannot_take_the_plugin_instances_or_the_request_threads_of_others(
             let r = call(&c, Method::PUT, "/v1/plugins/adv/config", k, Some(b"pass".to_vec())).await;
             assert_eq!(r.status, 200);
         }
+        // Pre-initialising each plugin (once with the upload's config, once with this one)
+        // holds one of its own tenant's instances for a moment: let it finish first.
+        for k in [&key, &mallory] {
+            wait_for_init_lines(&c, k, "adv", 2).await;
+        }
         let user = json!([{"role": "user", "content": "Write a poem about the sea."}]);
         let with_n = |n: usize| {
             let mut v: Value = serde_json::from_slice(&chat(user.clone(), Some("adv"), 32, false)).unwrap();
@@ -898,11 +917,13 @@ fn the_prefix_pinning_plugin_pins_its_tenants_prompt_and_only_that_tenant_hits_i
             let c = c.clone();
             async move {
                 let r = call(&c, Method::GET, "/v1/plugins/pin/logs", &k, None).await;
+                // What the plugin logged on requests (pre-initialising it logs under "init").
                 r.json().unwrap()["data"]
                     .as_array()
                     .unwrap()
                     .iter()
                     .map(|l| l.as_str().unwrap().to_string())
+                    .filter(|l| !l.contains(" init "))
                     .collect::<Vec<_>>()
             }
         };
@@ -995,6 +1016,123 @@ fn a_tenants_policy_sets_its_plugin_limits_and_usage_counts_plugin_fuel() {
         assert_eq!(u["requests"], 1);
         let u = call(&c, Method::GET, "/v1/usage", &tight, None).await.json().unwrap();
         assert_eq!(u["rejections"]["plugin_fuel_exhausted"], 1, "{u}");
+    });
+}
+
+/// The lines of plugin `name`'s log that pre-initialising it wrote (request `init`).
+async fn init_lines(c: &Client, key: &str, name: &str) -> Vec<String> {
+    let r = call(c, Method::GET, &format!("/v1/plugins/{name}/logs"), key, None).await;
+    r.json().unwrap()["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str())
+        .filter(|l| l.contains(" init "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Waits (up to two minutes: two compiles on a loaded machine) until plugin `name`'s log has
+/// `n` lines from pre-initialising it, and returns them.
+async fn wait_for_init_lines(c: &Client, key: &str, name: &str, n: usize) -> Vec<String> {
+    for _ in 0..1200 {
+        let lines = init_lines(c, key, name).await;
+        if lines.len() >= n {
+            return lines;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!(
+        "no pre-initialisation of {name} logged: {:?}",
+        init_lines(c, key, name).await
+    );
+}
+
+#[test]
+fn a_plugin_is_initialised_once_per_configuration_and_requests_start_from_there() {
+    let s = Server::start("plugsnap", "");
+    let key = s.key().to_string();
+    let ask = |word: &str| {
+        chat(
+            json!([{"role": "user", "content": format!("Is {word} a word?")}]),
+            Some("filter"),
+            4,
+            false,
+        )
+    };
+    rt().block_on(async {
+        let c = s.client();
+        assert_eq!(upload(&c, &key, "filter", example("regex_filter")).await.status, 201);
+        // The upload's empty configuration is one the filter runs with: it is pre-initialised.
+        let lines = wait_for_init_lines(&c, &key, "filter", 1).await;
+        assert!(lines[0].ends_with("requests start from init's state"), "{lines:?}");
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/filter/config",
+            &key,
+            Some(b"deny: banana".to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        // From the next request on the new configuration holds, whether its snapshot is ready
+        // yet (requests start from it) or not (they run init).
+        for _ in 0..2 {
+            let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(ask("banana"))).await;
+            assert_eq!((r.status, code(&r).as_str()), (400, "plugin_refused"), "{}", r.text());
+            let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(ask("cherry"))).await;
+            assert_eq!(r.status, 200, "{}", r.text());
+            wait_for_init_lines(&c, &key, "filter", 2).await;
+        }
+        // Another configuration gets its own snapshot: never the last one's state.
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/filter/config",
+            &key,
+            Some(b"deny: cherry".to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let lines = wait_for_init_lines(&c, &key, "filter", 3).await;
+        assert!(lines[2].ends_with("requests start from init's state"), "{lines:?}");
+        let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(ask("banana"))).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(ask("cherry"))).await;
+        assert_eq!((r.status, code(&r).as_str()), (400, "plugin_refused"), "{}", r.text());
+        // One snapshot per plugin is kept on disk.
+        let dirs: Vec<_> = std::fs::read_dir(s.data_dir.join("data/plugin-cache/snapshots"))
+            .unwrap()
+            .map(|e| e.unwrap().path().join("filter"))
+            .collect();
+        assert_eq!(dirs.len(), 1, "{dirs:?}");
+        assert_eq!(std::fs::read_dir(&dirs[0]).unwrap().count(), 1);
+        // A plugin whose init keeps a stream open cannot be captured: it says so, and runs
+        // init on every request.
+        assert_eq!(upload(&c, &key, "printer", example("adversary")).await.status, 201);
+        let r = call(
+            &c,
+            Method::PUT,
+            "/v1/plugins/printer/config",
+            &key,
+            Some(b"print-in-init".to_vec()),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let lines = wait_for_init_lines(&c, &key, "printer", 2).await;
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.contains("init runs on every request: init kept a host resource")),
+            "{lines:?}"
+        );
+        let printer = chat(json!([{"role": "user", "content": "hi"}]), Some("printer"), 4, false);
+        let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(printer)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        // Deleting the plugin drops its snapshot.
+        let r = call(&c, Method::DELETE, "/v1/plugins/filter", &key, None).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(!dirs[0].exists());
     });
 }
 

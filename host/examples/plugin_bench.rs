@@ -110,9 +110,11 @@ async fn main() -> anyhow::Result<()> {
             limits,
             tokenizer.clone(),
             PluginsConfig::default().max_component_bytes,
-            async |b: Vec<u8>| runtime.compile(&b),
+            |b: Vec<u8>| std::future::ready(runtime.compile(&b)),
+            std::future::ready(Some(())),
         )
         .await?
+        .0
         {
             Snapshot::Taken(p) => p,
             Snapshot::Kept(_) => runtime.compile(&bytes)?,

@@ -174,3 +174,40 @@ pub async fn compile_isolated(
     // version and settings it records as well.
     unsafe { runtime.load_artefact(&out) }
 }
+
+/// The server's compiler: [`compile_isolated`] in child processes of `exe`, at most `turns` at
+/// once (more wait their turn), each under `limits`, loading into `runtime`.
+pub struct Compiler {
+    exe: std::path::PathBuf,
+    runtime: std::sync::Arc<Runtime>,
+    turns: tokio::sync::Semaphore,
+    limits: CompileLimits,
+}
+
+impl Compiler {
+    /// Compiles with `exe` (the server's binary), `turns` compilations at once.
+    pub fn new(exe: &Path, runtime: std::sync::Arc<Runtime>, turns: usize, limits: CompileLimits) -> Self {
+        Self {
+            exe: exe.to_path_buf(),
+            runtime,
+            turns: tokio::sync::Semaphore::new(turns),
+            limits,
+        }
+    }
+
+    /// The runtime compiled plugins load into.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// Compiles `bytes` in a child process, once its turn comes: seconds of CPU for a large
+    /// component, which no component can stretch past its bounds.
+    pub async fn compile(&self, bytes: &[u8]) -> Result<Plugin, PluginFailure> {
+        let _turn = self
+            .turns
+            .acquire()
+            .await
+            .map_err(|e| PluginFailure::Invalid(format!("compiling: {e}")))?;
+        compile_isolated(&self.exe, &self.runtime, bytes, self.limits).await
+    }
+}

@@ -393,6 +393,13 @@ impl Plugin {
         matches!(self.init, Init::Done(_))
     }
 
+    /// The same component, as one [`snapshot::pre_initialise`] made with `config`: its
+    /// instances skip `init`. For such a component loaded back from its artefact.
+    pub fn into_pre_initialised(mut self, config: &str) -> Plugin {
+        self.init = Init::Done(config.into());
+        self
+    }
+
     /// Which version of the world the component implements: `"0.1.0"` or `"0.2.0"`.
     pub fn world(&self) -> &'static str {
         match self.pre {

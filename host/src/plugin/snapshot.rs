@@ -40,16 +40,25 @@ pub enum Snapshot {
 
 /// Runs `init(config)` of component `bytes` once under `limits` and returns the component that
 /// starts where it ended, compiled with `compile` (`max_bytes`: the largest component it may
-/// be, the upload limit). `init` refusing the configuration, or failing, is an error, as it
-/// would be for a request.
-pub async fn pre_initialise(
+/// be, the upload limit), and what `init` logged. `init` refusing the configuration, or
+/// failing, is an error, as it would be for a request. The instance `init` runs in is held by
+/// what `slot` gives (the caller's hold on the tenant's instances), taken only while it is
+/// alive; `slot` giving nothing fails with [`PluginFailure::Busy`].
+#[allow(clippy::too_many_arguments)]
+pub async fn pre_initialise<C, F, S>(
     bytes: &[u8],
     config: &str,
     limits: PluginLimits,
     tokenizer: Arc<Tokenizer>,
     max_bytes: usize,
-    compile: impl AsyncFn(Vec<u8>) -> Result<Plugin, PluginFailure>,
-) -> Result<Snapshot, PluginFailure> {
+    compile: C,
+    slot: impl Future<Output = Option<S>>,
+) -> Result<(Snapshot, Vec<String>), PluginFailure>
+where
+    C: Fn(Vec<u8>) -> F,
+    F: Future<Output = Result<Plugin, PluginFailure>>,
+{
+    let kept = |why: String| Ok((Snapshot::Kept(why), vec![]));
     let mut wizer = Wizer::new();
     wizer.init_func("init").keep_init_func(true);
     // Wizer panics on a few shapes it does not support; those are components it cannot
@@ -58,22 +67,25 @@ pub async fn pre_initialise(
     let (cx, instrumented) = match instrumented {
         Ok(Ok(v)) => v,
         Ok(Err(e)) => {
-            return Ok(Snapshot::Kept(format!(
-                "the component cannot be pre-initialised: {e:#}"
-            )));
+            return kept(format!("the component cannot be pre-initialised: {e:#}"));
         }
-        Err(_) => return Ok(Snapshot::Kept("the component cannot be pre-initialised".into())),
+        Err(_) => return kept("the component cannot be pre-initialised".into()),
     };
     let probe = compile(instrumented).await?;
     if probe.world() != "0.2.0" {
-        return Ok(Snapshot::Kept(format!("world {} has no init", probe.world())));
+        return kept(format!("world {} has no init", probe.world()));
     }
+    let Some(slot) = slot.await else {
+        return Err(PluginFailure::Busy);
+    };
     let time = RequestTime::new(limits.request_time);
     let mut instance = probe.instantiate(limits, tokenizer, 0, time, config).await?;
+    let logs = instance.take_logs();
+    let kept = |why: String| Ok((Snapshot::Kept(why), logs.clone()));
     if instance.store.data().holds_resources() {
-        return Ok(Snapshot::Kept(
-            "init kept a host resource (a WASI stream or pollable, say) that a snapshot cannot carry".into(),
-        ));
+        return kept(
+            "init kept a host resource (a WASI stream it printed to, say) that a snapshot cannot carry".into(),
+        );
     }
     let mut access = Access {
         instance: &mut instance,
@@ -86,21 +98,20 @@ pub async fn pre_initialise(
     let rewritten = match rewritten {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
-            return Ok(Snapshot::Kept(format!(
-                "the component cannot be pre-initialised: {e:#}"
-            )));
+            return kept(format!("the component cannot be pre-initialised: {e:#}"));
         }
-        Err(()) => return Ok(Snapshot::Kept("the component cannot be pre-initialised".into())),
+        Err(()) => return kept("the component cannot be pre-initialised".into()),
     };
+    drop(instance);
+    drop(slot);
     if rewritten.len() > max_bytes {
-        return Ok(Snapshot::Kept(format!(
+        return kept(format!(
             "the initialised component is {} bytes, more than the {max_bytes} a component may be",
             rewritten.len()
-        )));
+        ));
     }
-    let mut plugin = compile(rewritten).await?;
-    plugin.init = super::Init::Done(config.into());
-    Ok(Snapshot::Taken(plugin))
+    let plugin = compile(rewritten).await?.into_pre_initialised(config);
+    Ok((Snapshot::Taken(plugin), logs))
 }
 
 /// Wizer's view of the initialised instance: calls to the accessors instrumenting added, each

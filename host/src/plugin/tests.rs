@@ -610,15 +610,17 @@ fn example_bytes(name: &str) -> Vec<u8> {
 
 /// Pre-initialises example `name` with `config` in the test runtime.
 async fn snapshot_of(name: &str, config: &str) -> Result<snapshot::Snapshot, PluginFailure> {
-    snapshot::pre_initialise(
+    let (s, _logs) = snapshot::pre_initialise(
         &example_bytes(name),
         config,
         PluginLimits::default(),
         crate::testutil::tokenizer(),
         8 << 20,
-        async |b: Vec<u8>| runtime().compile(&b),
+        |b: Vec<u8>| std::future::ready(runtime().compile(&b)),
+        std::future::ready(Some(())),
     )
-    .await
+    .await?;
+    Ok(s)
 }
 
 #[tokio::test]

@@ -335,7 +335,7 @@ async fn prepare(
                 retry_after: None,
             });
         }
-        Some(name) => Some(state.plugins.resolve(t, name).await?),
+        Some(name) => Some(state.plugins.resolve(t, &a.policy, name).await?),
         None => None,
     };
     let mut hooks = None;

@@ -5,6 +5,10 @@
 //! store, of its name's parts (tenant, component SHA-256, engine compatibility) and its contents.
 //! A file that was altered, copied from another tenant's name, written by another process or by
 //! another engine version fails the check (or wasmtime's own version check) and is recompiled.
+//!
+//! A plugin's pre-initialised compile (its `init` run once with a configuration) is kept the
+//! same way, under `snapshots/<tenant>/<plugin>/`, its MAC covering the plugin's name, version
+//! and configuration as well; only the latest one of each plugin is kept.
 
 use std::path::{Path, PathBuf};
 
@@ -63,34 +67,121 @@ impl Artefacts {
 
     /// The cached compile of `tenant`'s version `sha256`, if there is one that Warden wrote.
     pub fn load(&self, runtime: &Runtime, tenant: TenantId, sha256: &str) -> Option<Plugin> {
-        let bytes = std::fs::read(self.path(tenant, sha256)).ok()?;
-        if bytes.len() < MAC_LEN {
-            return None;
-        }
-        let (mac, body) = bytes.split_at(MAC_LEN);
-        // Compared in constant time.
-        self.mac(tenant, sha256, body).verify_slice(mac).ok()?;
-        // SAFETY: the MAC proves this process's store wrote these exact bytes with
-        // `Plugin::artefact` for this engine compatibility, under this name.
-        unsafe { runtime.load_artefact(body) }.ok()
+        let mac = |body: &[u8]| self.mac(tenant, sha256, body);
+        load_file(runtime, &self.path(tenant, sha256), mac)
     }
 
     /// Writes `plugin`'s compile for `tenant`'s version `sha256` (atomically; errors are
     /// ignored: the cache only saves time).
     pub fn save(&self, tenant: TenantId, sha256: &str, plugin: &Plugin) {
         let Ok(body) = plugin.artefact() else { return };
-        let mut out = self.mac(tenant, sha256, &body).finalize().into_bytes().to_vec();
-        out.extend_from_slice(&body);
-        let path = self.path(tenant, sha256);
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if crate::serve::tls::write_private(&tmp, &out).is_ok() && std::fs::rename(&tmp, &path).is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
+        let mac = self.mac(tenant, sha256, &body);
+        save_file(&self.path(tenant, sha256), mac, &body);
     }
 
     /// Drops the cached compile of a version.
     pub fn remove(&self, tenant: TenantId, sha256: &str) {
         let _ = std::fs::remove_file(self.path(tenant, sha256));
+    }
+
+    /// Where plugin `name`'s pre-initialised compiles are: one directory per plugin, holding
+    /// the one for its active version and configuration.
+    fn snapshot_dir(&self, tenant: TenantId, name: &str) -> PathBuf {
+        self.dir
+            .join("snapshots")
+            .join(format!("{:016x}", tenant.get()))
+            .join(name)
+    }
+
+    fn snapshot_path(&self, tenant: TenantId, name: &str, version: &str, config: &str) -> PathBuf {
+        self.snapshot_dir(tenant, name)
+            .join(format!("{version}-{}-{}.cwasm", digest(config), self.compatibility))
+    }
+
+    fn snapshot_mac(&self, tenant: TenantId, name: &str, version: &str, config: &str, body: &[u8]) -> Hmac<Sha256> {
+        hmac(
+            &self.key,
+            &[
+                b"snapshot",
+                &tenant.get().to_be_bytes(),
+                name.as_bytes(),
+                version.as_bytes(),
+                config.as_bytes(),
+                self.compatibility.as_bytes(),
+                body,
+            ],
+        )
+    }
+
+    /// The cached compile of plugin `name`'s `version` pre-initialised with `config`, if
+    /// there is one that Warden wrote (as the component it is: the caller marks it).
+    pub fn load_snapshot(
+        &self,
+        runtime: &Runtime,
+        tenant: TenantId,
+        name: &str,
+        version: &str,
+        config: &str,
+    ) -> Option<Plugin> {
+        let mac = |body: &[u8]| self.snapshot_mac(tenant, name, version, config, body);
+        load_file(runtime, &self.snapshot_path(tenant, name, version, config), mac)
+    }
+
+    /// Writes plugin `name`'s `version` pre-initialised with `config`, and drops the plugin's
+    /// others: at most one per plugin stays on disk.
+    pub fn save_snapshot(&self, tenant: TenantId, name: &str, version: &str, config: &str, plugin: &Plugin) {
+        let Ok(body) = plugin.artefact() else { return };
+        let dir = self.snapshot_dir(tenant, name);
+        if std::fs::create_dir_all(&dir).is_err() {
+            return;
+        }
+        let path = self.snapshot_path(tenant, name, version, config);
+        if let Ok(entries) = std::fs::read_dir(&dir) {
+            for e in entries.flatten() {
+                if e.path() != path {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        save_file(&path, self.snapshot_mac(tenant, name, version, config, &body), &body);
+    }
+
+    /// Drops plugin `name`'s pre-initialised compiles.
+    pub fn remove_snapshots(&self, tenant: TenantId, name: &str) {
+        let _ = std::fs::remove_dir_all(self.snapshot_dir(tenant, name));
+    }
+}
+
+/// SHA-256 of `config`, as hex: a snapshot file's name says which configuration it holds.
+fn digest(config: &str) -> String {
+    use sha2::Digest;
+    Sha256::digest(config.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Loads the artefact at `path` if its MAC (`mac` of the body) is right.
+fn load_file(runtime: &Runtime, path: &Path, mac: impl Fn(&[u8]) -> Hmac<Sha256>) -> Option<Plugin> {
+    let bytes = std::fs::read(path).ok()?;
+    if bytes.len() < MAC_LEN {
+        return None;
+    }
+    let (tag, body) = bytes.split_at(MAC_LEN);
+    // Compared in constant time.
+    mac(body).verify_slice(tag).ok()?;
+    // SAFETY: the MAC proves this process's store wrote these exact bytes with
+    // `Plugin::artefact` for this engine compatibility, under this name.
+    unsafe { runtime.load_artefact(body) }.ok()
+}
+
+/// Writes `mac`'s tag and `body` to `path`, atomically.
+fn save_file(path: &Path, mac: Hmac<Sha256>, body: &[u8]) {
+    let mut out = mac.finalize().into_bytes().to_vec();
+    out.extend_from_slice(body);
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    if crate::serve::tls::write_private(&tmp, &out).is_ok() && std::fs::rename(&tmp, path).is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
 }
 

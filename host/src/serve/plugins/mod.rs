@@ -12,6 +12,8 @@ pub mod local;
 pub mod logs;
 pub mod pipeline;
 pub mod registry;
+pub mod shares;
+pub mod snapshots;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -21,7 +23,7 @@ use std::time::Duration;
 use super::store::records::{Deployment, PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
-use crate::plugin::compile::{CompileLimits, compile_isolated};
+use crate::plugin::compile::{CompileLimits, Compiler};
 use crate::plugin::{
     Finish, Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, neutral_sampling,
 };
@@ -32,6 +34,9 @@ use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
 use logs::TenantLogs;
 use registry::{DefaultPlugin, Deleted, PluginError, PluginList, PluginView, Uploaded};
+pub use shares::Share;
+use shares::Shares;
+use snapshots::{Job, Snapshots};
 
 /// Compiled plugins kept in memory; beyond this, one is dropped per compile.
 const COMPILED_CACHE: usize = 256;
@@ -47,7 +52,7 @@ pub struct Resolved {
     pub version: String,
     /// The tenant's configuration for it.
     pub config: String,
-    /// Compiled, ready to instantiate.
+    /// Compiled, ready to instantiate: pre-initialised with `config` once that is ready.
     pub plugin: Plugin,
 }
 
@@ -75,42 +80,22 @@ pub fn compiler() -> Result<PathBuf, SetupError> {
 
 /// The server's plugin service.
 pub struct Plugins {
-    runtime: Arc<Runtime>,
     store: Store,
     cfg: PluginsConfig,
-    artefacts: Artefacts,
+    artefacts: Arc<Artefacts>,
     compiled: Mutex<HashMap<(TenantId, String), Plugin>>,
     /// Serializes read-modify-write of records.
     write: Mutex<()>,
     tokenizer: Arc<Tokenizer>,
     logs: Arc<TenantLogs>,
     /// Plugin instances each tenant's requests hold now.
-    held: Arc<Mutex<HashMap<TenantId, usize>>>,
-    /// The `warden` binary, which compiles components in a child process.
-    compiler: PathBuf,
-    /// Compilations running at once.
-    compiles: tokio::sync::Semaphore,
-    /// Each tenant's uploads of new versions, per minute.
+    shares: Shares,
+    /// Compiles components in child processes of the `warden` binary.
+    compiler: Arc<Compiler>,
+    /// Each plugin's active version initialised with its configuration.
+    snapshots: Arc<Snapshots>,
+    /// Each tenant's uploads of new versions (and pre-initialisations), per minute.
     uploads: Mutex<HashMap<TenantId, Gcra>>,
-}
-
-/// A request's hold on its tenant's share of plugin instances; dropping it gives them back.
-pub struct Share {
-    held: Arc<Mutex<HashMap<TenantId, usize>>>,
-    tenant: TenantId,
-    n: usize,
-}
-
-impl Drop for Share {
-    fn drop(&mut self) {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(h) = held.get_mut(&self.tenant) {
-            *h = h.saturating_sub(self.n);
-            if *h == 0 {
-                held.remove(&self.tenant);
-            }
-        }
-    }
 }
 
 impl Plugins {
@@ -128,19 +113,33 @@ impl Plugins {
         let runtime = Runtime::new(cfg.instances, cfg.memory_mib << 20).map_err(SetupError::Runtime)?;
         let key = store.secret("plugin-artefacts").map_err(SetupError::Key)?;
         let artefacts =
-            Artefacts::new(&cache_dir, key, &runtime).map_err(|e| SetupError::Cache(cache_dir.clone(), e))?;
+            Arc::new(Artefacts::new(&cache_dir, key, &runtime).map_err(|e| SetupError::Cache(cache_dir.clone(), e))?);
+        let limits = CompileLimits {
+            timeout: Duration::from_secs(cfg.compile_timeout_s),
+            memory_bytes: cfg.compile_memory_mib << 20,
+        };
+        let compiler = Arc::new(Compiler::new(compiler, Arc::new(runtime), cfg.compiles, limits));
+        let logs = Arc::new(TenantLogs::new(&data_dir.join("plugin-logs")));
+        let shares = Shares::default();
+        let snapshots = Arc::new(Snapshots::new(
+            shares.clone(),
+            compiler.clone(),
+            artefacts.clone(),
+            logs.clone(),
+            tokenizer.clone(),
+            cfg.max_component_bytes,
+        ));
         Ok(Self {
-            compiles: tokio::sync::Semaphore::new(cfg.compiles),
-            runtime: Arc::new(runtime),
             store,
             cfg,
             artefacts,
             compiled: Mutex::new(HashMap::new()),
             write: Mutex::new(()),
             tokenizer,
-            logs: Arc::new(TenantLogs::new(&data_dir.join("plugin-logs"))),
-            held: Arc::new(Mutex::new(HashMap::new())),
-            compiler: compiler.to_path_buf(),
+            logs,
+            shares,
+            compiler,
+            snapshots,
             uploads: Mutex::new(HashMap::new()),
         })
     }
@@ -174,27 +173,22 @@ impl Plugins {
     /// the tenant's request gets 429: one tenant's requests cannot take the instances others
     /// need.
     pub fn take_instances(&self, t: &Tenant, policy: &crate::policy::Policy, n: usize) -> Result<Share, PluginError> {
-        // Never more than the whole pool.
-        let cap = policy
+        let cap = self.instance_share(policy);
+        self.shares.take(t.id, cap, n).map_err(|held| PluginError::Instances {
+            tenant: t.name.clone(),
+            held,
+            needed: n,
+            share: cap,
+        })
+    }
+
+    /// How many plugin instances a tenant under `policy` may hold at once: its policy's share,
+    /// else the server's `tenant_instances`, never more than the whole pool.
+    fn instance_share(&self, policy: &crate::policy::Policy) -> usize {
+        policy
             .plugin_instances
             .unwrap_or(u64::from(self.cfg.tenant_instances))
-            .min(u64::from(self.cfg.instances)) as usize;
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        let now = held.get(&t.id).copied().unwrap_or(0);
-        if now + n > cap {
-            return Err(PluginError::Instances {
-                tenant: t.name.clone(),
-                held: now,
-                needed: n,
-                share: cap,
-            });
-        }
-        held.insert(t.id, now + n);
-        Ok(Share {
-            held: self.held.clone(),
-            tenant: t.id,
-            n,
-        })
+            .min(u64::from(self.cfg.instances)) as usize
     }
 
     /// The largest component an upload may carry.
@@ -254,19 +248,51 @@ impl Plugins {
     }
 
     /// Compiles in a child process under the configured time and memory limits, at most
-    /// `compiles` at once (more wait their turn): seconds of CPU for a large component, which no
-    /// component can stretch past its bounds.
+    /// `compiles` at once (more wait their turn).
     async fn compile(&self, bytes: Vec<u8>) -> Result<Plugin, PluginFailure> {
-        let _turn = self
-            .compiles
-            .acquire()
-            .await
-            .map_err(|e| PluginFailure::Invalid(format!("compiling: {e}")))?;
-        let limits = CompileLimits {
-            timeout: Duration::from_secs(self.cfg.compile_timeout_s),
-            memory_bytes: self.cfg.compile_memory_mib << 20,
+        self.compiler.compile(&bytes).await
+    }
+
+    /// Starts pre-initialising plugin `name`'s `plugin` (version `version`, component `bytes`,
+    /// read from the store when not given) with `config` in the background, if it has an
+    /// `init`, none is known for it, and the tenant may: a build counts as one of its uploads
+    /// (`paid`: the upload that made the version paid for it).
+    #[allow(clippy::too_many_arguments)]
+    fn pre_initialise(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        name: &str,
+        version: &str,
+        config: &str,
+        plugin: &Plugin,
+        bytes: Option<Vec<u8>>,
+        paid: bool,
+    ) -> Result<(), PluginError> {
+        if plugin.world() != "0.2.0" || !self.snapshots.wanted(t.id, name, version, config) {
+            return Ok(());
+        }
+        if !paid && self.take_upload(t, policy).is_err() {
+            // Requests run init themselves; a later request tries again.
+            return Ok(());
+        }
+        let bytes = match bytes {
+            Some(b) => b,
+            None => match self.store.plugins().blob(t.id, version)? {
+                Some(b) => b.to_vec(),
+                None => return Ok(()),
+            },
         };
-        compile_isolated(&self.compiler, &self.runtime, &bytes, limits).await
+        self.snapshots.start(Job {
+            tenant: t.id,
+            name: name.into(),
+            version: version.into(),
+            config: config.into(),
+            bytes,
+            limits: self.limits_for(policy),
+            share: self.instance_share(policy),
+        });
+        Ok(())
     }
 
     /// Takes one of tenant `t`'s uploads per minute (its policy's, else the server's), or says
@@ -360,18 +386,24 @@ impl Plugins {
         let known = existing
             .as_ref()
             .is_some_and(|r| r.versions.iter().any(|v| v.sha256 == version.sha256));
+        let mut compiled = None;
         if !known {
             self.take_upload(t, policy)?;
             let plugin = self.compile(bytes.clone()).await.map_err(PluginError::Rejected)?;
-            ran(self.smoke(&plugin, &config).await).map_err(|e| match e {
+            // The smoke call holds one of the tenant's instances, as a request would.
+            let share = self.take_instances(t, policy, 1)?;
+            let smoked = self.smoke(&plugin, &config).await;
+            drop(share);
+            ran(smoked).map_err(|e| match e {
                 PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
                 e => PluginError::Rejected(PluginFailure::Invalid(format!("the upload check failed: {e}"))),
             })?;
             self.store.plugins().put_blob(t.id, &sha, &bytes)?;
             self.artefacts.save(t.id, &version.sha256, &plugin);
             self.remember(t.id, &version.sha256, &plugin);
+            compiled = Some(plugin);
         }
-        let _g = self.lock();
+        let g = self.lock();
         let current = self.store.plugins().get(t.id, name)?;
         // Checked again under the lock: another upload may have added a plugin meanwhile.
         if current.is_none() && self.store.plugins().list(t.id)?.len() >= self.cfg.max_per_tenant {
@@ -406,8 +438,13 @@ impl Plugins {
             rec.history.retain(|h| h.version != old.sha256);
             self.store.plugins().remove_blob(t.id, &old.sha256)?;
             self.forget(t.id, &old.sha256);
+            self.snapshots.forget(t.id, name, Some(&old.sha256));
         }
         self.store.plugins().put(t.id, &rec)?;
+        drop(g);
+        if activate && let Some(plugin) = &compiled {
+            self.pre_initialise(t, policy, name, &version.sha256, &rec.config, plugin, Some(bytes), true)?;
+        }
         let default = self.is_default(t, name)?;
         Ok(Uploaded {
             plugin: PluginView::of(&rec, default),
@@ -468,6 +505,7 @@ impl Plugins {
         for v in &rec.versions {
             self.forget(t.id, &v.sha256);
         }
+        self.snapshots.forget(t.id, name, None);
         Ok(Deleted {
             deleted: name.into(),
             versions: rec.versions.len(),
@@ -490,6 +528,7 @@ impl Plugins {
         self.store.plugins().remove_blob(t.id, &sha)?;
         self.store.plugins().put(t.id, &rec)?;
         self.forget(t.id, &sha);
+        self.snapshots.forget(t.id, name, Some(&sha));
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
@@ -518,20 +557,20 @@ impl Plugins {
         let mut checked = None;
         if rec.active.is_some() {
             let _share = self.take_instances(t, policy, 1)?;
-            let resolved = self.resolve(t, name.to_string()).await?;
-            self.smoke(&resolved.plugin, config).await.map_err(|e| match e {
+            let (version, plugin) = self.active(t, name).await?;
+            self.smoke(&plugin, config).await.map_err(|e| match e {
                 PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
                 e => PluginError::ConfigRejected {
-                    version: resolved.version.clone(),
+                    version: version.clone(),
                     failure: e,
                 },
             })?;
-            checked = Some(resolved.version);
+            checked = Some((version, plugin));
         }
-        let _g = self.lock();
+        let g = self.lock();
         let mut rec = self.record(t, name)?;
         // The version checked must still be the one that will run with it.
-        if rec.active != checked {
+        if rec.active.as_deref() != checked.as_ref().map(|(v, _)| v.as_str()) {
             return Err(PluginError::Changed(name.into()));
         }
         if rec.config != config {
@@ -542,6 +581,10 @@ impl Plugins {
             rec.config = config.into();
         }
         self.store.plugins().put(t.id, &rec)?;
+        drop(g);
+        if let Some((version, plugin)) = &checked {
+            self.pre_initialise(t, policy, name, version, config, plugin, None, false)?;
+        }
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
@@ -575,38 +618,63 @@ impl Plugins {
         }
     }
 
-    /// Plugin `name` of `t`, compiled and ready to instantiate.
-    pub async fn resolve(&self, t: &Tenant, name: String) -> Result<Resolved, PluginError> {
+    /// Plugin `name` of `t`, compiled and ready to instantiate: pre-initialised with its
+    /// configuration when that is ready, else as compiled (and a build of the snapshot is
+    /// started, as `policy` allows).
+    pub async fn resolve(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        name: String,
+    ) -> Result<Resolved, PluginError> {
         let rec = self.record(t, &name)?;
         let Some(version) = rec.active.clone() else {
             return Err(PluginError::Inactive(name));
         };
-        let plugin = match self.cached(t.id, &version) {
-            Some(p) => p,
-            None => {
-                let plugin = match self.artefacts.load(&self.runtime, t.id, &version) {
-                    Some(p) => p,
-                    None => {
-                        let bytes = self
-                            .store
-                            .plugins()
-                            .blob(t.id, &version)?
-                            .ok_or_else(|| StoreError::Corrupt(format!("plugin {name} {version}")))?;
-                        let p = self.compile(bytes.to_vec()).await.map_err(PluginError::Failed)?;
-                        self.artefacts.save(t.id, &version, &p);
-                        p
-                    }
-                };
-                self.remember(t.id, &version, &plugin);
-                plugin
-            }
-        };
+        let mut plugin = self.version(t, &name, &version).await?;
+        match self.snapshots.get(t.id, &name, &version, &rec.config) {
+            Some(p) => plugin = p,
+            None => self.pre_initialise(t, policy, &name, &version, &rec.config, &plugin, None, false)?,
+        }
         Ok(Resolved {
             name,
             version,
             config: rec.config,
             plugin,
         })
+    }
+
+    /// Plugin `name`'s active version and its compile (not pre-initialised).
+    async fn active(&self, t: &Tenant, name: &str) -> Result<(String, Plugin), PluginError> {
+        let rec = self.record(t, name)?;
+        let Some(version) = rec.active else {
+            return Err(PluginError::Inactive(name.into()));
+        };
+        let plugin = self.version(t, name, &version).await?;
+        Ok((version, plugin))
+    }
+
+    /// The compile of `t`'s `version` of plugin `name`: from memory, else from disk, else
+    /// compiled again.
+    async fn version(&self, t: &Tenant, name: &str, version: &str) -> Result<Plugin, PluginError> {
+        if let Some(p) = self.cached(t.id, version) {
+            return Ok(p);
+        }
+        let plugin = match self.artefacts.load(self.compiler.runtime(), t.id, version) {
+            Some(p) => p,
+            None => {
+                let bytes = self
+                    .store
+                    .plugins()
+                    .blob(t.id, version)?
+                    .ok_or_else(|| StoreError::Corrupt(format!("plugin {name} {version}")))?;
+                let p = self.compile(bytes.to_vec()).await.map_err(PluginError::Failed)?;
+                self.artefacts.save(t.id, version, &p);
+                p
+            }
+        };
+        self.remember(t.id, version, &plugin);
+        Ok(plugin)
     }
 }
 
