@@ -1075,8 +1075,8 @@ fn a_plugin_is_initialised_once_per_configuration_and_requests_start_from_there(
         )
         .await;
         assert_eq!(r.status, 200, "{}", r.text());
-        // From the next request on the new configuration holds, whether its snapshot is ready
-        // yet (requests start from it) or not (they run init).
+        // From the next request on the new configuration holds: first while its snapshot is
+        // (most likely) being built, so requests run init; then once it is ready.
         for _ in 0..2 {
             let r = call(&c, Method::POST, "/v1/chat/completions", &key, Some(ask("banana"))).await;
             assert_eq!((r.status, code(&r).as_str()), (400, "plugin_refused"), "{}", r.text());
@@ -1133,6 +1133,26 @@ fn a_plugin_is_initialised_once_per_configuration_and_requests_start_from_there(
         let r = call(&c, Method::DELETE, "/v1/plugins/filter", &key, None).await;
         assert_eq!(r.status, 200, "{}", r.text());
         assert!(!dirs[0].exists());
+        // A plugin deleted while its snapshot is built does not get it back: the tenant's
+        // builds run in turn, so once a later plugin's is done, the deleted one's has ended.
+        let tenant_dir = dirs[0].parent().unwrap().to_path_buf();
+        assert_eq!(upload(&c, &key, "gone", example("regex_filter")).await.status, 201);
+        let r = call(&c, Method::DELETE, "/v1/plugins/gone", &key, None).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(upload(&c, &key, "after", example("system_prompt")).await.status, 201);
+        wait_for_init_lines(&c, &key, "after", 1).await;
+        assert!(tenant_dir.join("after").exists());
+        assert!(
+            !tenant_dir.join("gone").exists(),
+            "a deleted plugin's snapshot came back"
+        );
+        // Deleting the tenant drops all of its plugins' compiles.
+        let r = c
+            .request(Method::DELETE, "/admin/v1/tenants/default", Some(&s.admin), None)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(!tenant_dir.exists());
     });
 }
 

@@ -335,9 +335,11 @@ pub struct PluginsConfig {
     pub request_time_ms: u64,
     /// Fuel for a plugin's `init` (its set-up: reading the vocabulary, compiling rules), which
     /// runs once per (version, configuration) where the plugin can be pre-initialised, else
-    /// before each request (then within the request's time). Default 500,000,000.
+    /// before each request (then within the request's time). A tenant whose policy sets its
+    /// fuel per call gets at most ten calls' worth. Default 500,000,000.
     pub init_fuel: u64,
-    /// Wall time for a plugin's `init`, in milliseconds. Default 1,000.
+    /// Wall time for a plugin's `init`, in milliseconds (at most ten calls' worth under a
+    /// policy's call time). Default 1,000.
     pub init_timeout_ms: u64,
     /// Instances one tenant's requests may hold at once (a tenant's policy may set its own).
     /// Past it the tenant's request gets 429 `plugin_instances_limit`, so no tenant can take the

@@ -48,6 +48,7 @@ pub(super) async fn route(
         (["tenants", name], &Method::DELETE) => {
             let id = state.store.delete_tenant(name)?;
             state.quotas.usage.forget(id)?;
+            state.plugins.forget_tenant(id);
             // Its prefix cache goes too (its ids are never reused, so this frees memory; it is
             // not what keeps tenants apart).
             for e in state.engines() {

@@ -93,12 +93,12 @@ impl Artefacts {
             .join(name)
     }
 
-    fn snapshot_path(&self, tenant: TenantId, name: &str, version: &str, config: &str) -> PathBuf {
+    fn snapshot_path(&self, tenant: TenantId, name: &str, version: &str, made: &str) -> PathBuf {
         self.snapshot_dir(tenant, name)
-            .join(format!("{version}-{}-{}.cwasm", digest(config), self.compatibility))
+            .join(format!("{version}-{}-{}.cwasm", digest(made), self.compatibility))
     }
 
-    fn snapshot_mac(&self, tenant: TenantId, name: &str, version: &str, config: &str, body: &[u8]) -> Hmac<Sha256> {
+    fn snapshot_mac(&self, tenant: TenantId, name: &str, version: &str, made: &str, body: &[u8]) -> Hmac<Sha256> {
         hmac(
             &self.key,
             &[
@@ -106,36 +106,37 @@ impl Artefacts {
                 &tenant.get().to_be_bytes(),
                 name.as_bytes(),
                 version.as_bytes(),
-                config.as_bytes(),
+                made.as_bytes(),
                 self.compatibility.as_bytes(),
                 body,
             ],
         )
     }
 
-    /// The cached compile of plugin `name`'s `version` pre-initialised with `config`, if
-    /// there is one that Warden wrote (as the component it is: the caller marks it).
+    /// The cached compile of plugin `name`'s `version` pre-initialised as `config` says (the
+    /// configuration, and whatever else the state depends on), if there is one that Warden
+    /// wrote (as the component it is: the caller marks it).
     pub fn load_snapshot(
         &self,
         runtime: &Runtime,
         tenant: TenantId,
         name: &str,
         version: &str,
-        config: &str,
+        made: &str,
     ) -> Option<Plugin> {
-        let mac = |body: &[u8]| self.snapshot_mac(tenant, name, version, config, body);
-        load_file(runtime, &self.snapshot_path(tenant, name, version, config), mac)
+        let mac = |body: &[u8]| self.snapshot_mac(tenant, name, version, made, body);
+        load_file(runtime, &self.snapshot_path(tenant, name, version, made), mac)
     }
 
-    /// Writes plugin `name`'s `version` pre-initialised with `config`, and drops the plugin's
+    /// Writes plugin `name`'s `version` pre-initialised as `made` says, and drops the plugin's
     /// others: at most one per plugin stays on disk.
-    pub fn save_snapshot(&self, tenant: TenantId, name: &str, version: &str, config: &str, plugin: &Plugin) {
+    pub fn save_snapshot(&self, tenant: TenantId, name: &str, version: &str, made: &str, plugin: &Plugin) {
         let Ok(body) = plugin.artefact() else { return };
         let dir = self.snapshot_dir(tenant, name);
         if std::fs::create_dir_all(&dir).is_err() {
             return;
         }
-        let path = self.snapshot_path(tenant, name, version, config);
+        let path = self.snapshot_path(tenant, name, version, made);
         if let Ok(entries) = std::fs::read_dir(&dir) {
             for e in entries.flatten() {
                 if e.path() != path {
@@ -143,19 +144,32 @@ impl Artefacts {
                 }
             }
         }
-        save_file(&path, self.snapshot_mac(tenant, name, version, config, &body), &body);
+        save_file(&path, self.snapshot_mac(tenant, name, version, made, &body), &body);
     }
 
     /// Drops plugin `name`'s pre-initialised compiles.
     pub fn remove_snapshots(&self, tenant: TenantId, name: &str) {
         let _ = std::fs::remove_dir_all(self.snapshot_dir(tenant, name));
     }
+
+    /// Drops every compile of `tenant`'s plugins (the tenant was deleted).
+    pub fn remove_tenant(&self, tenant: TenantId) {
+        let _ = std::fs::remove_dir_all(self.dir.join("snapshots").join(format!("{:016x}", tenant.get())));
+        let prefix = format!("{:016x}-", tenant.get());
+        if let Ok(entries) = std::fs::read_dir(&self.dir) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+    }
 }
 
-/// SHA-256 of `config`, as hex: a snapshot file's name says which configuration it holds.
-fn digest(config: &str) -> String {
+/// SHA-256 of `made`, as hex: a snapshot file's name says what it was made from.
+fn digest(made: &str) -> String {
     use sha2::Digest;
-    Sha256::digest(config.as_bytes())
+    Sha256::digest(made.as_bytes())
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()

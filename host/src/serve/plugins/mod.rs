@@ -42,6 +42,9 @@ use snapshots::{Job, Snapshots};
 const COMPILED_CACHE: usize = 256;
 /// Activations remembered for rollback.
 const HISTORY: usize = 16;
+/// A tenant whose policy sets its fuel or time per call gets at most this many calls' worth for
+/// `init`.
+pub const INIT_CALLS: u64 = 10;
 
 /// The plugin a request runs.
 #[derive(Clone)]
@@ -151,16 +154,19 @@ impl Plugins {
 
     /// Limits for a plugin of a tenant under `policy`: its fuel, memory and time where it sets
     /// them, the server's otherwise; memory never beyond the server's (an instance slot's size).
+    /// A policy's fuel or time per call caps `init`'s too, at [`INIT_CALLS`] calls' worth.
     pub fn limits_for(&self, policy: &crate::policy::Policy) -> PluginLimits {
         let mut l = self.limits();
         if let Some(f) = policy.plugin_fuel_per_call {
             l.fuel_per_call = f;
+            l.init_fuel = l.init_fuel.min(f.saturating_mul(INIT_CALLS));
         }
         if let Some(m) = policy.plugin_memory_mib {
             l.memory_bytes = l.memory_bytes.min((m as usize) << 20);
         }
         if let Some(ms) = policy.plugin_call_timeout_ms {
             l.call_timeout = Duration::from_millis(ms);
+            l.init_timeout = l.init_timeout.min(Duration::from_millis(ms.saturating_mul(INIT_CALLS)));
         }
         if let Some(ms) = policy.plugin_request_time_ms {
             l.request_time = Duration::from_millis(ms);
@@ -253,10 +259,11 @@ impl Plugins {
         self.compiler.compile(&bytes).await
     }
 
-    /// Starts pre-initialising plugin `name`'s `plugin` (version `version`, component `bytes`,
+    /// Queues pre-initialising plugin `name`'s `plugin` (version `version`, component `bytes`,
     /// read from the store when not given) with `config` in the background, if it has an
-    /// `init`, none is known for it, and the tenant may: a build counts as one of its uploads
-    /// (`paid`: the upload that made the version paid for it).
+    /// `init`, nothing is known or queued for it, and the tenant may: a build counts as one of
+    /// its uploads (`paid`: the upload that made the version paid for it). A tenant past its
+    /// uploads gets no build; its requests run `init`, and a later one asks again.
     #[allow(clippy::too_many_arguments)]
     fn pre_initialise(
         &self,
@@ -269,11 +276,8 @@ impl Plugins {
         bytes: Option<Vec<u8>>,
         paid: bool,
     ) -> Result<(), PluginError> {
-        if plugin.world() != "0.2.0" || !self.snapshots.wanted(t.id, name, version, config) {
-            return Ok(());
-        }
-        if !paid && self.take_upload(t, policy).is_err() {
-            // Requests run init themselves; a later request tries again.
+        let limits = self.limits_for(policy);
+        if plugin.world() != "0.2.0" || !self.snapshots.wanted(t.id, name, version, config, &limits) {
             return Ok(());
         }
         let bytes = match bytes {
@@ -283,15 +287,17 @@ impl Plugins {
                 None => return Ok(()),
             },
         };
-        self.snapshots.start(Job {
+        let job = Job {
             tenant: t.id,
             name: name.into(),
             version: version.into(),
             config: config.into(),
             bytes,
-            limits: self.limits_for(policy),
+            limits,
             share: self.instance_share(policy),
-        });
+        };
+        self.snapshots
+            .start(job, || paid || self.take_upload(t, policy).is_ok());
         Ok(())
     }
 
@@ -588,6 +594,18 @@ impl Plugins {
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
 
+    /// Drops what is kept of tenant `id`'s plugins outside the store: compiled and
+    /// pre-initialised components, in memory and on disk, and builds waiting (the tenant was
+    /// deleted).
+    pub fn forget_tenant(&self, id: TenantId) {
+        self.compiled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(t, _), _| *t != id);
+        self.snapshots.forget_tenant(id);
+        self.artefacts.remove_tenant(id);
+    }
+
     /// Makes `name` the tenant's default plugin: requests that name none run it.
     pub fn set_default(&self, t: &Tenant, name: &str) -> Result<DefaultPlugin, PluginError> {
         let _g = self.lock();
@@ -632,7 +650,10 @@ impl Plugins {
             return Err(PluginError::Inactive(name));
         };
         let mut plugin = self.version(t, &name, &version).await?;
-        match self.snapshots.get(t.id, &name, &version, &rec.config) {
+        match self
+            .snapshots
+            .get(t.id, &name, &version, &rec.config, &self.limits_for(policy))
+        {
             Some(p) => plugin = p,
             None => self.pre_initialise(t, policy, &name, &version, &rec.config, &plugin, None, false)?,
         }
