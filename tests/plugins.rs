@@ -636,15 +636,19 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
     assert!(ok, "{err}");
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
-        lines[..2],
-        ["world: warden:plugin@0.2.0", "capabilities: on-token=false"]
+        lines[..3],
+        [
+            "world: warden:plugin@0.2.0",
+            "init: pre-initialised: requests start from its state",
+            "capabilities: on-token=false"
+        ]
     );
     assert!(
-        lines[2].starts_with("preprocess <- ") && !lines[2].contains("Answer in French.\"}"),
+        lines[3].starts_with("preprocess <- ") && !lines[3].contains("Answer in French.\"}"),
         "{out}"
     );
     assert!(
-        lines[3].contains(r#"{"role":"system","content":"Answer in French."}"#),
+        lines[4].contains(r#"{"role":"system","content":"Answer in French."}"#),
         "the rewritten request shows the plugin's system prompt: {out}"
     );
     assert_eq!(lines.iter().filter(|l| l.starts_with("token ")).count(), 6, "{out}");
@@ -660,6 +664,14 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
         "{out}"
     );
     assert!(out.contains("-> constrain (allowed: "), "{out}");
+    // An init that keeps its stdout stream cannot be captured: it says why, and runs as before.
+    let (ok, out, err) = run("adversary", Some("print-in-init"));
+    assert!(ok, "{err}");
+    assert!(out.contains("log: stdout: initialising\n"), "{out}");
+    assert!(
+        out.contains("init: runs on every request: init kept a host resource"),
+        "{out}"
+    );
     // A 0.1.0 component runs as it did.
     let (ok, out, err) = run("legacy_v0_1", Some("Answer in French."));
     assert!(ok, "{err}");

@@ -595,12 +595,16 @@ impl Instance {
         self.limits.fuel_per_call = calls.init_fuel;
         self.limits.call_timeout = calls.init_timeout;
         let _ = self.store.set_fuel(calls.init_fuel);
-        let r = call!(self, |b, s| async move {
-            match b {
-                Guest::V2(g) => g.call_init(s, config).await,
-                Guest::V1(_) => Ok(Ok(())),
-            }
-        });
+        // In its own block, so a call that cannot start still gives the calls' budget back.
+        let r = async {
+            call!(self, |b, s| async move {
+                match b {
+                    Guest::V2(g) => g.call_init(s, config).await,
+                    Guest::V1(_) => Ok(Ok(())),
+                }
+            })
+        }
+        .await;
         // Counted against the init budget it ran with, before the calls' budget returns.
         self.count_fuel();
         self.limits = calls;

@@ -18,6 +18,7 @@ use crate::engine::steer::Steer;
 use crate::engine::{Engine, EngineConfig, Event};
 use crate::grammar::{Format, GrammarLimits, Grammars};
 use crate::loaded::{LoadError, LoadedModel};
+use crate::plugin::snapshot::{Snapshot, pre_initialise};
 use crate::plugin::{Input, Instance, PluginFailure, Request, RequestTime, Runtime, Token, TokenAction};
 use crate::serve::error::ApiError;
 use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, RequestLimits};
@@ -98,6 +99,31 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
         let time = RequestTime::new(limits.request_time);
         let tk = model.tokenizer.clone();
         writeln!(out, "world: warden:plugin@{}", plugin.world())?;
+        // As the server does: init once, and the request starts from its state where it can.
+        let mut plugin = plugin;
+        if plugin.world() != "0.1.0" {
+            let (snapshot, init_logs) = pre_initialise(
+                &component,
+                &run.config,
+                limits,
+                tk.clone(),
+                PluginsConfig::default().max_component_bytes,
+                |b: Vec<u8>| std::future::ready(runtime.compile(&b)),
+                std::future::ready(Some(())),
+            )
+            .await
+            .map_err(plugin_failed("init"))?;
+            for l in init_logs {
+                writeln!(out, "log: {l}")?;
+            }
+            match snapshot {
+                Snapshot::Taken(p) => {
+                    writeln!(out, "init: pre-initialised: requests start from its state")?;
+                    plugin = p;
+                }
+                Snapshot::Kept(why) => writeln!(out, "init: runs on every request: {why}")?,
+            }
+        }
         let mut i = plugin
             .instantiate(limits, tk.clone(), seed, time, &run.config)
             .await
