@@ -36,7 +36,7 @@ use logs::TenantLogs;
 use registry::{DefaultPlugin, Deleted, PluginError, PluginList, PluginView, Uploaded};
 pub use shares::Share;
 use shares::Shares;
-use snapshots::{Job, Snapshots};
+use snapshots::{Component, Job, Snapshots};
 
 /// Compiled plugins kept in memory; beyond this, one is dropped per compile.
 const COMPILED_CACHE: usize = 256;
@@ -260,10 +260,11 @@ impl Plugins {
     }
 
     /// Queues pre-initialising plugin `name`'s `plugin` (version `version`, component `bytes`,
-    /// read from the store when not given) with `config` in the background, if it has an
-    /// `init`, nothing is known or queued for it, and the tenant may: a build counts as one of
-    /// its uploads (`paid`: the upload that made the version paid for it). A tenant past its
-    /// uploads gets no build; its requests run `init`, and a later one asks again.
+    /// read from the store when the build runs if not given) with `config` in the background,
+    /// if it has an `init`, nothing is known or queued for it, and the tenant may: a build
+    /// counts as one of its uploads (`paid`: the upload that made the version paid for it). A
+    /// tenant past its uploads gets no build; its requests run `init`, and a later one asks
+    /// again. Nothing here can fail what called it: a snapshot only saves time.
     #[allow(clippy::too_many_arguments)]
     fn pre_initialise(
         &self,
@@ -275,30 +276,22 @@ impl Plugins {
         plugin: &Plugin,
         bytes: Option<Vec<u8>>,
         paid: bool,
-    ) -> Result<(), PluginError> {
+    ) {
         let limits = self.limits_for(policy);
         if plugin.world() != "0.2.0" || !self.snapshots.wanted(t.id, name, version, config, &limits) {
-            return Ok(());
+            return;
         }
-        let bytes = match bytes {
-            Some(b) => b,
-            None => match self.store.plugins().blob(t.id, version)? {
-                Some(b) => b.to_vec(),
-                None => return Ok(()),
-            },
-        };
         let job = Job {
             tenant: t.id,
             name: name.into(),
             version: version.into(),
             config: config.into(),
-            bytes,
+            component: bytes.map_or_else(|| Component::Stored(self.store.clone()), Component::Bytes),
             limits,
             share: self.instance_share(policy),
         };
         self.snapshots
             .start(job, || paid || self.take_upload(t, policy).is_ok());
-        Ok(())
     }
 
     /// Takes one of tenant `t`'s uploads per minute (its policy's, else the server's), or says
@@ -449,7 +442,7 @@ impl Plugins {
         self.store.plugins().put(t.id, &rec)?;
         drop(g);
         if activate && let Some(plugin) = &compiled {
-            self.pre_initialise(t, policy, name, &version.sha256, &rec.config, plugin, Some(bytes), true)?;
+            self.pre_initialise(t, policy, name, &version.sha256, &rec.config, plugin, Some(bytes), true);
         }
         let default = self.is_default(t, name)?;
         Ok(Uploaded {
@@ -589,7 +582,7 @@ impl Plugins {
         self.store.plugins().put(t.id, &rec)?;
         drop(g);
         if let Some((version, plugin)) = &checked {
-            self.pre_initialise(t, policy, name, version, config, plugin, None, false)?;
+            self.pre_initialise(t, policy, name, version, config, plugin, None, false);
         }
         Ok(PluginView::of(&rec, self.is_default(t, name)?))
     }
@@ -655,7 +648,7 @@ impl Plugins {
             .get(t.id, &name, &version, &rec.config, &self.limits_for(policy))
         {
             Some(p) => plugin = p,
-            None => self.pre_initialise(t, policy, &name, &version, &rec.config, &plugin, None, false)?,
+            None => self.pre_initialise(t, policy, &name, &version, &rec.config, &plugin, None, false),
         }
         Ok(Resolved {
             name,

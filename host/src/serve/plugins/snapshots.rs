@@ -30,6 +30,7 @@ use super::shares::Shares;
 use crate::plugin::compile::Compiler;
 use crate::plugin::snapshot::{Snapshot, pre_initialise};
 use crate::plugin::{Plugin, PluginFailure, PluginLimits};
+use crate::serve::store::Store;
 use crate::tenant::TenantId;
 use crate::tokenizer::Tokenizer;
 
@@ -59,7 +60,16 @@ struct Entry {
     plugin: Option<Plugin>,
 }
 
-/// One build: plugin `name` of `tenant` at `version` (its component `bytes`) with `config`.
+/// Where a build finds the component.
+pub enum Component {
+    /// Its bytes, in hand.
+    Bytes(Vec<u8>),
+    /// In the store, read when the build runs (not while it waits, nor for a build not
+    /// queued).
+    Stored(Store),
+}
+
+/// One build: plugin `name` of `tenant` at `version` (its `component`) with `config`.
 pub struct Job {
     /// The tenant.
     pub tenant: TenantId,
@@ -70,7 +80,7 @@ pub struct Job {
     /// The configuration `init` gets.
     pub config: String,
     /// The component.
-    pub bytes: Vec<u8>,
+    pub component: Component,
     /// What `init` may use: the tenant's.
     pub limits: PluginLimits,
     /// The tenant's share of plugin instances (`init` runs in one of them).
@@ -348,12 +358,20 @@ impl Snapshots {
             }
             None
         };
+        let bytes = match &job.component {
+            Component::Bytes(b) => b.clone(),
+            Component::Stored(store) => match store.plugins().blob(job.tenant, &job.version) {
+                Ok(Some(b)) => b.to_vec(),
+                // Deleted meanwhile: nothing to build.
+                Ok(None) | Err(_) => return,
+            },
+        };
         let compile = |b: Vec<u8>| {
             let compiler = self.compiler.clone();
             async move { compiler.compile(&b).await }
         };
         let r = pre_initialise(
-            &job.bytes,
+            &bytes,
             &job.config,
             job.limits,
             self.tokenizer.clone(),
