@@ -7,7 +7,9 @@
 //! `tokenizer` and `log`, and WASI p2 with nothing behind it), so a component that imports
 //! anything else is refused at upload. [`Plugin::instantiate`] makes an [`Instance`] in a fresh
 //! `Store` with the tenant's limits: no state survives from one request to the next or crosses
-//! tenants. Every call runs under fuel and an epoch deadline, and memory growth is capped; a
+//! tenants. A 0.2.0 plugin's `init` runs in each instance, or once per configuration when the
+//! component is pre-initialised ([`snapshot`]): then every instance starts from the state `init`
+//! left, still fresh and its own. Every call runs under fuel and an epoch deadline, and memory growth is capped; a
 //! trap, exhausted fuel, a timeout or the memory cap fails only that call, each with its own
 //! [`PluginFailure`] code.
 //!
