@@ -261,17 +261,23 @@ impl Snapshots {
             config: config.into(),
             memory_bytes: limits.memory_bytes,
         };
-        let name = name.to_string();
+        !self.known_or_queued(&self.building(), tenant, name, &made)
+    }
+
+    /// Whether plugin `name`'s snapshot `made` is known (ready, or known not to work), under
+    /// way, or waiting. Takes the `building` lock's guard: that lock is always taken before
+    /// the entries'.
+    fn known_or_queued(&self, building: &HashMap<TenantId, Queue>, tenant: TenantId, name: &str, made: &Made) -> bool {
         if self
             .entries()
-            .get(&(tenant, name.clone()))
-            .is_some_and(|e| e.made == made)
+            .get(&(tenant, name.to_string()))
+            .is_some_and(|e| e.made == *made)
         {
-            return false;
+            return true;
         }
-        !self.building().get(&tenant).is_some_and(|q| {
-            q.running == (name.clone(), made.clone())
-                || q.next.iter().any(|n| n.job.name == name && n.job.made() == made)
+        building.get(&tenant).is_some_and(|q| {
+            (q.running.0 == name && q.running.1 == *made)
+                || q.next.iter().any(|n| n.job.name == name && n.job.made() == *made)
         })
     }
 
@@ -283,13 +289,7 @@ impl Snapshots {
         let made = job.made();
         let tenant = job.tenant;
         let mut building = self.building();
-        if self.entries().get(&key).is_some_and(|e| e.made == made) {
-            return false;
-        }
-        if let Some(q) = building.get(&tenant)
-            && (q.running == (job.name.clone(), made.clone())
-                || q.next.iter().any(|n| n.job.name == job.name && n.job.made() == made))
-        {
+        if self.known_or_queued(&building, tenant, &job.name, &made) {
             return false;
         }
         if !charge() {
