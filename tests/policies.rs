@@ -63,6 +63,7 @@ const POLICIES: &[(&str, &str)] = &[
     ),
     ("tenants/nomodel.toml", "allowed_models = []\n"),
     ("tenants/kv.toml", "[kv]\nmax_pages = 3\nprefix_cache = \"off\"\n"),
+    ("tenants/open.toml", "tokens_per_minute = 60\n"),
 ];
 
 #[test]
@@ -71,7 +72,7 @@ fn every_limit_is_refused_before_its_work_with_its_code() {
     rt().block_on(async {
         let c = s.client();
         let mut keys = std::collections::HashMap::new();
-        for t in ["rpm", "tpm", "daily", "conc", "strict", "nomodel", "kv"] {
+        for t in ["rpm", "tpm", "daily", "conc", "strict", "nomodel", "kv", "open"] {
             keys.insert(t, s.tenant_with_key(t).await);
         }
         let free = s.key().to_string();
@@ -174,6 +175,20 @@ fn every_limit_is_refused_before_its_work_with_its_code() {
             assert_eq!(r.json().unwrap()["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
         }
 
+        // A request that names no max_tokens runs to the end of its context, or to what its
+        // tenant may have: it is admitted when its prompt fits its KV cap, and ends with
+        // `length` where its pages would outgrow it (48 positions; the token sampled from the
+        // last is the 49th), or where its tokens per minute end.
+        let story = "Write a long story about a dragon.";
+        for (tenant, most) in [("kv", 49), ("open", 60)] {
+            let r = chat(&c, &keys[tenant], story, None).await;
+            assert_eq!(r.status, 200, "{tenant}: {}", r.text());
+            let v = r.json().unwrap();
+            assert_eq!(v["choices"][0]["finish_reason"], "length", "{tenant}: {v}");
+            let (p, n) = (v["usage"]["prompt_tokens"].as_u64().unwrap(), v["usage"]["completion_tokens"].as_u64().unwrap());
+            assert_eq!(p + n, most, "{tenant}: {v}");
+        }
+
         // Usage: each tenant sees its own counters, rejections by code; the admin sees all.
         let u = usage(&c, &keys["rpm"]).await;
         assert_eq!(u["tenant"], "rpm");
@@ -186,7 +201,7 @@ fn every_limit_is_refused_before_its_work_with_its_code() {
         assert!(u["prompt_tokens"].as_u64().unwrap() > 0 && u.get("rpm").is_none());
         let r = c.request(Method::GET, "/admin/v1/usage", Some(&s.admin), None).await.unwrap();
         let all = r.json().unwrap()["data"].clone();
-        for t in ["rpm", "tpm", "daily", "conc", "strict", "nomodel", "kv", "default"] {
+        for t in ["rpm", "tpm", "daily", "conc", "strict", "nomodel", "kv", "open", "default"] {
             assert!(all.get(t).is_some(), "{t} in {all}");
         }
         let r = c.request(Method::GET, "/admin/v1/usage", Some(&free), None).await.unwrap();

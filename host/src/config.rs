@@ -213,8 +213,10 @@ pub struct LimitsConfig {
     /// Most prompt plus completion tokens per request. Default: the model's context length. The
     /// server refuses to start when the KV pool cannot hold this many (invariant 4).
     pub max_context: Option<usize>,
-    /// Completion tokens when a request names none. Default 256.
-    pub default_max_tokens: usize,
+    /// Most completion tokens when a request names none. Unset (the default), such a request
+    /// runs to the end of its context (or to what its tenant's policy, quotas and KV budget
+    /// allow), as OpenAI's and llama.cpp's servers do.
+    pub default_max_tokens: Option<usize>,
     /// Tokens per engine step (decode tokens plus prefill chunks). Default 512.
     pub max_batch_tokens: usize,
     /// How long an engine step should take, in milliseconds: prefill chunks shrink to what fits,
@@ -263,7 +265,7 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         Self {
             max_context: None,
-            default_max_tokens: 256,
+            default_max_tokens: None,
             max_batch_tokens: 512,
             step_target_ms: 40,
             max_running: 64,
@@ -490,7 +492,7 @@ impl ServeConfig {
                     kv_memory_bytes: (total as f64 * share) as usize,
                     limits: LimitsConfig {
                         max_context: own.max_context.or(all.max_context),
-                        default_max_tokens: own.default_max_tokens.unwrap_or(all.default_max_tokens),
+                        default_max_tokens: own.default_max_tokens.or(all.default_max_tokens),
                         max_batch_tokens: own.max_batch_tokens.unwrap_or(all.max_batch_tokens),
                         step_target_ms: own.step_target_ms.unwrap_or(all.step_target_ms),
                         max_running: own.max_running.unwrap_or(all.max_running),
@@ -622,7 +624,7 @@ impl ServeConfig {
             ("plugins.compile_memory_mib", self.plugins.compile_memory_mib as usize),
             ("kv.memory_mib", self.kv.memory_mib),
             ("kv.page_size", self.kv.page_size),
-            ("limits.default_max_tokens", self.limits.default_max_tokens),
+            ("limits.default_max_tokens", self.limits.default_max_tokens.unwrap_or(1)),
             ("limits.max_batch_tokens", self.limits.max_batch_tokens),
             ("limits.max_running", self.limits.max_running),
             ("limits.queue", self.limits.queue),

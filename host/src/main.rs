@@ -323,6 +323,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 prompt: prompt_tokens,
                 sampling,
                 max_tokens,
+                open_ended: false,
                 stop,
                 ignore_eos: false,
                 logprobs: None,

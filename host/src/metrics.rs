@@ -57,6 +57,7 @@ struct EngineStats {
     kv: KvCounters,
     waiting: usize,
     running: usize,
+    preemptions: u64,
     ttft: Histogram,
     itl: Histogram,
 }
@@ -249,6 +250,7 @@ impl Metrics {
             per_model(&mut o, "warden_kv_pages_total", "gauge", "KV pages in the model's pool.", &|e| e.kv.pages_total.to_string());
             per_model(&mut o, "warden_queue_depth", "gauge", "Requests waiting for a slot, by model.", &|e| e.waiting.to_string());
             per_model(&mut o, "warden_running_sequences", "gauge", "Sequences being prefilled or decoded, by model.", &|e| e.running.to_string());
+            per_model(&mut o, "warden_preemptions_total", "counter", "Sequences that gave their KV pages up for others to grow into (they compute their tokens again when readmitted), by model.", &|e| e.preemptions.to_string());
             help(&mut o, "warden_policy_info", "gauge", "The tenant policy set in force (its version: a digest of the files).");
             let _ = writeln!(o, "warden_policy_info{{version=\"{}\"}} 1", escape(&m.policy_version));
             help(&mut o, "warden_policy_reload_failures_total", "counter", "Policy reloads refused (a bad file; the previous set stayed in force).");
@@ -324,11 +326,12 @@ impl ModelMetrics {
     }
 
     /// The engine's current pool counters and queue.
-    pub fn engine_state(&self, kv: KvCounters, waiting: usize, running: usize) {
+    pub fn engine_state(&self, kv: KvCounters, waiting: usize, running: usize, preemptions: u64) {
         self.engine(|e| {
             e.kv = kv;
             e.waiting = waiting;
             e.running = running;
+            e.preemptions = preemptions;
         })
     }
 
@@ -377,6 +380,7 @@ mod tests {
             },
             3,
             1,
+            4,
         );
         let t = m.render();
         for line in [
@@ -394,6 +398,7 @@ mod tests {
             "warden_kv_pages{model=\"small\",state=\"free\"} 6",
             "warden_kv_pages{model=\"large\",state=\"free\"} 0",
             "warden_queue_depth{model=\"small\"} 3",
+            "warden_preemptions_total{model=\"small\"} 4",
             "warden_time_to_first_token_seconds_bucket{model=\"small\",le=\"0.025\"} 0",
             "warden_time_to_first_token_seconds_bucket{model=\"small\",le=\"0.05\"} 1",
             "warden_time_to_first_token_seconds_count{model=\"small\"} 1",

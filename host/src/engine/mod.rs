@@ -11,6 +11,11 @@
 //! emits exactly one [`Event::Done`]. Rejected requests never get here: [`Engine::submit`] returns
 //! them before anything is allocated.
 //!
+//! A sequence opens with pages for its tokens and the next one, and grows a page at a time as it
+//! decodes ([`Engine::grow_running`]); when a page cannot be had, a sequence the scheduler favours
+//! less is preempted (its pages go back, and readmitted it computes its tokens again and goes on
+//! where it was), so requests need not reserve their whole `max_tokens` up front.
+//!
 //! Beside this file: `schedule` (step planning and admission order, pure), `cost` (the step-cost
 //! model), `prefix` (the prefix cache's uses beyond admission: shared first pages, plugins' pins,
 //! public prefixes), `disagg` (the prefill and decode halves of a disaggregated request),
@@ -242,6 +247,8 @@ struct Seq {
     /// Prompt tokens the prefix cache served.
     cached: usize,
     max_tokens: usize,
+    /// Times it gave its pages up for others to grow into (see [`Engine::grow_running`]).
+    preempted: u32,
     ignore_eos: bool,
     sampler: Sampler,
     text: TextStream,
@@ -279,6 +286,25 @@ impl Seq {
     fn awaits_verdict(&self) -> bool {
         self.steer.as_ref().is_some_and(|s| s.pending())
     }
+
+    /// Whether it ever held pages (its prompt counts as used).
+    fn started(&self) -> bool {
+        self.phase == Phase::Open || self.preempted > 0
+    }
+
+    /// The pages it opens with: its tokens so far and the next one (within what it may ever
+    /// hold). Its reservation grows as it decodes.
+    fn opening_tokens(&self) -> usize {
+        (self.tokens.len() + 1).min(self.prompt_len + self.max_tokens)
+    }
+}
+
+/// What makes room for a sequence whose next page cannot be had (see [`Engine::victim`]).
+enum Room {
+    /// Preempting the running sequence at this index (perhaps the one that grows).
+    Preempt(usize),
+    /// Nothing: it holds all it ever may, and ends.
+    Never,
 }
 
 /// The engine. Single-threaded: one caller drives [`step`](Engine::step); the kernels inside use
@@ -306,6 +332,8 @@ pub struct Engine {
     cost: CostModel,
     /// Tokens computed since the engine started (prefill and decode).
     computed: u64,
+    /// Sequences preempted since the engine started.
+    preemptions: u64,
     scratch: Scratch,
     events: Vec<Event>,
 }
@@ -375,6 +403,7 @@ impl Engine {
             receiving: HashMap::new(),
             cost: CostModel::default(),
             computed: 0,
+            preemptions: 0,
             scratch: Scratch::default(),
             events: Vec::new(),
         })
@@ -476,6 +505,12 @@ impl Engine {
         self.computed
     }
 
+    /// Sequences preempted since the engine started: each gave its pages up for a sequence the
+    /// scheduler favours to grow into, and computes its tokens again when readmitted.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
     /// Requests waiting for a slot, and sequences running.
     pub fn queue_lengths(&self) -> (usize, usize) {
         (self.waiting.len(), self.running.len())
@@ -493,10 +528,12 @@ impl Engine {
     }
 
     /// Admission of a validated request: what needs the engine's state, its tenant's KV budget
-    /// (the queue's bound is [`enqueue`](Self::enqueue)'s).
+    /// (the queue's bound is [`enqueue`](Self::enqueue)'s). An open-ended request needs room for
+    /// its prompt and one token; it ends with `length` where the budget stops its growth.
     fn admit(&self, valid: &ValidRequest) -> Result<(), Rejected> {
         let r = valid.request();
-        let needed = self.pool.pages_for(r.prompt.len() + r.max_tokens);
+        let completion = if r.open_ended { 1 } else { r.max_tokens };
+        let needed = self.pool.pages_for(r.prompt.len() + completion);
         // Its own cap, and what other tenants' floors and everyone's pins leave it.
         let budget = self
             .pool
@@ -557,6 +594,7 @@ impl Engine {
             computed: 0,
             cached: 0,
             max_tokens: r.max_tokens,
+            preempted: 0,
             ignore_eos: r.ignore_eos,
             sampler: Sampler::new(r.sampling, constraint),
             text: TextStream::new(r.stop),
@@ -625,7 +663,7 @@ impl Engine {
         };
         // A request that never got a slot used nothing: it books no prompt.
         let usage = Usage {
-            prompt_tokens: if seq.phase == Phase::Open { seq.prompt_len } else { 0 },
+            prompt_tokens: if seq.started() { seq.prompt_len } else { 0 },
             completion_tokens: seq.output_len(),
             cached_tokens: seq.cached,
         };
@@ -665,22 +703,40 @@ impl Engine {
                 passed.insert(s.id);
                 continue;
             }
-            let pages = self.pool.pages_for(s.prompt_len + s.max_tokens);
-            // The last prompt token is always computed: its logits give the first output token.
-            // A transferred prompt's KV all comes from the prefill node.
+            let pages = self.pool.pages_for(s.opening_tokens());
+            // The last token is always computed: its logits give the next one. A transferred
+            // prompt's KV all comes from the prefill node.
             let reusable = if self.prefix_cache_for(s.owner) && !s.awaits_kv() {
-                &s.tokens[..s.prompt_len.saturating_sub(1)]
+                &s.tokens[..s.tokens.len() - 1]
             } else {
                 &[]
             };
-            match self.pool.open(s.id.seq(), s.owner, pages, reusable) {
+            // A page for each running sequence to grow into: admitting does not take the pages
+            // they are about to need.
+            let headroom = self.running.len();
+            // A preempted sequence that can never have its pages again (a reload lowered its
+            // tenant's cap or raised others' floors) ends with what it generated.
+            let most = self
+                .pool
+                .owner_budget(s.owner)
+                .unwrap_or(usize::MAX)
+                .min(self.pool.pages_open_to(s.owner));
+            if s.preempted > 0 && pages > most {
+                let seq = self.waiting.remove(i).expect("index in range");
+                self.retire(seq, Outcome::Finished(FinishReason::Length));
+                continue;
+            }
+            match self.pool.open_leaving(s.id.seq(), s.owner, pages, reusable, headroom) {
                 Ok(cached) => {
-                    *admitted.entry(s.owner).or_insert(0.0) += (s.prompt_len - cached) as f64 / self.weight(s.owner);
+                    let computes = s.tokens.len().saturating_sub(cached);
+                    *admitted.entry(s.owner).or_insert(0.0) += computes as f64 / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     let awaited_kv = seq.awaits_kv();
                     seq.phase = Phase::Open;
                     seq.computed = cached;
-                    seq.cached = cached;
+                    if seq.preempted == 0 {
+                        seq.cached = cached;
+                    }
                     if awaited_kv {
                         self.events.push(Event::Opened { id: seq.id });
                         self.receiving.insert(seq.id, seq);
@@ -721,6 +777,107 @@ impl Engine {
         let running = self.running_per_owner();
         let counter = |o: TenantId| self.served(o) + admitted.get(&o).copied().unwrap_or(0.0);
         schedule::next_to_admit(waiting, &counter, &|o| running.get(&o).copied().unwrap_or(0))
+    }
+
+    /// Gives each running sequence the pages its next positions need (a decode's next position
+    /// may begin a page). The sequences the scheduler favours grow first: the least served
+    /// tenant's, then the oldest. One whose page cannot be had makes room by preempting a
+    /// sequence the scheduler favours less ([`victim`](Self::victim)), perhaps itself; one that
+    /// holds all it ever may ends with `length`.
+    fn grow_running(&mut self) {
+        let mut order: Vec<(f64, RequestId)> = self
+            .running
+            .iter()
+            .filter(|s| !s.awaits_verdict())
+            .filter(|s| {
+                self.pool
+                    .pages_of(s.id.seq())
+                    .is_ok_and(|p| p < self.pool.pages_for(s.target()))
+            })
+            .map(|s| (self.served(s.owner), s.id))
+            .collect();
+        order.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        for (_, id) in order {
+            while let Some(i) = self.running.iter().position(|s| s.id == id) {
+                let s = &self.running[i];
+                let err = match self.pool.reserve_to(s.id.seq(), self.pool.pages_for(s.target())) {
+                    Ok(()) => break,
+                    Err(e) => e,
+                };
+                match self.victim(i, &err) {
+                    Some(Room::Preempt(j)) => self.preempt(j),
+                    Some(Room::Never) => {
+                        let seq = self.running.swap_remove(i);
+                        self.retire(seq, Outcome::Finished(FinishReason::Length));
+                    }
+                    None => {
+                        let seq = self.running.swap_remove(i);
+                        self.retire(seq, Outcome::Aborted(AbortReason::Kv(err)));
+                    }
+                }
+            }
+        }
+    }
+
+    /// What makes room for running sequence `i`, refused its next page with `err` (`None`: an
+    /// error no preemption answers). Under its tenant's cap, only that tenant's pages help: its
+    /// newest sequence goes. For the pool, the sequence the scheduler favours least among those
+    /// it favours less than `i` (a more served tenant's, or a newer one of the same tenant),
+    /// leaving alone a tenant within its guaranteed floor (whose pages would stay out of reach
+    /// anyway); with none, `i` itself waits. A sequence that alone outgrows what it may hold
+    /// never fits.
+    fn victim(&self, i: usize, err: &KvError) -> Option<Room> {
+        let s = &self.running[i];
+        let owner = s.owner;
+        let holds = self.pool.pages_of(s.id.seq()).unwrap_or(0);
+        let key = |r: &Seq| (schedule::OrdF64(self.served(r.owner)), r.id);
+        let room = match err {
+            KvError::OwnerBudget { .. } => {
+                let newest = (0..self.running.len())
+                    .filter(|&j| self.running[j].owner == owner)
+                    .max_by_key(|&j| self.running[j].id)
+                    .unwrap_or(i);
+                if newest == i && self.pool.pages_held(owner) <= holds {
+                    Room::Never
+                } else {
+                    Room::Preempt(newest)
+                }
+            }
+            KvError::PoolExhausted { .. } => {
+                let yields = |r: &Seq| {
+                    key(r) > key(s)
+                        && (r.owner == owner || self.pool.pages_held(r.owner) > self.pool.owner_floor(r.owner))
+                };
+                let least = (0..self.running.len())
+                    .filter(|&j| yields(&self.running[j]))
+                    .max_by_key(|&j| key(&self.running[j]));
+                match least {
+                    Some(j) => Room::Preempt(j),
+                    None if self.pool.pages_for(s.target()) > self.pool.pages_open_to(owner) => Room::Never,
+                    None => Room::Preempt(i),
+                }
+            }
+            _ => return None,
+        };
+        Some(room)
+    }
+
+    /// Preempts running sequence `i`: its pages go back (its whole pages stay in its tenant's
+    /// prefix cache, where that is on) and it waits at the head of the queue. Readmitted, it
+    /// computes its tokens again and samples on from where it was, keeping its sampler,
+    /// constraint, steering and held-back text, so its output is as if it had never stopped.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.swap_remove(i);
+        let _ = self.pool.close(seq.id.seq());
+        seq.phase = Phase::Queued;
+        seq.computed = 0;
+        // A decode node computes a transferred prompt itself from now on.
+        if seq.role == Role::DecodeOnly {
+            seq.role = Role::Whole;
+        }
+        seq.preempted += 1;
+        self.preemptions += 1;
+        self.waiting.push_front(seq);
     }
 
     /// Plans a step over the running set (see [`schedule::Planner::plan`]). Returns (running
@@ -765,6 +922,7 @@ impl Engine {
     pub fn step(&mut self) -> Vec<Event> {
         self.admit_waiting();
         self.hold_prefilled();
+        self.grow_running();
         let mut ends: Vec<Option<Outcome>> = vec![None; self.running.len()];
         let mut step = Vec::new();
         for (i, n) in self.plan() {

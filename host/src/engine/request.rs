@@ -54,6 +54,11 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Most tokens to generate.
     pub max_tokens: usize,
+    /// The client named no `max_tokens`: `max_tokens` is what the server chose (at most the rest
+    /// of the context), and a sequence that outgrows what its tenant's KV budget can hold ends
+    /// with `length` instead of the request being refused at admission.
+    #[serde(default)]
+    pub open_ended: bool,
     /// Strings that end generation (not included in the output).
     pub stop: Vec<String>,
     /// Keep generating past end-of-generation tokens (benchmarks).
@@ -74,9 +79,30 @@ impl GenerateRequest {
             prompt,
             sampling: SamplingParams::default(),
             max_tokens,
+            open_ended: false,
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+        }
+    }
+}
+
+/// How many tokens a request may generate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaxTokens {
+    /// What the client asked for: a request that cannot have them all is refused.
+    Given(usize),
+    /// The client named none: at most this many, lowered to what the context (and the tenant's
+    /// policy and quotas) leave; a sequence that outgrows its tenant's KV budget ends with
+    /// `length`.
+    AtMost(usize),
+}
+
+impl MaxTokens {
+    /// The number.
+    pub fn get(self) -> usize {
+        match self {
+            Self::Given(n) | Self::AtMost(n) => n,
         }
     }
 }
@@ -90,6 +116,14 @@ pub struct AdmissionLimits {
     pub vocab: usize,
     /// Tokens the KV pool can ever hold for one sequence.
     pub pool_tokens: usize,
+}
+
+impl AdmissionLimits {
+    /// Most prompt plus completion tokens a request may have: the context, or what the pool
+    /// holds if that is less.
+    pub fn context(&self) -> usize {
+        self.max_context.min(self.pool_tokens)
+    }
 }
 
 /// Why admission refused a request.
@@ -193,7 +227,7 @@ impl From<InvalidParam> for RejectReason {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Params {
     sampling: SamplingParams,
-    max_tokens: usize,
+    max_tokens: MaxTokens,
     stop: Vec<String>,
     ignore_eos: bool,
     logprobs: Option<usize>,
@@ -203,12 +237,12 @@ impl Params {
     /// Checks each field's range (see [`GenerateRequest`] for their meaning).
     pub fn new(
         sampling: SamplingParams,
-        max_tokens: usize,
+        max_tokens: MaxTokens,
         stop: Vec<String>,
         ignore_eos: bool,
         logprobs: Option<usize>,
     ) -> Result<Self, InvalidParam> {
-        if max_tokens == 0 {
+        if max_tokens.get() == 0 {
             return Err(InvalidParam::new(Field::MaxTokens, "at least 1", 0));
         }
         sampling.validate()?;
@@ -251,7 +285,21 @@ impl Params {
 
     /// Most tokens to generate.
     pub fn max_tokens(&self) -> usize {
-        self.max_tokens
+        self.max_tokens.get()
+    }
+
+    /// Whether the client named no `max_tokens` (see [`MaxTokens::AtMost`]).
+    pub fn open_ended(&self) -> bool {
+        matches!(self.max_tokens, MaxTokens::AtMost(_))
+    }
+
+    /// The same parameters with an open-ended `max_tokens` lowered to `most` (at least 1); a
+    /// `max_tokens` the client gave is left as it is.
+    pub fn at_most(mut self, most: usize) -> Self {
+        if let MaxTokens::AtMost(n) = &mut self.max_tokens {
+            *n = (*n).min(most).max(1);
+        }
+        self
     }
 
     /// The stop strings.
@@ -294,29 +342,33 @@ impl Params {
             });
         }
         self.sampling.check_vocab(limits.vocab)?;
-        let requested = prompt.len().saturating_add(self.max_tokens);
-        let limit = limits.max_context.min(limits.pool_tokens);
+        let limit = limits.context();
+        // An open-ended request gets the rest of the context, and at least one token.
+        let this = self.at_most(limit.saturating_sub(prompt.len()));
+        let requested = prompt.len().saturating_add(this.max_tokens());
         if requested > limit {
             return Err(RejectReason::ContextLengthExceeded {
                 prompt_tokens: prompt.len(),
-                max_tokens: self.max_tokens,
+                max_tokens: this.max_tokens(),
                 requested,
                 limit,
             });
         }
+        let open_ended = this.open_ended();
         let Params {
             sampling,
             max_tokens,
             stop,
             ignore_eos,
             logprobs,
-        } = self;
+        } = this;
         Ok(ValidRequest {
             req: GenerateRequest {
                 owner,
                 prompt,
                 sampling,
-                max_tokens,
+                max_tokens: max_tokens.get(),
+                open_ended,
                 stop,
                 ignore_eos,
                 logprobs,
@@ -405,14 +457,13 @@ impl GenerateRequest {
     /// Validation of a whole request, as [`Params::new`] then [`Params::with_prompt`] check it:
     /// for callers that hold a raw request (the CLI, benchmarks, another node's message).
     pub fn validate(self, limits: &AdmissionLimits) -> Result<ValidRequest, Rejected> {
-        let params = Params::new(
-            self.sampling,
-            self.max_tokens,
-            self.stop,
-            self.ignore_eos,
-            self.logprobs,
-        )
-        .map_err(RejectReason::from)?;
+        let max_tokens = if self.open_ended {
+            MaxTokens::AtMost(self.max_tokens)
+        } else {
+            MaxTokens::Given(self.max_tokens)
+        };
+        let params = Params::new(self.sampling, max_tokens, self.stop, self.ignore_eos, self.logprobs)
+            .map_err(RejectReason::from)?;
         Ok(params.with_prompt(self.owner, self.prompt, limits)?)
     }
 }

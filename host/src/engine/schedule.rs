@@ -164,7 +164,7 @@ pub fn next_to_admit(
 
 /// An `f64` ordered by `total_cmp`, for sort keys.
 #[derive(PartialEq)]
-struct OrdF64(f64);
+pub(super) struct OrdF64(pub(super) f64);
 
 impl Eq for OrdF64 {}
 

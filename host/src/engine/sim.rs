@@ -9,7 +9,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use warden_kernels::tag::{TagCheck, check_pages};
 
-use super::request::{GenerateRequest, Outcome, RequestId, Usage};
+use super::request::{FinishReason, GenerateRequest, Outcome, RequestId, Usage};
 use super::{Engine, EngineConfig, Event, TenantSettings};
 use crate::kv::KvPool;
 use crate::model::{Forward, ModelConfig, Scratch, StepError, StepSeq};
@@ -104,11 +104,13 @@ fn config() -> EngineConfig {
 #[derive(Debug, Clone)]
 enum Op {
     /// Tenant 1 to 3 submits a prompt of this many tokens (from a small alphabet, so prefixes
-    /// repeat) for at most this many tokens.
+    /// repeat) for at most this many tokens, or open-ended (up to the rest of the context,
+    /// growing its pages as it goes).
     Submit {
         owner: u64,
         prompt: usize,
         max_tokens: usize,
+        open_ended: bool,
         salt: u32,
     },
     /// Cancel the n-th request submitted (modulo their number).
@@ -124,20 +126,60 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (1u64..4, 1usize..40, 1usize..24, 0u32..4).prop_map(|(owner, prompt, max_tokens, salt)| Op::Submit { owner, prompt, max_tokens, salt }),
+        4 => (1u64..4, 1usize..40, 1usize..24, prop::bool::weighted(0.3), 0u32..4).prop_map(|(owner, prompt, max_tokens, open_ended, salt)| Op::Submit { owner, prompt, max_tokens, open_ended, salt }),
         1 => any::<usize>().prop_map(Op::Cancel),
         1 => (1u64..4, 1u32..4, 0usize..12).prop_map(|(owner, weight, min_pages)| Op::Reload { owner, weight, min_pages }),
         6 => Just(Op::Step),
     ]
 }
 
-/// Submits [`Op::Submit`]'s request: its id, if the engine admitted it.
+/// The prompt of [`Op::Submit`].
+fn prompt_of(prompt: usize, salt: u32) -> Vec<u32> {
+    (0..prompt).map(|i| 5 + ((i as u32 + salt) % 6)).collect()
+}
+
+/// Submits [`Op::Submit`]'s request: its id and the most tokens it may generate, if the engine
+/// admitted it.
 fn submit(e: &mut Engine, owner: u64, prompt: usize, max_tokens: usize, salt: u32) -> Option<RequestId> {
-    let tokens: Vec<u32> = (0..prompt).map(|i| 5 + ((i as u32 + salt) % 6)).collect();
-    GenerateRequest::greedy(tenant(owner), tokens, max_tokens)
-        .validate(&e.limits())
-        .and_then(|r| e.submit(r))
-        .ok()
+    submit_request(e, owner, prompt, max_tokens, false, salt).map(|(id, _)| id)
+}
+
+fn submit_request(
+    e: &mut Engine,
+    owner: u64,
+    prompt: usize,
+    max_tokens: usize,
+    open_ended: bool,
+    salt: u32,
+) -> Option<(RequestId, usize)> {
+    let mut req = GenerateRequest::greedy(tenant(owner), prompt_of(prompt, salt), max_tokens);
+    if open_ended {
+        req.open_ended = true;
+        req.max_tokens = usize::MAX;
+    }
+    let valid = req.validate(&e.limits()).ok()?;
+    let most = valid.request().max_tokens;
+    e.submit(valid).ok().map(|id| (id, most))
+}
+
+/// What the stand-in model generates after `prompt`, greedily, until its end-of-generation
+/// token or `max_tokens`: a run's tokens must be a prefix of this however often the run was
+/// preempted and computed again.
+fn expected(prompt: &[u32], max_tokens: usize, ignore_eos: bool) -> Vec<u32> {
+    let mut tokens = prompt.to_vec();
+    while tokens.len() - prompt.len() < max_tokens {
+        let (last, upto) = (*tokens.last().unwrap_or(&0) as usize, tokens.len());
+        let next = if (last + upto).is_multiple_of(11) {
+            2
+        } else {
+            5 + (last * 31 + upto) % (VOCAB - 5)
+        };
+        if next == 2 && !ignore_eos {
+            break;
+        }
+        tokens.push(next as u32);
+    }
+    tokens.split_off(prompt.len())
 }
 
 /// Each tenant's page cap, fixed for a run (a reload changes weights and floors).
@@ -155,10 +197,12 @@ fn settings(owner: u64, weight: u32, min_pages: usize) -> TenantSettings {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
-    /// Random arrivals, cancellations, reloads and steps: every admitted request ends exactly
-    /// once (and a refused one never does), no tenant ever holds more pages than its cap, a
-    /// request never generates past its max_tokens, the engine drains in bounded steps (no
-    /// request waits forever), and at the end every page is back.
+    /// Random arrivals (some open-ended, growing their pages as they decode), cancellations,
+    /// reloads and steps: every admitted request ends exactly once (and a refused one never
+    /// does), no tenant ever holds more pages than its cap, a request never generates past its
+    /// max_tokens, what it generates is what it would alone however often it was preempted and
+    /// computed again, the engine drains in bounded steps (no request waits forever), and at the
+    /// end every page is back.
     #[test]
     fn every_request_ends_exactly_once_within_its_tenants_budget(ops in prop::collection::vec(op(), 1..120)) {
         let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
@@ -166,11 +210,17 @@ proptest! {
             e.set_tenant(tenant(o), settings(o, 1, 0));
         }
         let mut admitted: Vec<(RequestId, usize)> = Vec::new();
+        let mut prompts: HashMap<RequestId, Vec<u32>> = HashMap::new();
         let mut ended: HashMap<RequestId, (Outcome, Usage)> = HashMap::new();
-        let record = |events: Vec<Event>, ended: &mut HashMap<RequestId, (Outcome, Usage)>| -> Result<(), TestCaseError> {
+        let mut output: HashMap<RequestId, Vec<u32>> = HashMap::new();
+        let mut record = |events: Vec<Event>, ended: &mut HashMap<RequestId, (Outcome, Usage)>| -> Result<(), TestCaseError> {
             for ev in events {
-                if let Event::Done { id, outcome, usage, .. } = ev {
-                    prop_assert!(ended.insert(id, (outcome, usage)).is_none(), "{id} ended twice");
+                match ev {
+                    Event::Done { id, outcome, usage, .. } => {
+                        prop_assert!(ended.insert(id, (outcome, usage)).is_none(), "{id} ended twice");
+                    }
+                    Event::Token { id, token, .. } => output.entry(id).or_default().push(token),
+                    _ => {}
                 }
             }
             Ok(())
@@ -186,9 +236,10 @@ proptest! {
         };
         for op in ops {
             match op {
-                Op::Submit { owner, prompt, max_tokens, salt } => {
-                    if let Some(id) = submit(&mut e, owner, prompt, max_tokens, salt) {
-                        admitted.push((id, max_tokens));
+                Op::Submit { owner, prompt, max_tokens, open_ended, salt } => {
+                    if let Some((id, most)) = submit_request(&mut e, owner, prompt, max_tokens, open_ended, salt) {
+                        admitted.push((id, most));
+                        prompts.insert(id, prompt_of(prompt, salt));
                     }
                 }
                 Op::Cancel(n) if !admitted.is_empty() => {
@@ -217,6 +268,10 @@ proptest! {
         for (id, max_tokens) in &admitted {
             let (_, usage) = ended.get(id).ok_or_else(|| TestCaseError::fail(format!("{id} never ended")))?;
             prop_assert!(usage.completion_tokens <= *max_tokens);
+            let got = output.get(id).map_or(&[][..], |t| &t[..]);
+            let want = expected(&prompts[id], *max_tokens, false);
+            prop_assert!(want.starts_with(got), "{id} generated {got:?}, not a prefix of {want:?}");
+            prop_assert_eq!(usage.completion_tokens, got.len());
         }
         prop_assert_eq!(ended.len(), admitted.len(), "only admitted requests end");
         let c = e.kv_counters();
@@ -272,8 +327,8 @@ proptest! {
         };
         for op in ops {
             match op {
-                Op::Submit { owner, prompt, max_tokens, salt } => {
-                    admitted.extend(submit(&mut e, owner, prompt, max_tokens, salt));
+                Op::Submit { owner, prompt, max_tokens, open_ended, salt } => {
+                    admitted.extend(submit_request(&mut e, owner, prompt, max_tokens, open_ended, salt).map(|(id, _)| id));
                 }
                 Op::Cancel(n) if !admitted.is_empty() => {
                     e.cancel(admitted[n % admitted.len()]);
@@ -316,4 +371,136 @@ fn an_idle_tenant_arrives_at_the_active_tenants_counter() {
     let highest = e.served(tenant(1)).max(e.served(tenant(2)));
     submit(&mut e, 3, 8, 4, 2).expect("admitted");
     assert_eq!(e.served(tenant(3)), highest, "on an idle engine, the highest counter");
+}
+
+/// Each request's tokens, and how it ended.
+type Drained = (HashMap<RequestId, Vec<u32>>, HashMap<RequestId, (Outcome, Usage)>);
+
+/// Runs `e` until it is idle (within a bound of steps): each request's tokens and outcome.
+fn drain(e: &mut Engine) -> Drained {
+    let (mut tokens, mut ended) = (HashMap::new(), HashMap::new());
+    for _ in 0..5_000 {
+        if !e.has_work() {
+            return (tokens, ended);
+        }
+        for ev in e.step() {
+            match ev {
+                Event::Token { id, token, .. } => tokens.entry(id).or_insert_with(Vec::new).push(token),
+                Event::Done { id, outcome, usage, .. } => {
+                    assert!(ended.insert(id, (outcome, usage)).is_none(), "{id} ended twice");
+                }
+                _ => {}
+            }
+        }
+    }
+    panic!("the engine did not drain");
+}
+
+/// An open-ended request of tenant `owner` that ignores end-of-generation tokens.
+fn open_ended(e: &mut Engine, owner: u64, prompt: &[u32]) -> RequestId {
+    let mut req = GenerateRequest::greedy(tenant(owner), prompt.to_vec(), usize::MAX);
+    req.open_ended = true;
+    req.ignore_eos = true;
+    let valid = req.validate(&e.limits()).expect("valid");
+    e.submit(valid).expect("admitted")
+}
+
+/// Open-ended requests that together outgrow the pool (six of 16 pages each, in 40): each
+/// opens with pages for its prompt and grows them as it decodes; those the scheduler favours
+/// least give their pages up and compute their tokens again when readmitted; every one runs to
+/// the end of its context with what it would have generated alone, and every page comes back.
+#[test]
+fn sequences_that_outgrow_the_pool_are_preempted_and_end_as_they_would_alone() {
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    let runs: Vec<(RequestId, Vec<u32>)> = (0..6u32)
+        .map(|k| {
+            let prompt = prompt_of(8, k);
+            (open_ended(&mut e, 1 + u64::from(k % 2), &prompt), prompt)
+        })
+        .collect();
+    let (tokens, ended) = drain(&mut e);
+    assert!(e.preemptions() > 0, "96 pages wanted of 40: someone was preempted");
+    for (id, prompt) in &runs {
+        let (outcome, usage) = &ended[id];
+        assert!(
+            matches!(outcome, Outcome::Finished(FinishReason::Length)),
+            "{id}: {outcome:?}"
+        );
+        // The rest of a 64-token context.
+        assert_eq!(tokens[id], expected(prompt, 56, true), "{id}");
+        assert_eq!((usage.prompt_tokens, usage.completion_tokens), (8, 56));
+    }
+    let c = e.kv_counters();
+    assert_eq!((c.pages_used, c.pages_reserved, c.tag_mismatches), (0, 0, 0), "{c:?}");
+}
+
+/// An open-ended request grows its pages up to its tenant's cap and ends there with `length`
+/// and what it generated; one that names more tokens than the cap holds is refused up front.
+#[test]
+fn an_open_ended_request_ends_with_length_at_its_tenants_cap() {
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    e.set_tenant(
+        tenant(1),
+        TenantSettings {
+            max_pages: Some(8),
+            ..TenantSettings::default()
+        },
+    );
+    let prompt = prompt_of(8, 0);
+    let id = open_ended(&mut e, 1, &prompt);
+    let (tokens, ended) = drain(&mut e);
+    // Eight pages of four hold 32 positions: the token sampled from the last of them is the 25th.
+    assert!(
+        matches!(ended[&id].0, Outcome::Finished(FinishReason::Length)),
+        "{:?}",
+        ended[&id].0
+    );
+    assert_eq!(tokens[&id], expected(&prompt, 25, true));
+    assert_eq!(e.preemptions(), 0, "alone under its cap, it preempts nothing");
+    let explicit = GenerateRequest::greedy(tenant(1), prompt, 56)
+        .validate(&e.limits())
+        .expect("valid");
+    let refused = e.submit(explicit).expect_err("over its cap");
+    assert!(
+        matches!(
+            refused.reason,
+            super::request::RejectReason::OverKvBudget { needed: 16, budget: 8 }
+        ),
+        "{refused:?}"
+    );
+}
+
+/// When pages run short, the more served tenant's sequence gives its pages up, not the less
+/// served one's (by virtual tokens: tokens over weight): a tenant that has had more cannot push
+/// out one that has had less.
+#[test]
+fn the_more_served_tenant_is_the_one_preempted() {
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    // Tenant 2's weight keeps its counter below tenant 1's from its arrival on.
+    e.set_tenant(
+        tenant(2),
+        TenantSettings {
+            weight: 4,
+            ..TenantSettings::default()
+        },
+    );
+    // Tenant 1 runs alone a while (its counter climbs), then tenant 2 arrives.
+    let ones: Vec<RequestId> = (0..2u32).map(|k| open_ended(&mut e, 1, &prompt_of(8, k))).collect();
+    for _ in 0..12 {
+        e.step();
+    }
+    let twos: Vec<RequestId> = (2..4u32).map(|k| open_ended(&mut e, 2, &prompt_of(8, k))).collect();
+    let mut preempted: std::collections::HashSet<RequestId> = std::collections::HashSet::new();
+    while e.has_work() {
+        e.step();
+        preempted.extend(e.waiting.iter().filter(|s| s.preempted > 0).map(|s| s.id));
+    }
+    assert!(
+        !preempted.is_empty(),
+        "four sequences of 16 pages in 40: someone was preempted"
+    );
+    assert!(
+        twos.iter().all(|id| !preempted.contains(id)),
+        "tenant 2 (less served) lost its pages: {preempted:?}, tenant 1's are {ones:?}"
+    );
 }

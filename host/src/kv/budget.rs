@@ -58,6 +58,11 @@ impl Budgets {
         }
     }
 
+    /// The pages `owner` is guaranteed.
+    pub(super) fn floor(&self, owner: Owner) -> usize {
+        self.floors.get(&owner).copied().unwrap_or(0)
+    }
+
     /// Pages `owner`'s open sequences hold or have reserved.
     pub(super) fn held(&self, owner: Owner) -> usize {
         self.held.get(&owner).copied().unwrap_or(0)

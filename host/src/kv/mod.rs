@@ -4,7 +4,8 @@
 //!   configured maximum context refuses to exist ([`KvPool::check_capacity`], invariant 4).
 //! * A sequence opens with a reservation of pages, charged against its owner's budget (a cap);
 //!   pages other owners are guaranteed (their floors) are not available to it. Pages are
-//!   allocated from that reservation as its positions grow. Page table entries ([`PageEntry`]) are
+//!   allocated from that reservation as its positions grow, and the reservation itself may grow
+//!   under the same checks ([`KvPool::reserve_to`]). Page table entries ([`PageEntry`]) are
 //!   minted only here, carrying the page's epoch at allocation.
 //! * Every page has a reference count: the open sequences whose tables hold it, and the prefix
 //!   cache. Closing a sequence drops its references; a page returns to the free list only when
@@ -245,6 +246,19 @@ impl KvPool {
         pages: usize,
         reusable: &[u32],
     ) -> Result<usize, KvError> {
+        self.open_leaving(seq, owner, pages, reusable, 0)
+    }
+
+    /// [`open`](Self::open), refused also unless `headroom` pages stay available after it (room
+    /// for the sequences already open to grow into).
+    pub fn open_leaving(
+        &mut self,
+        seq: SeqId,
+        owner: impl Into<Owner>,
+        pages: usize,
+        reusable: &[u32],
+        headroom: usize,
+    ) -> Result<usize, KvError> {
         let owner = owner.into();
         assert_ne!(owner, Owner::NONE, "no owner marks free pages");
         if self.seqs.contains_key(&seq) {
@@ -268,9 +282,9 @@ impl KvPool {
         let available = self
             .available_pages()
             .saturating_sub(self.budgets.floors_of_others(owner));
-        if reserve + adopted_idle > available {
+        if reserve + adopted_idle + headroom > available {
             return Err(KvError::PoolExhausted {
-                wanted: reserve + adopted_idle,
+                wanted: reserve + adopted_idle + headroom,
                 available,
             });
         }
@@ -480,6 +494,43 @@ impl KvPool {
         for id in self.prefix.roots_of(owner) {
             self.uncache(id);
         }
+    }
+
+    /// Pages the sequence holds or has reserved.
+    pub fn pages_of(&self, seq: SeqId) -> Result<usize, KvError> {
+        let s = self.seqs.get(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        Ok(s.pages.len() + s.reserved)
+    }
+
+    /// Grows the sequence's reservation until it holds `pages` pages in all (nothing, if it
+    /// holds that many already), charged to its owner as [`open`](Self::open) charges: refused,
+    /// changing nothing, past the owner's cap or past the pages available to it (other owners'
+    /// floors are not).
+    pub fn reserve_to(&mut self, seq: SeqId, pages: usize) -> Result<(), KvError> {
+        let s = self.seqs.get(&seq).ok_or(KvError::NoSuchSequence(seq))?;
+        let (owner, more) = (s.owner, pages.saturating_sub(s.pages.len() + s.reserved));
+        if more == 0 {
+            return Ok(());
+        }
+        self.budgets.check_cap(owner, more)?;
+        let available = self
+            .available_pages()
+            .saturating_sub(self.budgets.floors_of_others(owner));
+        if more > available {
+            return Err(KvError::PoolExhausted {
+                wanted: more,
+                available,
+            });
+        }
+        self.seqs.get_mut(&seq).expect("looked up above").reserved += more;
+        self.reserved_total += more;
+        self.budgets.charge(owner, more);
+        Ok(())
+    }
+
+    /// The pages `owner` is guaranteed (0: no floor).
+    pub fn owner_floor(&self, owner: impl Into<Owner>) -> usize {
+        self.budgets.floor(owner.into())
     }
 
     /// Allocates pages from the sequence's reservation until it covers `positions` tokens.

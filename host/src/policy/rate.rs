@@ -68,6 +68,13 @@ impl Gcra {
         Ok(())
     }
 
+    /// Units that fit at `now`: what [`take`](Self::take) would grant.
+    pub fn available(&self, now: Instant) -> u64 {
+        let ahead = self.tat.saturating_duration_since(now);
+        let left = self.window.saturating_sub(ahead);
+        (left.as_nanos() / self.interval.as_nanos().max(1)) as u64
+    }
+
     /// Gives back `units` taken earlier and not used.
     pub fn refund(&mut self, units: u64, now: Instant) {
         let back = self.interval.saturating_mul(units.min(u32::MAX as u64) as u32);
@@ -103,6 +110,12 @@ mod tests {
         g.refund(500, t0);
         g.take(300, t0).unwrap();
         assert_eq!(g.take(1001, t0), Err(Denied::TooLarge { burst: 1000 }));
+        // What is available is exactly what a take grants.
+        assert_eq!(g.available(t0), 400);
+        assert!(g.take(401, t0).is_err());
+        g.take(400, t0).unwrap();
+        assert_eq!(g.available(t0), 0);
+        assert_eq!(g.available(t0 + Duration::from_secs(3)), 50);
         // A refund never banks more than a full bucket.
         let mut g = Gcra::per_minute(10, t0);
         g.refund(100, t0);

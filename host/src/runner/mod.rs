@@ -707,7 +707,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
     let mut grace_until = Instant::now();
     let publish = |engine: &Engine| {
         let (waiting, running) = engine.queue_lengths();
-        metrics.engine_state(engine.kv_counters(), waiting, running);
+        metrics.engine_state(engine.kv_counters(), waiting, running, engine.preemptions());
     };
     publish(&engine);
     loop {

@@ -205,7 +205,11 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
                 grammars,
                 admission: m.engine.admission(),
                 request_limits: RequestLimits {
-                    default_max_tokens: m.served.limits.default_max_tokens,
+                    default_max_tokens: m
+                        .served
+                        .limits
+                        .default_max_tokens
+                        .unwrap_or(m.engine.admission().context()),
                     max_n: cfg.limits.max_n,
                 },
                 queue: m.served.limits.queue,

@@ -10,7 +10,7 @@ use super::error::ApiError;
 use super::tools::{ToolChoiceWire, ToolDef, Tools};
 use crate::chat::{ChatMessage, FunctionCall, ToolCall};
 use crate::config::UnknownFields;
-use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, Params};
+use crate::engine::request::{Field, InvalidParam, MAX_TOP_LOGPROBS, MaxTokens, Params};
 use crate::engine::sampling::SamplingParams;
 use crate::grammar::Format;
 
@@ -533,7 +533,8 @@ pub struct Plan {
 /// Limits the conversion checks.
 #[derive(Debug, Clone, Copy)]
 pub struct RequestLimits {
-    /// `max_tokens` when none is given.
+    /// Most completion tokens when a request names none (it gets the rest of its context, up to
+    /// this).
     pub default_max_tokens: usize,
     /// Most `n`.
     pub max_n: usize,
@@ -556,9 +557,9 @@ impl Common {
     /// here; every range rule is [`Params::new`]'s.
     pub fn plan(&self, lim: &RequestLimits, logprobs: Option<usize>) -> Result<Plan, ApiError> {
         let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
-            (None, None) => lim.default_max_tokens,
-            (Some(m), _) => count(Field::MaxCompletionTokens, m, "at least 1")?,
-            (None, Some(m)) => count(Field::MaxTokens, m, "at least 1")?,
+            (None, None) => MaxTokens::AtMost(lim.default_max_tokens),
+            (Some(m), _) => MaxTokens::Given(count(Field::MaxCompletionTokens, m, "at least 1")?),
+            (None, Some(m)) => MaxTokens::Given(count(Field::MaxTokens, m, "at least 1")?),
         };
         let n = match self.n {
             None => 1,

@@ -291,6 +291,23 @@ impl Grant {
     /// tokens per minute, day and month, or refuses: 429 with `Retry-After` when they would
     /// fit later, 400 when the request alone is over a per-minute limit.
     pub fn reserve(&self, tokens: u64, policy: &Policy) -> Result<(), QuotaError> {
+        self.reserve_with(policy, |_| tokens).map(|_| ())
+    }
+
+    /// Reserves the prompt's `prompt` tokens and, for each of `n` choices, as many completion
+    /// tokens as the tenant's quotas have room for now, at most `at_most` (an open-ended
+    /// request's): returns that many. Refuses as [`reserve`](Self::reserve) does when not even
+    /// one token per choice fits.
+    pub fn reserve_up_to(&self, prompt: u64, n: u64, at_most: u64, policy: &Policy) -> Result<u64, QuotaError> {
+        let n = n.max(1);
+        let per_choice = |room: u64| (room.saturating_sub(prompt) / n).clamp(1, at_most.max(1));
+        let tokens = self.reserve_with(policy, |room| prompt + n * per_choice(room))?;
+        Ok((tokens - prompt) / n)
+    }
+
+    /// Reserves the tokens `pick` chooses given the room the quotas have now (the least any of
+    /// them has left; `u64::MAX` with none set), or refuses; returns what it reserved.
+    fn reserve_with(&self, policy: &Policy, pick: impl FnOnce(u64) -> u64) -> Result<u64, QuotaError> {
         let now = Instant::now();
         let wall = SystemTime::now();
         let (day_used, month_used) = self.quotas.usage.period_tokens(self.tenant.id, wall);
@@ -298,6 +315,17 @@ impl Grant {
         let mut live = self.quotas.live();
         let l = live.entry(self.tenant.id).or_default();
         let name = &self.tenant.name;
+        let tpm = policy.tokens_per_minute.get();
+        let mut room = u64::MAX;
+        for (limit, used) in [(policy.tokens_per_day, day_used), (policy.tokens_per_month, month_used)] {
+            if let Some(max) = limit.get() {
+                room = room.min(max.saturating_sub(used + l.reserved));
+            }
+        }
+        if let Some(g) = limiter(&mut l.tpm, tpm, now) {
+            room = room.min(g.available(now));
+        }
+        let tokens = pick(room);
         for (limit, used, left, key) in [
             (policy.tokens_per_day, day_used, day_left, "tokens_per_day"),
             (policy.tokens_per_month, month_used, month_left, "tokens_per_month"),
@@ -330,7 +358,6 @@ impl Grant {
                 });
             }
         }
-        let tpm = policy.tokens_per_minute.get();
         if let Some(g) = limiter(&mut l.tpm, tpm, now) {
             match g.take(tokens, now) {
                 Ok(()) => {}
@@ -354,7 +381,7 @@ impl Grant {
         }
         l.reserved += tokens;
         self.reserved.fetch_add(tokens, Ordering::Relaxed);
-        Ok(())
+        Ok(tokens)
     }
 
     /// Adds fuel the request's plugin burned.

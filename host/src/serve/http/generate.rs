@@ -105,7 +105,15 @@ fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>) -> Result<Admitted
 /// is queued. What passes is the request the engine takes, checked this once.
 fn limit(state: &State, t: &Tenant, a: &Admitted, plan: Plan, prompt: Vec<u32>) -> Result<ValidRequest, ApiError> {
     let policy = &a.policy;
-    let (prompt_len, max_tokens) = (prompt.len() as u64, plan.params.max_tokens() as u64);
+    let prompt_len = prompt.len() as u64;
+    // A request that names no max_tokens gets what its context leaves, its policy's too.
+    let mut params = plan
+        .params
+        .at_most(a.model.admission.context().saturating_sub(prompt.len()));
+    if let Some(m) = policy.max_context.get() {
+        params = params.at_most(m.saturating_sub(prompt_len) as usize);
+    }
+    let max_tokens = params.max_tokens() as u64;
     if let Some(m) = policy.max_tokens.get()
         && max_tokens > m
     {
@@ -133,13 +141,18 @@ fn limit(state: &State, t: &Tenant, a: &Admitted, plan: Plan, prompt: Vec<u32>) 
             ),
         ));
     }
-    a.grant.reserve(prompt_len + max_tokens * plan.shape.n as u64, policy)?;
-    plan.params
-        .with_prompt(t.id, prompt, &a.model.admission)
-        .map_err(|reason| {
-            state.metrics.rejected(&t.name, Some(&a.model.id), reason.code());
-            reason.into()
-        })
+    let n = plan.shape.n as u64;
+    if params.open_ended() {
+        // As many tokens as the tenant's quotas have room for now.
+        let room = a.grant.reserve_up_to(prompt_len, n, max_tokens, policy)?;
+        params = params.at_most(room as usize);
+    } else {
+        a.grant.reserve(prompt_len + max_tokens * n, policy)?;
+    }
+    params.with_prompt(t.id, prompt, &a.model.admission).map_err(|reason| {
+        state.metrics.rejected(&t.name, Some(&a.model.id), reason.code());
+        reason.into()
+    })
 }
 
 /// Counts a refused request in its tenant's usage, by error code, and in the metrics when its

@@ -314,6 +314,8 @@ fn logs(i: &mut Instance, out: &mut dyn Write) -> std::io::Result<()> {
 
 /// The request body as the server checks it (one choice), as what it asks and its plan.
 fn parse(body: &[u8]) -> Result<(Asked, crate::serve::openai::Plan), LocalError> {
+    // A request that names no max_tokens runs to at most 256 tokens here (the server gives it the
+    // rest of its context).
     let lim = RequestLimits {
         default_max_tokens: 256,
         max_n: 1,

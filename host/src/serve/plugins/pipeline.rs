@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use super::logs::{Source, TenantLogs};
 use super::{Resolved, Share};
 use crate::chat::ChatMessage;
-use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, Outcome, Params, Usage};
+use crate::engine::request::{FinishReason, MAX_STOP_BYTES, MAX_STOP_STRINGS, MaxTokens, Outcome, Params, Usage};
 use crate::engine::steer::{Steer, TokenConstraint};
 use crate::metrics::Metrics;
 use crate::plugin::{
@@ -321,18 +321,17 @@ impl Rewrite {
         sampling.seed = o.seed;
         sampling.logit_bias = o.logit_bias;
         sampling.logit_bias.sort_by_key(|&(id, _)| id);
-        let params = Params::new(
-            sampling,
-            o.max_tokens as usize,
-            o.stop,
-            params.ignore_eos(),
-            params.logprobs(),
-        )
-        .map_err(|e| {
-            let mut e = ApiError::from(e);
-            e.message = format!("after the plugin's preprocess: {}", e.message);
-            e
-        })?;
+        // A max_tokens the plugin left as it was shown stays open-ended.
+        let max_tokens = match o.max_tokens as usize {
+            n if params.open_ended() && n == params.max_tokens() => MaxTokens::AtMost(n),
+            n => MaxTokens::Given(n),
+        };
+        let params =
+            Params::new(sampling, max_tokens, o.stop, params.ignore_eos(), params.logprobs()).map_err(|e| {
+                let mut e = ApiError::from(e);
+                e.message = format!("after the plugin's preprocess: {}", e.message);
+                e
+            })?;
         let asked = match (out.input, tokens, request.input) {
             // A token prompt the plugin left alone keeps its exact ids.
             (Input::Prompt(p), Some(ids), Input::Prompt(before)) if p == before => Asked::Tokens(ids),
