@@ -87,37 +87,103 @@ fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
                 .await
                 >= 1.0
         );
-        // Constrained decoding needs the engine in the same process: a router refuses it by
-        // the field that asks for it, and serves tools under `auto` (read at the edge).
-        let tools = r#""tools":[{"type":"function","function":{"name":"f"}}]"#;
-        for (extra, status, param) in [
-            (
-                r#""response_format":{"type":"json_object"}"#.to_string(),
-                400,
-                "response_format",
-            ),
-            (format!(r#"{tools},"tool_choice":"required""#), 400, "tools"),
-            (tools.to_string(), 200, ""),
-        ] {
-            let body = format!(
-                r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":4,{extra}}}"#
-            );
-            let r = router
-                .client()
-                .request(
-                    Method::POST,
-                    "/v1/chat/completions",
-                    Some(router.key()),
-                    Some(body.into_bytes()),
-                )
+        // Output under a constraint and under a plugin's steering: the router compiles the
+        // format (refusing a bad one before it dispatches anything), the decode node compiles
+        // and applies it, and the plugin's verdicts cross to the decode node token by token.
+        // Greedy, so the cluster's answers are the single process's, token for token.
+        let schema = r#"{"type":"object","properties":{"capital":{"type":"string","maxLength":24},"population":{"type":"integer","minimum":0,"maximum":99999999}},"required":["capital","population"],"additionalProperties":false}"#;
+        let tools = r#""tools":[{"type":"function","function":{"name":"lookup","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]"#;
+        for s in [&router, &one] {
+            let c = s.client();
+            let up = c
+                .request(Method::PUT, "/v1/plugins/json", Some(s.key()), Some(common::example("json_guard")))
                 .await
-                .expect("request");
-            assert_eq!(r.status, status, "{extra}: {}", r.text());
-            if status == 400 {
-                assert_eq!(r.json().expect("json")["error"]["param"], param, "{}", r.text());
+                .expect("upload");
+            assert_eq!(up.status, 201, "{}", up.text());
+            let r = c
+                .request(Method::PUT, "/v1/plugins/json/config", Some(s.key()), Some(b"object".to_vec()))
+                .await
+                .expect("config");
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        let cases = [
+            (
+                "schema",
+                format!(
+                    r#""response_format":{{"type":"json_schema","json_schema":{{"name":"city","strict":true,"schema":{schema}}}}}"#
+                ),
+            ),
+            ("required tool", format!(r#"{tools},"tool_choice":"required""#)),
+            ("plugin", r#""plugin":"json""#.to_string()),
+        ];
+        for (what, extra) in &cases {
+            for stream in [false, true] {
+                let body = format!(
+                    r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"{ask}"}}],"max_tokens":80,"temperature":0,"stream":{stream},{extra}}}"#
+                );
+                let mut replies = Vec::new();
+                for s in [&router, &one] {
+                    let r = s
+                        .client()
+                        .request(Method::POST, "/v1/chat/completions", Some(s.key()), Some(body.clone().into_bytes()))
+                        .await
+                        .expect("request");
+                    assert_eq!(r.status, 200, "{what}: {}", r.text());
+                    // The text, then each call's name and arguments (their ids are random).
+                    replies.push(if stream {
+                        sse_content(&r.text()) + &tool_args(&r.text())
+                    } else {
+                        let v = r.json().expect("json");
+                        let m = &v["choices"][0]["message"];
+                        let calls = m["tool_calls"].as_array().cloned().unwrap_or_default();
+                        m["content"].as_str().unwrap_or_default().to_string() + &calls.iter().map(call).collect::<String>()
+                    });
+                }
+                assert_eq!(replies[0], replies[1], "{what} (stream {stream}): the router's and one process's");
+                match *what {
+                    "schema" => {
+                        let v: serde_json::Value = serde_json::from_str(&replies[0]).expect("the schema's JSON");
+                        assert!(v["capital"].is_string() && v["population"].is_u64(), "{v}");
+                    }
+                    "required tool" => assert!(replies[0].contains("lookup"), "{}", replies[0]),
+                    _ => assert!(replies[0].trim_start().starts_with('{'), "{}", replies[0]),
+                }
             }
         }
+        // A format the compiler refuses is a 400 from the router, naming it.
+        let bad = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"response_format":{{"type":"json_schema","json_schema":{{"name":"x","schema":{{"type":"frog"}}}}}}}}"#
+        );
+        let r = router
+            .client()
+            .request(Method::POST, "/v1/chat/completions", Some(router.key()), Some(bad.into_bytes()))
+            .await
+            .expect("request");
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert_eq!(r.json().expect("json")["error"]["param"], "response_format", "{}", r.text());
+        assert!(decode.pages_return().await, "{}", decode.metrics().await);
     });
+}
+
+/// The tool calls' arguments in an SSE stream's deltas, joined.
+fn tool_args(sse: &str) -> String {
+    sse.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["delta"]["tool_calls"].as_array().cloned())
+        .flatten()
+        .map(|c| call(&c))
+        .collect()
+}
+
+/// A tool call's name and arguments.
+fn call(c: &serde_json::Value) -> String {
+    let f = &c["function"];
+    format!(
+        "{}{}",
+        f["name"].as_str().unwrap_or_default(),
+        f["arguments"].as_str().unwrap_or_default()
+    )
 }
 
 #[test]

@@ -10,14 +10,7 @@ use serde_json::{Value, json};
 use sha2::Digest;
 use warden::serve::client::{Client, Proto, Reply};
 
-use common::{MODEL, Server, content, root, rt, sse_content};
-
-fn example(name: &str) -> Vec<u8> {
-    let p = root()
-        .join("guest-sdk/target/wasm32-wasip2/release/examples")
-        .join(format!("{name}.wasm"));
-    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e} (the test command builds the examples)", p.display()))
-}
+use common::{MODEL, Server, content, example, root, rt, sse_content};
 
 /// A component whose one function keeps thousands of values live at once: seconds of register
 /// allocation for a few hundred KB (quadratic in `n`).

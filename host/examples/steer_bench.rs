@@ -90,7 +90,7 @@ async fn run(
             let time = RequestTime::new(limits.request_time);
             let mut instance = p.instantiate(limits, model.tokenizer.clone(), 1, time, config).await?;
             let out = instance.preprocess(&request(config)).await?;
-            let first = out.first_token.map(|c| engine_constraint(c, vocab, true)).transpose()?;
+            let first = out.first_token.map(|c| engine_constraint(c, vocab)).transpose()?;
             let steer = Arc::new(Steer::new(first));
             valid = valid.with_steer(steer.clone());
             held = Some(Steered {
@@ -122,7 +122,7 @@ async fn run(
                             index: s.index,
                         };
                         let next = match s.instance.on_token(&t).await? {
-                            warden::plugin::TokenAction::Constrain(c) => Some(engine_constraint(c, vocab, true)?),
+                            warden::plugin::TokenAction::Constrain(c) => Some(engine_constraint(c, vocab)?),
                             _ => None,
                         };
                         s.steer.answer(next);

@@ -20,10 +20,13 @@ use serde_json::{Value, json};
 use crate::engine::constraint::Constraint;
 use crate::tokenizer::Tokenizer;
 
-/// What a request asks its output to be.
-#[derive(Debug, Clone, PartialEq)]
+/// What a request asks its output to be. It crosses a cluster's link as the router checked it:
+/// the decode node compiles it again against its own vocabulary (the same file's).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "type", content = "source", rename_all = "snake_case")]
 pub enum Format {
     /// Any text.
+    #[default]
     Text,
     /// A JSON object.
     JsonObject,

@@ -12,6 +12,14 @@ use std::time::{Duration, Instant};
 use hyper::Method;
 use warden::serve::client::{Client, Reply};
 
+/// An example plugin of `guest-sdk/`, as the test command builds it.
+pub fn example(name: &str) -> Vec<u8> {
+    let p = root()
+        .join("guest-sdk/target/wasm32-wasip2/release/examples")
+        .join(format!("{name}.wasm"));
+    std::fs::read(&p).unwrap_or_else(|e| panic!("{}: {e} (the test command builds the examples)", p.display()))
+}
+
 /// A two-thread runtime for a test's client side.
 pub fn rt() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -20,7 +20,9 @@ use tokio::sync::mpsc;
 
 use super::NodeInfo;
 use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, RequestId, Usage};
+use crate::engine::steer::{SteerInit, TokenConstraint};
 use crate::engine::{TenantSettings, TokenLogprobs};
+use crate::grammar::Format;
 use crate::kv::{PageHandle, PageInfo};
 use crate::plugin::KvAccessError;
 use crate::tenant::TenantId;
@@ -28,7 +30,7 @@ use crate::transfer::Limits;
 use crate::transfer::wire::{Frame, WireError};
 
 /// The protocol's version; a peer that speaks another is refused.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 /// Largest JSON message, in bytes (a prompt of the longest context is far less).
 pub const MAX_MSG_BYTES: usize = 16 << 20;
@@ -41,6 +43,12 @@ const KIND_FRAME: u8 = b'F';
 pub struct Dispatch {
     /// The request (its owner is the tenant's id).
     pub req: GenerateRequest,
+    /// What its output must match (`response_format`, or required tool calls), as the router
+    /// checked it: the decode node compiles it against its own vocabulary.
+    pub format: Format,
+    /// How its plugin steers it, when it does: each token then waits for the verdict the router
+    /// relays ([`Msg::Verdict`]).
+    pub steer: Option<SteerInit>,
     /// The tenant's policy as the engine enforces it.
     pub settings: TenantSettings,
     /// The policy generation `settings` came from.
@@ -189,6 +197,12 @@ pub enum Msg {
     End {
         /// Finished rather than cancelled.
         stop: bool,
+    },
+    /// Router → decode node: the plugin's verdict on the oldest token it has not answered yet,
+    /// and the constraint on the next token, if any (for a request dispatched with `steer`).
+    Verdict {
+        /// The next token's constraint.
+        next: Option<TokenConstraint>,
     },
     /// Router → decode node: a plugin's KV question.
     Kv {

@@ -20,7 +20,9 @@ use super::link::{self, CallError, Dispatch, Ended, Incoming, KvCall, KvReply, M
 use super::{Disagreement, NodeInfo};
 use crate::config::Role;
 use crate::config::ServeConfig;
+use crate::engine::constraint::Constraint;
 use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usage};
+use crate::grammar::{Format, GrammarLimits, Grammars};
 use crate::kv::KvPool;
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
@@ -41,6 +43,8 @@ const TRANSFER_IDLE: Duration = Duration::from_secs(120);
 
 struct Node {
     info: NodeInfo,
+    /// The model's vocabulary for output constraints, which a dispatch carries as their source.
+    grammars: Arc<Grammars>,
     metrics: Arc<Metrics>,
     engine: LocalEngine,
     /// Bytes of one full page's K and V: the unit of a batch's size limit.
@@ -75,11 +79,22 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
         pinnable_pages: engine.pinnable_pages(),
     };
     let page_bytes = KvPool::page_bytes(engine.pool().shape(), engine.pool().n_layers());
+    let limits = GrammarLimits {
+        max_schema_bytes: cfg.limits.max_schema_bytes,
+        compile_ms: cfg.limits.schema_compile_ms,
+    };
+    let grammars = Arc::new(Grammars::new(loaded.tokenizer.clone(), limits));
+    if role == Role::Decode {
+        // The vocabulary's token trie, off the start path.
+        let warm = grammars.clone();
+        std::thread::spawn(move || warm.warm());
+    }
     let metrics = Arc::new(Metrics::default());
     let handle = LocalEngine::start(engine, served.limits.queue, metrics.model(&served.name))
         .map_err(StartupError::io("starting the engine thread"))?;
     let node = Arc::new(Node {
         info,
+        grammars,
         metrics,
         engine: handle,
         page_bytes,
@@ -245,17 +260,41 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
     }
     let owner = d.req.owner;
     // What crosses the link is checked again, against this node's model and pool.
-    let req = match d.req.clone().validate(&node.engine.admission()) {
+    let mut req = match d.req.clone().validate(&node.engine.admission()) {
         Ok(req) => req,
         Err(rej) => {
             let _ = link::send(&mut w, &Msg::Rejected { reason: rej.reason }).await;
             return;
         }
     };
+    // Its output constraint, compiled against this node's vocabulary as the router compiled it.
+    if d.format != Format::Text {
+        match compile(node, &d.format).await {
+            Ok(c) => req = req.with_constraint(Some(c)),
+            Err(message) => {
+                let done = Msg::Done {
+                    ended: Ended::Failed {
+                        code: "constraint_failed".into(),
+                        message,
+                    },
+                    text: String::new(),
+                    usage: Usage::default(),
+                };
+                let _ = link::send(&mut w, &done).await;
+                return;
+            }
+        }
+    }
+    // Its plugin's verdicts arrive from the router, each before its next token is computed.
+    let steer = d.steer.clone().map(|s| Arc::new(s.start()));
+    if let Some(s) = &steer {
+        req = req.with_steer(s.clone());
+    }
     let (tx, mut updates) = mpsc::unbounded_channel();
     let stop = Arc::new(EndFlag::default());
     let job = Job {
         req,
+        format: d.format.clone(),
         tenant: owner.to_string(),
         index: 0,
         tx,
@@ -359,6 +398,10 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                     if s { stop.stop() } else { stop.cancel() }
                 }
                 Some(Ok(Packet::Msg(Msg::Kv { call, query }))) => ask_kv(node, id, owner, call, query, kv_tx.clone()),
+                Some(Ok(Packet::Msg(Msg::Verdict { next }))) => match &steer {
+                    Some(s) => s.answer(next),
+                    None => return refuse(&mut w, "a verdict for a request that is not steered".into()).await,
+                },
                 // The router went away (its client did) or broke the protocol: returning drops
                 // the request's channel, and the engine cancels it.
                 _ => return,
@@ -393,6 +436,24 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
                 }
             }
         }
+    }
+}
+
+/// Compiles a dispatch's output `format` off the runtime, within the configured time: the
+/// constraint, or why not.
+async fn compile(node: &Node, format: &Format) -> Result<Constraint, String> {
+    let grammars = node.grammars.clone();
+    let limit = grammars.limits().compile_ms;
+    let f = format.clone();
+    let compile = tokio::task::spawn_blocking(move || grammars.compile(&f));
+    match tokio::time::timeout(Duration::from_millis(limit), compile).await {
+        Ok(Ok(Ok(Some(c)))) => Ok(c),
+        Ok(Ok(Ok(None))) => Err("the output format constrains nothing".into()),
+        Ok(Ok(Err(e))) => Err(format!("compiling the output format on the decode node: {e}")),
+        Ok(Err(_)) => Err("compiling the output format on the decode node failed".into()),
+        Err(_) => Err(format!(
+            "the output format took longer than {limit} ms to compile on the decode node"
+        )),
     }
 }
 

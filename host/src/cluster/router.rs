@@ -23,7 +23,9 @@ use super::link::{self, CallError, Dispatch, Ended, KvCall, KvReply, Msg, Packet
 use crate::config::ClusterConfig;
 use crate::config::Role;
 use crate::engine::TenantSettings;
+use crate::engine::constraint::ConstraintError;
 use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
+use crate::engine::steer::TokenConstraint;
 use crate::kv::{PageHandle, PageInfo};
 use crate::metrics::{Metrics, ModelMetrics};
 use crate::plugin::KvAccessError;
@@ -245,6 +247,7 @@ impl Router {
         let submitted = Instant::now();
         let Job {
             req,
+            format,
             tenant,
             index,
             tx,
@@ -273,12 +276,17 @@ impl Router {
                 },
             ));
         };
-        if req.constrained() {
-            // The edge refuses these (`takes_constraints`); a constraint never crosses silently.
-            return failed(grant.take(), "an output constraint cannot cross to a node".into());
-        }
+        // A steered choice's verdicts cross to the decode node in the order its plugin gives them.
+        let (verdict_tx, mut verdicts) = mpsc::unbounded_channel::<Option<TokenConstraint>>();
+        let steer = req.steer().map(|s| {
+            s.relay(move |next| {
+                let _ = verdict_tx.send(next);
+            })
+        });
         let dispatch = Dispatch {
             req: req.into_request(),
+            format,
+            steer,
             settings,
             generation: policy_generation,
             prefill,
@@ -366,6 +374,20 @@ impl Router {
                         if link::send(&mut w, &Msg::End { stop: e == END_STOP }).await.is_err() {
                             return failed(grant.take(), format!("writing to the decode node {decode}"));
                         }
+                    }
+                }
+                Some(next) = verdicts.recv() => {
+                    // A plugin raises its stop before it answers: the end goes first, so the node
+                    // computes nothing past the stop.
+                    let e = stop.get();
+                    if e != 0 && !end_sent {
+                        end_sent = true;
+                        if link::send(&mut w, &Msg::End { stop: e == END_STOP }).await.is_err() {
+                            return failed(grant.take(), format!("writing to the decode node {decode}"));
+                        }
+                    }
+                    if !end_sent && link::send(&mut w, &Msg::Verdict { next }).await.is_err() {
+                        return failed(grant.take(), format!("writing to the decode node {decode}"));
                     }
                 }
                 Some(q) = kv_rx.recv() => {
@@ -501,11 +523,6 @@ impl EngineHandle for RouterEngine {
     fn ask(&self, _q: KvQuery) -> bool {
         false
     }
-
-    /// Nodes take plain requests: a constraint would not cross.
-    fn takes_constraints(&self) -> bool {
-        false
-    }
 }
 
 /// Asks `addr` what it serves, retrying until `deadline` (nodes may still be loading).
@@ -536,6 +553,16 @@ fn outcome(e: Ended) -> Outcome {
         Ended::Cancelled => Outcome::Aborted(AbortReason::Cancelled),
         Ended::Shutdown => Outcome::Aborted(AbortReason::Shutdown),
         Ended::Transfer(why) => Outcome::Aborted(AbortReason::Transfer(why)),
+        // The output constraint's endings keep their codes and statuses.
+        Ended::Failed { code, .. } if code == "constraint_allows_no_token" => {
+            Outcome::Aborted(AbortReason::Constraint(ConstraintError::NoToken))
+        }
+        Ended::Failed { code, .. } if code == "plugin_constraint_allows_no_token" => {
+            Outcome::Aborted(AbortReason::Constraint(ConstraintError::SteeredToNothing))
+        }
+        Ended::Failed { code, message } if code == "constraint_failed" => {
+            Outcome::Aborted(AbortReason::Constraint(ConstraintError::Failed(message)))
+        }
         Ended::Failed { code, message } => {
             let code = ["isolation_violation", "kv_unavailable", "cancelled", "shutting_down"]
                 .into_iter()

@@ -410,9 +410,8 @@ impl ValidRequest {
         &self.req
     }
 
-    /// The request, raw again (to send to another node, which validates it again). A constraint
-    /// does not cross: callers refuse constrained requests before (see
-    /// [`constrained`](Self::constrained)).
+    /// The request, raw again (to send to another node, which validates it again). Its
+    /// constraint and steering stay here: a cluster's router sends what they came from instead.
     pub fn into_request(self) -> GenerateRequest {
         self.req
     }
@@ -421,11 +420,6 @@ impl ValidRequest {
     pub fn with_constraint(mut self, constraint: Option<Constraint>) -> Self {
         self.constraint = constraint;
         self
-    }
-
-    /// Whether its output is under a constraint.
-    pub fn constrained(&self) -> bool {
-        self.constraint.is_some()
     }
 
     /// Its steering, if its plugin steers it.

@@ -12,7 +12,7 @@
 use std::sync::{Mutex, OnceLock};
 
 /// What the next token may be: only `allowed` ones (when given), with `bias` added to logits.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TokenConstraint {
     /// Only these ids (`None`: any).
     pub allowed: Option<Vec<u32>>,
@@ -62,6 +62,34 @@ pub struct Steer {
     state: Mutex<State>,
     /// Tells the engine's driver that a verdict came (it may be waiting for one).
     waker: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Where verdicts go instead, when the engine is another process's (see
+    /// [`Steer::relay`]).
+    relay: OnceLock<Box<dyn Fn(Option<TokenConstraint>) + Send + Sync>>,
+}
+
+/// How a sequence is steered, as it crosses to the node whose engine runs it: whether each
+/// token waits for a verdict, and the first token's constraint. The node's own [`Steer`]
+/// ([`SteerInit::start`]) then takes the verdicts the caller relays ([`Steer::relay`]).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SteerInit {
+    /// Each emitted token waits for a verdict.
+    pub gated: bool,
+    /// The first token's constraint.
+    pub first: Option<TokenConstraint>,
+}
+
+impl SteerInit {
+    /// The steering it describes.
+    pub fn start(self) -> Steer {
+        Steer {
+            gated: self.gated,
+            state: Mutex::new(State {
+                next: self.first,
+                ..State::default()
+            }),
+            ..Steer::default()
+        }
+    }
 }
 
 impl std::fmt::Debug for Steer {
@@ -82,7 +110,7 @@ impl Steer {
                 next: first,
                 ..State::default()
             }),
-            waker: OnceLock::new(),
+            ..Self::default()
         }
     }
 
@@ -104,7 +132,18 @@ impl Steer {
                 next: Some(first),
                 ..State::default()
             }),
-            waker: OnceLock::new(),
+            ..Self::default()
+        }
+    }
+
+    /// Hands this steering to another process's engine: returns what that engine's own
+    /// [`Steer`] starts from (the first token's constraint is taken from here), and sends every
+    /// verdict from now on to `send` instead of keeping it.
+    pub fn relay(&self, send: impl Fn(Option<TokenConstraint>) + Send + Sync + 'static) -> SteerInit {
+        let _ = self.relay.set(Box::new(send));
+        SteerInit {
+            gated: self.gated,
+            first: self.state().next.take(),
         }
     }
 
@@ -120,6 +159,9 @@ impl Steer {
     /// The verdict on the oldest token not answered yet: the next token is sampled under
     /// `constraint` (`None`: as the request alone says).
     pub fn answer(&self, constraint: Option<TokenConstraint>) {
+        if let Some(send) = self.relay.get() {
+            return send(constraint);
+        }
         {
             let mut s = self.state();
             s.answered += 1;

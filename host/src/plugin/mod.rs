@@ -115,7 +115,7 @@ pub enum PluginFailure {
     #[error("invalid plugin: {0}")]
     Invalid(String),
     /// `on-token` returned a token constraint the host does not take (ids outside the
-    /// vocabulary, too long, a bias out of range, or one a cluster router cannot apply).
+    /// vocabulary, too long, or a bias out of range).
     #[error("the plugin's token constraint is invalid: {0}")]
     BadConstraint(String),
     /// Every instance slot is in use; retry later.

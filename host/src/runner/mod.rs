@@ -28,6 +28,7 @@ use crate::engine::request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, Rejected, RequestId, Usage, ValidRequest,
 };
 use crate::engine::{Engine, EngineConfig, Event, TenantSettings, TokenLogprobs};
+use crate::grammar::Format;
 use crate::kv::{KvError, KvPool, PageHandle, PageInfo};
 use crate::loaded::LoadedModel;
 use crate::metrics::ModelMetrics;
@@ -101,6 +102,9 @@ pub trait UsageMeter: Send + Sync {
 pub struct Job {
     /// The request (its owner is the tenant's id), validated where it entered.
     pub req: ValidRequest,
+    /// What `req`'s output constraint was compiled from: an engine in another process (a
+    /// cluster's decode node) compiles it again.
+    pub format: Format,
     /// The tenant's name, for metrics.
     pub tenant: String,
     /// Which choice of its request it is (`n` > 1 submits one job per choice).
@@ -328,12 +332,6 @@ pub trait EngineHandle: Send + Sync {
     /// Sends a KV question without waiting, for a choice with no route of its own (see
     /// [`SeqSlot`]); false when it cannot go (the reply channel then closes).
     fn ask(&self, q: KvQuery) -> bool;
-
-    /// Whether it runs output constraints (`response_format`): an engine in this process does;
-    /// a router, whose requests cross to other nodes as plain requests, does not.
-    fn takes_constraints(&self) -> bool {
-        true
-    }
 }
 
 /// This process's engine thread.

@@ -196,11 +196,10 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         .map(|(index, m)| {
             let grammars = Arc::new(Grammars::new(m.loaded.tokenizer.clone(), grammar_limits));
             // The vocabulary's token trie is built now, off the start path, rather than in the
-            // first structured request's time (a router runs no constraints).
-            if m.engine.takes_constraints() {
-                let warm = grammars.clone();
-                std::thread::spawn(move || warm.warm());
-            }
+            // first structured request's time (a router compiles each request's format too, to
+            // refuse a bad one before it is dispatched).
+            let warm = grammars.clone();
+            std::thread::spawn(move || warm.warm());
             Arc::new(Served {
                 grammars,
                 admission: m.engine.admission(),

@@ -227,7 +227,7 @@ pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<R
         };
         let req = limit(state, &t, &a, plan, prompt)?;
         let req = constrain(&a, &format, req).await?;
-        generate(state, &t, req, shape, Api::Chat, reply, id, hooks, a).await
+        generate(state, &t, req, format, shape, Api::Chat, reply, id, hooks, a).await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
@@ -259,7 +259,7 @@ pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> R
         let req = limit(state, &t, &a, plan, prompt)?;
         let req = constrain(&a, &format, req).await?;
         let reply = Reply { calls: None, echo };
-        generate(state, &t, req, shape, Api::Completion, reply, id, hooks, a).await
+        generate(state, &t, req, format, shape, Api::Completion, reply, id, hooks, a).await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
@@ -275,19 +275,6 @@ async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<V
         Format::Grammar(_) => "tools",
         Format::JsonObject | Format::JsonSchema(_) => "response_format",
     };
-    if !a.model.engine.takes_constraints() {
-        let what = if field == "tools" {
-            "tool_choice required or a named function"
-        } else {
-            "response_format"
-        };
-        return Err(ApiError::field(
-            field,
-            format!(
-                "{what} is not served through a cluster router (its nodes decode unconstrained); send it to a server that runs the model itself"
-            ),
-        ));
-    }
     let grammars = a.model.grammars.clone();
     // The vocabulary's trie (built once, at start) is not the request's to wait for.
     let warm = grammars.clone();
@@ -423,6 +410,7 @@ async fn generate(
     state: &Arc<State>,
     t: &Tenant,
     req: ValidRequest,
+    format: Format,
     shape: Shape,
     api: Api,
     reply: Reply,
@@ -451,7 +439,7 @@ async fn generate(
                     (stop.clone(), kv)
                 })
                 .collect();
-            Some(h.output(choices, model.engine.takes_constraints()).await?)
+            Some(h.output(choices).await?)
         }
         None => None,
     };
@@ -463,6 +451,7 @@ async fn generate(
         }
         let job = Job {
             req: choice,
+            format: format.clone(),
             tenant: t.name.clone(),
             index: i,
             tx: tx.clone(),

@@ -146,7 +146,7 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
         check_rewritten(&rewritten, 1 << 20).map_err(plugin_failed("preprocess"))?;
         let (asked, params, first) = call.finish(rewritten)?;
         let first = first
-            .map(|c| engine_constraint(c, tk.vocab_size(), true))
+            .map(|c| engine_constraint(c, tk.vocab_size()))
             .transpose()
             .map_err(plugin_failed("preprocess"))?;
         if let Some(c) = &first {
@@ -247,7 +247,7 @@ async fn generate(
                                 ("stop".to_string(), None)
                             }
                             TokenAction::Constrain(c) => {
-                                let c = engine_constraint(c, tk.vocab_size(), true).map_err(failed("on-token"))?;
+                                let c = engine_constraint(c, tk.vocab_size()).map_err(failed("on-token"))?;
                                 let allowed = c.allowed.as_ref().map_or("any".to_string(), |a| a.len().to_string());
                                 let said = format!("constrain (allowed: {allowed}, biased: {})", c.bias.len());
                                 (said, Some(c))

@@ -143,21 +143,18 @@ impl Hooks {
             .map_err(|f| self.reporter.error(&f))?;
         let (asked, params, first) = call.finish(out)?;
         self.first_token = first
-            .map(|c| engine_constraint(c, self.tokenizer.vocab_size(), true))
+            .map(|c| engine_constraint(c, self.tokenizer.vocab_size()))
             .transpose()
             .map_err(|f| self.reporter.error(&f))?;
         Ok((asked, params))
     }
 
     /// The output stage for `n` choices, each with its stop flag and its access to its own KV.
-    /// With `steer` (the engine runs in this process), a choice whose plugin takes tokens is
-    /// steered: each token waits for `on-token`'s verdict before the next is computed (see
-    /// [`Output::steer`]), so a stop is exact and a constraint holds for the very next token.
-    pub async fn output(
-        self,
-        choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>,
-        steer: bool,
-    ) -> Result<Output, ApiError> {
+    /// A choice whose plugin takes tokens is steered: each token waits for `on-token`'s verdict
+    /// before the next is computed (see [`Output::steer`]; through a cluster's router, the
+    /// verdicts cross to the decode node), so a stop is exact and a constraint holds for the very
+    /// next token.
+    pub async fn output(self, choices_in: Vec<(Arc<EndFlag>, Arc<dyn KvAccess>)>) -> Result<Output, ApiError> {
         let Hooks {
             first,
             resolved,
@@ -170,12 +167,6 @@ impl Hooks {
             first_token,
             ..
         } = self;
-        if first_token.is_some() && !steer {
-            let f = PluginFailure::BadConstraint(
-                "token constraints need the model in this process; a cluster router cannot apply them".into(),
-            );
-            return Err(reporter.error(&f));
-        }
         let mut choices = Vec::with_capacity(choices_in.len());
         let mut next = Some(first);
         for (i, (stop, kv)) in choices_in.into_iter().enumerate() {
@@ -198,10 +189,7 @@ impl Hooks {
             choices.push(ChoiceStage {
                 instance,
                 on_token,
-                steer: steer
-                    .then(|| Steer::for_plugin(on_token, first_token.clone()))
-                    .flatten()
-                    .map(Arc::new),
+                steer: Steer::for_plugin(on_token, first_token.clone()).map(Arc::new),
                 stop,
                 tokens: 0,
                 stopping: false,
@@ -486,7 +474,7 @@ impl Output {
                     match c.instance.on_token(&t).await {
                         Ok(TokenAction::Stop) => stop = true,
                         Ok(TokenAction::Continue) => {}
-                        Ok(TokenAction::Constrain(k)) => match engine_constraint(k, self.vocab, c.steer.is_some()) {
+                        Ok(TokenAction::Constrain(k)) => match engine_constraint(k, self.vocab) {
                             Ok(k) => next = Some(k),
                             Err(f) => return c.fail(r.failed(f)),
                         },
@@ -569,13 +557,9 @@ pub fn finish(reason: FinishReason, usage: &Usage) -> Finish {
 const MAX_CONSTRAINT_BIAS: f32 = 100.0;
 
 /// A plugin's constraint on the next token as the engine takes it, checked: at most `vocab`
-/// ids in each part, each within the vocabulary, biases finite within ±100. Without `steer`
-/// (the engine is a cluster router's, which takes no constraints) none is taken.
-pub fn engine_constraint(c: GuestConstraint, vocab: usize, steer: bool) -> Result<TokenConstraint, PluginFailure> {
+/// ids in each part, each within the vocabulary, biases finite within ±100.
+pub fn engine_constraint(c: GuestConstraint, vocab: usize) -> Result<TokenConstraint, PluginFailure> {
     let bad = |m: String| Err(PluginFailure::BadConstraint(m));
-    if !steer {
-        return bad("token constraints need the model in this process; a cluster router cannot apply them".into());
-    }
     let allowed_len = c.allowed.as_ref().map_or(0, Vec::len);
     if allowed_len > vocab || c.bias.len() > vocab {
         return bad(format!("more ids than the vocabulary's {vocab}"));
