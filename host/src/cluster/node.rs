@@ -20,7 +20,7 @@ use super::link::{self, CallError, Dispatch, Ended, Incoming, KvCall, KvReply, M
 use super::{Disagreement, NodeInfo};
 use crate::config::Role;
 use crate::config::ServeConfig;
-use crate::engine::constraint::Constraint;
+use crate::engine::constraint::{Constraint, ConstraintError};
 use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usage};
 use crate::grammar::{Format, GrammarLimits, Grammars};
 use crate::kv::KvPool;
@@ -228,6 +228,11 @@ fn ended(outcome: &Outcome) -> Ended {
         Outcome::Aborted(AbortReason::Cancelled) => Ended::Cancelled,
         Outcome::Aborted(AbortReason::Shutdown) => Ended::Shutdown,
         Outcome::Aborted(AbortReason::Transfer(why)) => Ended::Transfer(why.clone()),
+        // The router makes the same error of the reason alone.
+        Outcome::Aborted(r @ AbortReason::Constraint(ConstraintError::Failed(why))) => Ended::Failed {
+            code: r.code().to_string(),
+            message: why.clone(),
+        },
         Outcome::Aborted(r) => Ended::Failed {
             code: r.code().to_string(),
             message: r.client_message(),
@@ -271,12 +276,9 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
     if d.format != Format::Text {
         match compile(node, &d.format).await {
             Ok(c) => req = req.with_constraint(Some(c)),
-            Err(message) => {
+            Err(e) => {
                 let done = Msg::Done {
-                    ended: Ended::Failed {
-                        code: "constraint_failed".into(),
-                        message,
-                    },
+                    ended: ended(&Outcome::Aborted(AbortReason::Constraint(e))),
                     text: String::new(),
                     usage: Usage::default(),
                 };
@@ -439,22 +441,23 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWrit
     }
 }
 
-/// Compiles a dispatch's output `format` off the runtime, within the configured time: the
-/// constraint, or why not.
-async fn compile(node: &Node, format: &Format) -> Result<Constraint, String> {
+/// Compiles a dispatch's output `format` off the runtime, within the configured time (the
+/// vocabulary's trie, built once, is not counted in it): the constraint, or why not.
+async fn compile(node: &Node, format: &Format) -> Result<Constraint, ConstraintError> {
     let grammars = node.grammars.clone();
+    let warm = grammars.clone();
+    let _ = tokio::task::spawn_blocking(move || warm.warm()).await;
     let limit = grammars.limits().compile_ms;
     let f = format.clone();
     let compile = tokio::task::spawn_blocking(move || grammars.compile(&f));
-    match tokio::time::timeout(Duration::from_millis(limit), compile).await {
-        Ok(Ok(Ok(Some(c)))) => Ok(c),
-        Ok(Ok(Ok(None))) => Err("the output format constrains nothing".into()),
-        Ok(Ok(Err(e))) => Err(format!("compiling the output format on the decode node: {e}")),
-        Ok(Err(_)) => Err("compiling the output format on the decode node failed".into()),
-        Err(_) => Err(format!(
-            "the output format took longer than {limit} ms to compile on the decode node"
-        )),
-    }
+    let why = match tokio::time::timeout(Duration::from_millis(limit), compile).await {
+        Ok(Ok(Ok(Some(c)))) => return Ok(c),
+        Ok(Ok(Ok(None))) => "the output format constrains nothing".to_string(),
+        Ok(Ok(Err(e))) => format!("compiling the output format on the decode node: {e}"),
+        Ok(Err(_)) => "compiling the output format on the decode node failed".to_string(),
+        Err(_) => format!("the output format took longer than {limit} ms to compile on the decode node"),
+    };
+    Err(ConstraintError::Failed(why))
 }
 
 /// Why a decode node's request could not reach its prefill node, as the request ends with it.

@@ -249,6 +249,9 @@ struct Seq {
     max_tokens: usize,
     /// Times it gave its pages up for others to grow into (see [`Engine::grow_running`]).
     preempted: u32,
+    /// Positions it had computed when it was last preempted: computing them again is charged
+    /// to no one's share, and it is not preempted again while it does.
+    high_water: usize,
     ignore_eos: bool,
     sampler: Sampler,
     text: TextStream,
@@ -290,6 +293,30 @@ impl Seq {
     /// Whether it ever held pages (its prompt counts as used).
     fn started(&self) -> bool {
         self.phase == Phase::Open || self.preempted > 0
+    }
+
+    /// Whether it computes again what it had computed before it was preempted.
+    fn recomputing(&self) -> bool {
+        self.computed < self.high_water
+    }
+
+    /// The positions its next chunk may reach: as [`target`](Self::target), but a chunk never
+    /// mixes prompt and output tokens (they take different attention), which only a sequence
+    /// computing its tokens again after a preemption would.
+    fn chunk_target(&self) -> usize {
+        if self.computed < self.prompt_len {
+            self.target().min(self.prompt_len)
+        } else {
+            self.target()
+        }
+    }
+
+    /// Whether it may still need pages it does not hold.
+    fn may_grow(&self, pool: &KvPool) -> bool {
+        self.role != Role::PrefillOnly
+            && pool
+                .pages_of(self.id.seq())
+                .is_ok_and(|p| p < pool.pages_for(self.prompt_len + self.max_tokens))
     }
 
     /// The pages it opens with: its tokens so far and the next one (within what it may ever
@@ -595,6 +622,7 @@ impl Engine {
             cached: 0,
             max_tokens: r.max_tokens,
             preempted: 0,
+            high_water: 0,
             ignore_eos: r.ignore_eos,
             sampler: Sampler::new(r.sampling, constraint),
             text: TextStream::new(r.stop),
@@ -711,9 +739,9 @@ impl Engine {
             } else {
                 &[]
             };
-            // A page for each running sequence to grow into: admitting does not take the pages
+            // A page for each running sequence that may grow: admitting does not take the pages
             // they are about to need.
-            let headroom = self.running.len();
+            let headroom = self.running.iter().filter(|r| r.may_grow(&self.pool)).count();
             // A preempted sequence that can never have its pages again (a reload lowered its
             // tenant's cap or raised others' floors) ends with what it generated.
             let most = self
@@ -728,7 +756,12 @@ impl Engine {
             }
             match self.pool.open_leaving(s.id.seq(), s.owner, pages, reusable, headroom) {
                 Ok(cached) => {
-                    let computes = s.tokens.len().saturating_sub(cached);
+                    // What it computes again after a preemption is charged to no one.
+                    let computes = if s.preempted == 0 {
+                        s.prompt_len.saturating_sub(cached)
+                    } else {
+                        0
+                    };
                     *admitted.entry(s.owner).or_insert(0.0) += computes as f64 / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     let awaited_kv = seq.awaits_kv();
@@ -785,10 +818,10 @@ impl Engine {
     /// sequence the scheduler favours less ([`victim`](Self::victim)), perhaps itself; one that
     /// holds all it ever may ends with `length`.
     fn grow_running(&mut self) {
+        // Those waiting for a verdict too: it may come before the step is planned.
         let mut order: Vec<(f64, RequestId)> = self
             .running
             .iter()
-            .filter(|s| !s.awaits_verdict())
             .filter(|s| {
                 self.pool
                     .pages_of(s.id.seq())
@@ -823,9 +856,9 @@ impl Engine {
     /// error no preemption answers). Under its tenant's cap, only that tenant's pages help: its
     /// newest sequence goes. For the pool, the sequence the scheduler favours least among those
     /// it favours less than `i` (a more served tenant's, or a newer one of the same tenant),
-    /// leaving alone a tenant within its guaranteed floor (whose pages would stay out of reach
-    /// anyway); with none, `i` itself waits. A sequence that alone outgrows what it may hold
-    /// never fits.
+    /// except one that would leave its tenant below its guaranteed floor (those pages would
+    /// stay out of reach anyway) and one still computing again what it lost to a preemption;
+    /// with none, `i` itself waits. A sequence that alone outgrows what it may hold never fits.
     fn victim(&self, i: usize, err: &KvError) -> Option<Room> {
         let s = &self.running[i];
         let owner = s.owner;
@@ -844,10 +877,11 @@ impl Engine {
                 }
             }
             KvError::PoolExhausted { .. } => {
-                let yields = |r: &Seq| {
-                    key(r) > key(s)
-                        && (r.owner == owner || self.pool.pages_held(r.owner) > self.pool.owner_floor(r.owner))
+                let above_floor = |r: &Seq| {
+                    let its = self.pool.pages_of(r.id.seq()).unwrap_or(0);
+                    self.pool.pages_held(r.owner).saturating_sub(its) >= self.pool.owner_floor(r.owner)
                 };
+                let yields = |r: &Seq| key(r) > key(s) && !r.recomputing() && (r.owner == owner || above_floor(r));
                 let least = (0..self.running.len())
                     .filter(|&j| yields(&self.running[j]))
                     .max_by_key(|&j| key(&self.running[j]));
@@ -870,6 +904,7 @@ impl Engine {
         let mut seq = self.running.swap_remove(i);
         let _ = self.pool.close(seq.id.seq());
         seq.phase = Phase::Queued;
+        seq.high_water = seq.high_water.max(seq.computed);
         seq.computed = 0;
         // A decode node computes a transferred prompt itself from now on.
         if seq.role == Role::DecodeOnly {
@@ -894,8 +929,8 @@ impl Engine {
                 SeqView {
                     owner: s.owner,
                     computed: s.computed,
-                    target: s.target(),
-                    samples: s.role != Role::PrefillOnly,
+                    target: s.chunk_target(),
+                    samples: s.samples_at(s.chunk_target()),
                 }
             })
             .collect();
@@ -986,8 +1021,10 @@ impl Engine {
             self.cost.observe(work, started.elapsed());
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
-                let owner = self.running[i].owner;
-                *self.served.entry(owner).or_insert(0.0) += n as f64 / self.weight(owner);
+                let (owner, from) = (self.running[i].owner, self.running[i].computed);
+                // Computing again what a preemption took is charged to no one's share.
+                let new = (from + n).saturating_sub(from.max(self.running[i].high_water));
+                *self.served.entry(owner).or_insert(0.0) += new as f64 / self.weight(owner);
                 let caches = self.prefix_cache_for(owner);
                 let s = &mut self.running[i];
                 match r {

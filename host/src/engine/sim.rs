@@ -504,3 +504,43 @@ fn the_more_served_tenant_is_the_one_preempted() {
         "tenant 2 (less served) lost its pages: {preempted:?}, tenant 1's are {ones:?}"
     );
 }
+
+/// A tenant's guaranteed floor holds against preemption: its sequence is not taken when that
+/// would leave it below its floor, however much more it has been served.
+#[test]
+fn a_sequence_its_tenant_needs_for_its_floor_is_not_preempted() {
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    e.set_tenant(
+        tenant(1),
+        TenantSettings {
+            weight: 8,
+            ..TenantSettings::default()
+        },
+    );
+    e.set_tenant(
+        tenant(2),
+        TenantSettings {
+            min_pages: 10,
+            ..TenantSettings::default()
+        },
+    );
+    // Tenant 2's one sequence runs alone until it holds more than its floor (12 pages).
+    let floor = open_ended(&mut e, 2, &prompt_of(8, 0));
+    while e.pool().pages_held(tenant(2)) < 12 {
+        e.step();
+    }
+    // Tenant 1 (less served, by its weight) then wants more than the rest of the pool.
+    for k in 1..7u32 {
+        open_ended(&mut e, 1, &prompt_of(8, k));
+    }
+    let mut preempted = std::collections::HashSet::new();
+    while e.has_work() {
+        e.step();
+        preempted.extend(e.waiting.iter().filter(|s| s.preempted > 0).map(|s| s.id));
+    }
+    assert!(
+        !preempted.is_empty(),
+        "tenant 1's sequences outgrow the pool: some yield"
+    );
+    assert!(!preempted.contains(&floor), "tenant 2's floor was taken: {preempted:?}");
+}
