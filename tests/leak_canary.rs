@@ -303,6 +303,10 @@ fn requests() -> usize {
         .unwrap_or(1000)
 }
 
+/// Every process logs at its most verbose level, every crate's events included: none may carry
+/// a canary.
+const VERBOSE: &[(&str, &str)] = &[("RUST_LOG", "trace")];
+
 fn tokenizer() -> Tokenizer {
     let g = warden::gguf::Gguf::open(common::model()).expect("model");
     Tokenizer::from_gguf(&g).expect("tokenizer")
@@ -311,7 +315,7 @@ fn tokenizer() -> Tokenizer {
 #[test]
 fn no_canary_crosses_tenants_in_one_process() {
     let tok = tokenizer();
-    let server = Server::start("canary-all", ENGINE);
+    let server = Server::start_with_env("canary-all", ENGINE, &[], VERBOSE);
     let reqs = plan(requests(), &tok, 1);
     rt().block_on(async {
         let counts = run("all", &server, reqs, &[""; TENANTS]).await;
@@ -342,8 +346,8 @@ fn no_canary_crosses_tenants_in_one_process() {
 )]
 fn no_canary_crosses_tenants_in_a_cluster_with_every_transfer_fault() {
     let tok = tokenizer();
-    let prefill = Node::start("canary-prefill", "prefill", ENGINE);
-    let decode = Node::start("canary-decode", "decode", ENGINE);
+    let prefill = Node::start_with_env("canary-prefill", "prefill", ENGINE, VERBOSE);
+    let decode = Node::start_with_env("canary-decode", "decode", ENGINE, VERBOSE);
     let faults: String = (0..TENANTS)
         .filter(|t| !FAULTS[*t].is_empty())
         .map(|t| format!("canary-{t}={}", FAULTS[t]))
@@ -354,7 +358,7 @@ fn no_canary_crosses_tenants_in_a_cluster_with_every_transfer_fault() {
         ENGINE,
         &[&prefill],
         &[&decode],
-        &[("WARDEN_TRANSFER_FAULTS", &faults)],
+        &[("WARDEN_TRANSFER_FAULTS", &faults), VERBOSE[0]],
     );
     let reqs = plan(requests(), &tok, 2);
     rt().block_on(async {

@@ -841,3 +841,110 @@ fn one_server_serves_several_models_each_with_its_own_pool_limits_and_metrics() 
         );
     });
 }
+
+/// With `--log-format json` (here `WARDEN_LOG_FORMAT`), one JSON access line per request when it
+/// ends: the client's `x-request-id` is kept and returned (one that is not plain is replaced),
+/// and the line names the tenant, model, route, status, error code, token counts, time to first
+/// token, duration and finish reason; a refused request's line carries its code. No line
+/// carries the prompt or the completion.
+#[test]
+fn each_request_gets_an_access_line_and_its_id_back() {
+    let s = Server::start_with_env("access", "", &[], &[("WARDEN_LOG_FORMAT", "json")]);
+    rt().block_on(async {
+        let c = s.client().with_header("x-request-id", "client-id_42.a:b");
+        let secret = "purple-giraffe-7731";
+        let body = json!({"model": MODEL, "temperature": 0, "max_tokens": 8, "stream": true,
+            "messages": [{"role": "user", "content": format!("Say {secret}.")}]});
+        let r = c
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(body.to_string().into_bytes()),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.headers["x-request-id"], "client-id_42.a:b");
+        let bad = s.client().with_header("x-request-id", &"x".repeat(200));
+        let r = bad
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(chat_body("nope", "Hi", 4, false)),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 404);
+        let made = r.headers["x-request-id"].to_str().expect("ascii").to_string();
+        assert!(made.starts_with("req_") && made.len() == 28, "{made}");
+        let r = s
+            .client()
+            .request(Method::GET, "/healthz", None, None)
+            .await
+            .expect("healthz");
+        assert!(r.headers["x-request-id"].to_str().expect("ascii").starts_with("req_"));
+        // The lines arrive when each request ends.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut lines: Vec<serde_json::Value> = Vec::new();
+        let mut all = String::new();
+        while lines.len() < 3 && Instant::now() < deadline {
+            if let Ok(l) = s.output.recv_timeout(Duration::from_millis(100)) {
+                all.push_str(&l);
+                all.push('\n');
+                let v: serde_json::Value = serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l}: {e}"));
+                if v["target"] == "warden::access" {
+                    lines.push(v);
+                }
+            }
+        }
+        assert!(!all.contains(secret), "a log line carries the prompt: {all}");
+        let by = |id: &str| {
+            lines
+                .iter()
+                .find(|v| v["request_id"] == id)
+                .unwrap_or_else(|| panic!("{id}: {lines:?}"))
+        };
+        let ok = by("client-id_42.a:b");
+        eprintln!("the access line: {ok}");
+        assert_eq!(
+            (
+                &ok["level"],
+                &ok["tenant"],
+                &ok["model"],
+                &ok["route"],
+                &ok["status"],
+                &ok["code"]
+            ),
+            (
+                &json!("INFO"),
+                &json!("default"),
+                &json!(MODEL),
+                &json!("/v1/chat/completions"),
+                &json!(200),
+                &json!("-")
+            ),
+            "{ok}"
+        );
+        assert!(
+            ok["prompt_tokens"].as_u64() > Some(0) && ok["completion_tokens"].as_u64() > Some(0),
+            "{ok}"
+        );
+        assert!(
+            ["stop", "length"].contains(&ok["finish_reason"].as_str().unwrap_or_default()),
+            "{ok}"
+        );
+        let (ttft, took) = (
+            ok["ttft_ms"].as_f64().unwrap_or(-1.0),
+            ok["duration_ms"].as_f64().unwrap_or(-1.0),
+        );
+        assert!(ttft > 0.0 && took >= ttft, "{ok}");
+        let refused = by(&made);
+        assert_eq!(
+            (&refused["status"], &refused["code"]),
+            (&json!(404), &json!("model_not_found")),
+            "{refused}"
+        );
+    });
+}

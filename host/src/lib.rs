@@ -29,6 +29,7 @@ pub mod grammar;
 pub mod heap;
 pub mod kv;
 pub mod loaded;
+pub mod log;
 pub mod metrics;
 pub mod model;
 pub mod net;

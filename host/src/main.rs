@@ -27,6 +27,10 @@ use warden::tokenizer::Tokenizer;
     about = "Multi-tenant LLM serving with a tagged, paged KV pool"
 )]
 struct Cli {
+    /// Log lines on stderr as `text` or `json` (one object a line); `RUST_LOG` filters them
+    /// (default `info`).
+    #[arg(long, global = true, env = "WARDEN_LOG_FORMAT", default_value = "text")]
+    log_format: String,
     #[command(subcommand)]
     command: Command,
 }
@@ -269,7 +273,12 @@ fn config(path: Option<&Path>) -> anyhow::Result<ServeConfig> {
 }
 
 fn main() -> std::process::ExitCode {
-    match run(Cli::parse().command) {
+    let cli = Cli::parse();
+    if let Err(e) = cli.log_format.parse().and_then(warden::log::init) {
+        eprintln!("warden: {e}");
+        return std::process::ExitCode::FAILURE;
+    }
+    match run(cli.command) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("warden: {e:#}");
@@ -327,6 +336,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                 stop,
                 ignore_eos: false,
                 logprobs: None,
+                request_id: String::new(),
             };
             generate(&l, req)
         }

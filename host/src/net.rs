@@ -17,7 +17,7 @@ pub async fn accept<F: std::future::Future<Output = ()>>(
             a = listener.accept() => match a {
                 Ok(a) => return Some(a),
                 Err(e) => {
-                    eprintln!("accept: {e}");
+                    tracing::warn!("accept: {e}");
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },

@@ -233,3 +233,29 @@ pub fn constraint_allows_end(c: &mut crate::engine::constraint::Constraint, tk: 
     let end = tk.eot_id().or(tk.eos_id()).expect("an end token");
     c.apply(&mut logits).is_ok() && logits[end as usize] != f32::NEG_INFINITY
 }
+
+/// Runs `f` with this thread's log events captured (text lines, every level): what it returns,
+/// and what was logged.
+pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap_or_else(|p| p.into_inner()).extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let out = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_writer(move || out.clone())
+        .finish();
+    let r = tracing::subscriber::with_default(subscriber, f);
+    let text = String::from_utf8_lossy(&buf.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    (r, text)
+}

@@ -101,6 +101,11 @@ impl Server {
 
     /// Starts a server whose policy directory holds `policies` (path under it, contents).
     pub fn start_with_policies(tag: &str, extra: &str, policies: &[(&str, &str)]) -> Server {
+        Self::start_with_env(tag, extra, policies, &[])
+    }
+
+    /// [`start_with_policies`](Self::start_with_policies), with environment `env`.
+    pub fn start_with_env(tag: &str, extra: &str, policies: &[(&str, &str)], env: &[(&str, &str)]) -> Server {
         let data_dir = temp_dir(tag);
         for (name, text) in policies {
             let p = data_dir.join("policies").join(name);
@@ -118,7 +123,7 @@ impl Server {
             ),
         )
         .expect("write config");
-        Self::start_with(data_dir, config)
+        Self::start_as(data_dir, config, "all", env)
     }
 
     /// Starts a server on an existing data dir and config (a restart).
@@ -158,9 +163,11 @@ impl Server {
         let data = data_dir.join("data");
         let _ = std::fs::remove_file(data.join("server.json"));
         let (child, rx, url, lines) = spawn(&config, role, env, |l| {
-            l.strip_prefix("serving ")
-                .and_then(|r| r.split(" on ").nth(1))
-                .map(str::to_string)
+            // The log line `... INFO warden::serve: serving <models> on <url>`, or its JSON.
+            l.split_once("serving ")
+                .and_then(|(_, r)| r.split(" on ").nth(1))
+                .and_then(|url| url.split('"').next())
+                .map(|url| url.trim().to_string())
         });
         let default_key = lines
             .iter()
@@ -334,8 +341,17 @@ impl Node {
         Self::start_on(tag, role, extra, "127.0.0.1:0")
     }
 
+    /// [`start`](Self::start), with environment `env`.
+    pub fn start_with_env(tag: &str, role: &str, extra: &str, env: &[(&str, &str)]) -> Node {
+        Self::start_env_on(tag, role, extra, "127.0.0.1:0", env)
+    }
+
     /// Starts a `role` node listening on `listen`.
     pub fn start_on(tag: &str, role: &str, extra: &str, listen: &str) -> Node {
+        Self::start_env_on(tag, role, extra, listen, &[])
+    }
+
+    fn start_env_on(tag: &str, role: &str, extra: &str, listen: &str, env: &[(&str, &str)]) -> Node {
         let dir = temp_dir(tag);
         let config = dir.join("node.toml");
         std::fs::write(
@@ -347,7 +363,7 @@ impl Node {
             ),
         )
         .expect("write config");
-        let (child, output, addr, startup) = spawn(&config, role, &[], |l| {
+        let (child, output, addr, startup) = spawn(&config, role, env, |l| {
             l.contains(" node serving ")
                 .then(|| l.split(" on ").nth(1)?.split(' ').next().map(str::to_string))
                 .flatten()

@@ -29,10 +29,10 @@ pub fn from_env() -> HashMap<String, Fault> {
             .and_then(|(t, f)| Some((t.trim(), Fault::parse(f.trim())?)))
         {
             Some((tenant, fault)) => {
-                println!("cluster: injecting {fault:?} into tenant {tenant}'s transfers ({ENV})");
+                tracing::info!("cluster: injecting {fault:?} into tenant {tenant}'s transfers ({ENV})");
                 out.insert(tenant.to_string(), fault);
             }
-            None => eprintln!(
+            None => tracing::warn!(
                 "cluster: {ENV}: ignoring {entry:?} (tenant=drop|truncate|corrupt|duplicate|reorder|delay|retag)"
             ),
         }

@@ -73,9 +73,9 @@ impl Health {
         if node.up.swap(up, Ordering::Relaxed) != up {
             self.metrics.node_up(node.role, addr, up);
             if up {
-                println!("cluster: {} node {addr} is back", node.role);
+                tracing::info!("cluster: {} node {addr} is back", node.role);
             } else {
-                eprintln!("cluster: {} node {addr} is down: {why}", node.role);
+                tracing::warn!("cluster: {} node {addr} is down: {why}", node.role);
             }
         }
     }

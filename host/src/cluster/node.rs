@@ -119,9 +119,13 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     let addr = listener
         .local_addr()
         .map_err(StartupError::io("the listening socket's address"))?;
-    println!(
+    tracing::info!(
         "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {})",
-        node.info.role, node.info.model, node.info.pages, node.info.page_size, node.info.max_context
+        node.info.role,
+        node.info.model,
+        node.info.pages,
+        node.info.page_size,
+        node.info.max_context
     );
     tokio::spawn(crate::heap::trim_periodically());
     let signal = crate::net::shutdown_signal();
@@ -136,7 +140,7 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
         }
         tokio::spawn(connection(node.clone(), tcp));
     }
-    println!(
+    tracing::info!(
         "shutting down: finishing in-flight requests (up to {} s)",
         cfg.timeouts.shutdown_s
     );
@@ -144,7 +148,7 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     node.engine
         .shutdown(Instant::now() + Duration::from_secs(cfg.timeouts.shutdown_s))
         .await;
-    println!("stopped");
+    tracing::info!("stopped");
     Ok(())
 }
 

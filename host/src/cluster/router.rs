@@ -150,7 +150,7 @@ impl Router {
                     actual: info.role,
                 });
             }
-            println!("cluster: {}", info.describe(addr));
+            tracing::info!("cluster: {}", info.describe(addr));
             if !models.iter().any(|(_, d)| *d == info.digest) {
                 return Err(ConnectError::OtherModel {
                     node: info.describe(addr),
@@ -448,7 +448,7 @@ impl EngineHandle for RouterEngine {
                 generation,
             };
             for e in Router::broadcast(&self.0.all_nodes(), m).await {
-                eprintln!("cluster: applying tenant {owner}'s policy: {e}");
+                tracing::warn!("cluster: applying tenant {owner}'s policy: {e}");
             }
         })
     }
@@ -469,7 +469,7 @@ impl EngineHandle for RouterEngine {
     fn forget_tenant(&self, owner: TenantId) -> EngineFuture<'_, ()> {
         Box::pin(async move {
             for e in Router::broadcast(&self.0.all_nodes(), Msg::Forget { owner }).await {
-                eprintln!("cluster: forgetting tenant {owner}: {e}");
+                tracing::warn!("cluster: forgetting tenant {owner}: {e}");
             }
         })
     }
@@ -537,7 +537,7 @@ async fn describe_node(addr: SocketAddr, deadline: Instant) -> Result<NodeInfo, 
                     return Err(ConnectError::NoAnswer { addr, last });
                 }
                 if !said {
-                    println!("cluster: waiting for node {addr} ({last})");
+                    tracing::info!("cluster: waiting for node {addr} ({last})");
                     said = true;
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;

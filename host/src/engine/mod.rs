@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-use warden_kernels::tag::TagCheck;
+use warden_kernels::tag::{IsolationViolation, TagCheck};
 
 use crate::tenant::TenantId;
 
@@ -237,6 +237,8 @@ enum Phase {
 
 struct Seq {
     id: RequestId,
+    /// The id its log lines carry (its `x-request-id`).
+    request_id: String,
     role: Role,
     phase: Phase,
     logprobs: Option<usize>,
@@ -612,6 +614,7 @@ impl Engine {
         self.next_id = self.next_id.next();
         self.waiting.push_back(Seq {
             id,
+            request_id: r.request_id,
             role,
             phase: Phase::Queued,
             logprobs: r.logprobs,
@@ -681,6 +684,9 @@ impl Engine {
 
     /// The one way a scheduled request ends.
     fn retire(&mut self, mut seq: Seq, outcome: Outcome) {
+        if let Outcome::Aborted(AbortReason::Isolation(v)) = &outcome {
+            self.report_violation(&seq, v);
+        }
         if seq.phase == Phase::Open {
             // Closing cannot fail for an open sequence; its pages go back once unreferenced.
             let _ = self.pool.close(seq.id.seq());
@@ -701,6 +707,39 @@ impl Engine {
             text,
             usage,
         });
+    }
+
+    /// Logs a refused KV read or write at ERROR (target `warden::isolation`): the tenant, the
+    /// request, the page, the owner and epoch the sequence's table expected, and those the
+    /// page's tag holds. Called before the sequence's pages are closed.
+    fn report_violation(&self, seq: &Seq, v: &IsolationViolation) {
+        let page = match *v {
+            IsolationViolation::ForeignOwner { page, .. }
+            | IsolationViolation::PublicPage { page }
+            | IsolationViolation::StaleEpoch { page, .. }
+            | IsolationViolation::UnwrittenSlots { page, .. }
+            | IsolationViolation::NoSuchPage { page, .. } => Some(page),
+            _ => None,
+        };
+        let entry = page.and_then(|p| {
+            let (_, table) = self.pool.table(seq.id.seq()).ok()?;
+            table.iter().find(|e| e.page == p).copied()
+        });
+        let tag = page.and_then(|p| self.pool.tags().get(p as usize).copied());
+        let shown = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+        tracing::error!(
+            target: "warden::isolation",
+            tenant = %seq.owner,
+            request_id = %seq.request_id,
+            engine_id = %seq.id,
+            page = %shown(page.map(|p| p.to_string())),
+            expected_owner = %seq.owner,
+            expected_epoch = %shown(entry.map(|e| e.epoch.to_string())),
+            found_owner = %shown(tag.map(|t| t.owner.to_string())),
+            found_epoch = %shown(tag.map(|t| t.epoch.to_string())),
+            violation = %v,
+            "KV isolation violation: the request was stopped, and nothing it read was returned"
+        );
     }
 
     /// Moves waiting requests into the running set while slots and KV reservations allow:

@@ -66,6 +66,10 @@ pub struct GenerateRequest {
     /// Report each sampled token's log-probability and this many of the most likely
     /// alternatives (at most [`MAX_TOP_LOGPROBS`]); `None` reports nothing.
     pub logprobs: Option<usize>,
+    /// The id the request's log lines carry (its `x-request-id`), on every node that runs it;
+    /// empty when it came from none.
+    #[serde(default)]
+    pub request_id: String,
 }
 
 /// Most alternatives a request's `logprobs` may ask for.
@@ -83,6 +87,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            request_id: String::new(),
         }
     }
 }
@@ -372,6 +377,7 @@ impl Params {
                 stop,
                 ignore_eos,
                 logprobs,
+                request_id: String::new(),
             },
             constraint: None,
             steer: None,
@@ -416,6 +422,16 @@ impl ValidRequest {
         self.req
     }
 
+    /// The same request, its log lines naming it `id` (at most 128 bytes are kept).
+    pub fn with_request_id(mut self, id: &str) -> Self {
+        let mut end = id.len().min(128);
+        while !id.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.req.request_id = id[..end].to_string();
+        self
+    }
+
     /// The same request, its output under `constraint`.
     pub fn with_constraint(mut self, constraint: Option<Constraint>) -> Self {
         self.constraint = constraint;
@@ -458,7 +474,9 @@ impl GenerateRequest {
         };
         let params = Params::new(self.sampling, max_tokens, self.stop, self.ignore_eos, self.logprobs)
             .map_err(RejectReason::from)?;
-        Ok(params.with_prompt(self.owner, self.prompt, limits)?)
+        Ok(params
+            .with_prompt(self.owner, self.prompt, limits)?
+            .with_request_id(&self.request_id))
     }
 }
 

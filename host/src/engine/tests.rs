@@ -11,7 +11,7 @@ use super::request::{AbortReason, FinishReason, GenerateRequest, Outcome, Reject
 use super::{Engine, EngineConfig, Event};
 use crate::kv::{KvError, KvPool};
 use crate::model::{Forward, Scratch, StepSeq};
-use crate::testutil::{IdDetok, Oracle, model, tenant};
+use crate::testutil::{IdDetok, Oracle, capture_logs, model, tenant};
 
 /// These tests hold raw requests: each is validated against the engine's own limits on the way
 /// in, as the HTTP edge validates a body once, and a refusal there is a rejection like the
@@ -351,9 +351,9 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
     let prompts = sixteen_prompts();
     let b_alone = solo(&prompts[1], 8);
     let mut e = engine(512);
-    let a = e
-        .submit_raw(GenerateRequest::greedy(tenant(7), prompts[0].clone(), 8))
-        .expect("admitted");
+    let mut req_a = GenerateRequest::greedy(tenant(7), prompts[0].clone(), 8);
+    req_a.request_id = "req-of-a".into();
+    let a = e.submit_raw(req_a).expect("admitted");
     let b = e
         .submit_raw(GenerateRequest::greedy(tenant(8), prompts[1].clone(), 8))
         .expect("admitted");
@@ -369,7 +369,25 @@ fn a_page_table_naming_another_owners_page_fails_that_sequence_only() {
     table[0] = b_page;
     table.push(own);
 
-    runs.drain(&mut e);
+    let ((), log) = capture_logs(|| runs.drain(&mut e));
+    // One ERROR line names the tenant, the request, the page, and the owners and epochs.
+    let line = log
+        .lines()
+        .find(|l| l.contains("warden::isolation"))
+        .unwrap_or_else(|| panic!("no violation line in {log:?}"));
+    eprintln!("the violation line: {line}");
+    for part in [
+        "ERROR",
+        "tenant=7",
+        "request_id=req-of-a",
+        &format!("page={} ", b_page.page),
+        "expected_owner=7",
+        &format!("expected_epoch={}", b_page.epoch),
+        "found_owner=8",
+        &format!("found_epoch={}", b_page.epoch),
+    ] {
+        assert!(line.contains(part), "{part} missing from {line}");
+    }
     match &runs.outcomes[&a] {
         Outcome::Aborted(AbortReason::Isolation(IsolationViolation::ForeignOwner { page, expected, found }))
             if (*expected, *found) == (tenant(7).into(), tenant(8).into()) =>

@@ -276,7 +276,7 @@ pub fn start_engine(cfg: &ServeConfig, served: &ServedModel, loaded: &LoadedMode
             let per_page = KvPool::page_bytes(&c.attn_shape(ec.page_size.max(1)), c.n_layers);
             let holds = ec.kv_memory_bytes / per_page.max(1) * ec.page_size;
             if holds > 0 && holds < ec.max_context {
-                println!(
+                tracing::info!(
                     "{}: max context {holds} tokens: what its {} MiB KV budget holds (the model was trained on {}; raise kv.memory_mib or its kv_share, or set limits.max_context, to change it)",
                     served.name,
                     ec.kv_memory_bytes >> 20,

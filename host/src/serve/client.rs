@@ -60,6 +60,8 @@ pub struct Client {
     host: String,
     port: u16,
     tls: Option<Arc<rustls::ClientConfig>>,
+    /// Headers every request carries beyond the client's own.
+    headers: Vec<(String, String)>,
 }
 
 /// A whole reply.
@@ -120,7 +122,14 @@ impl Client {
             host: host.to_string(),
             port,
             tls,
+            headers: Vec::new(),
         })
+    }
+
+    /// The same client, every request it sends carrying header `name: value` too.
+    pub fn with_header(mut self, name: &str, value: &str) -> Self {
+        self.headers.push((name.to_string(), value.to_string()));
+        self
     }
 
     /// Sends one request and returns the response with its body unread (for streams).
@@ -144,6 +153,9 @@ impl Client {
         }
         if let Some(t) = bearer {
             b = b.header("authorization", format!("Bearer {t}"));
+        }
+        for (name, value) in &self.headers {
+            b = b.header(name.as_str(), value.as_str());
         }
         let req = b.body(Full::new(Bytes::from(body.unwrap_or_default())))?;
         match &self.tls {

@@ -5,9 +5,11 @@
 //! Modules, one concept each: [`store`] (tenants and keys), [`tls`] (certificates), [`error`]
 //! (the one error type and its JSON), [`openai`] (request shapes), [`tools`] (function calling), [`stream`] (response and SSE shapes), [`quota`] and
 //! [`usage`] (policies enforced, usage booked), [`plugins`] (the plugin registry and pipeline),
-//! [`http`] (routing and endpoints), [`manage`] (the CLI's offline commands) and [`client`] (the
-//! small HTTPS client the CLI uses to reach a running server's admin API).
+//! [`http`] (routing and endpoints), [`access`] (each request's access line and id), [`manage`]
+//! (the CLI's offline commands) and [`client`] (the small HTTPS client the CLI uses to reach a
+//! running server's admin API).
 
+pub mod access;
 pub mod client;
 pub mod error;
 pub mod http;
@@ -160,7 +162,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         }
         Ok::<(), ServeError>(())
     })?;
-    println!(
+    tracing::info!(
         "policies from {}: version {}",
         cfg.policies.display(),
         quotas.set().version
@@ -178,7 +180,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         None
     } else {
         let t = tls::setup(&cfg.tls, &cfg.data_dir)?;
-        println!(
+        tracing::info!(
             "TLS certificate {}{} (SHA-256 {})",
             t.cert_path.display(),
             if t.generated { ", generated now" } else { "" },
@@ -242,6 +244,7 @@ fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
     if store.is_new()? {
         store.create_tenant("default")?;
         let (_, key) = store.create_key("default")?;
+        // On stdout for the operator, once, and never in the log (which carries no keys).
         println!("created tenant \"default\"; its API key (shown only now): {key}");
     }
     let path = admin_token_path(data_dir);
@@ -255,7 +258,7 @@ fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
         tls::write_private(&path, format!("{token}\n").as_bytes())
             .map_err(StartupError::io(format!("writing {}", path.display())))?;
     }
-    println!("admin token in {}", path.display());
+    tracing::info!("admin token in {}", path.display());
     Ok(())
 }
 
@@ -266,8 +269,8 @@ async fn flush_usage(state: Arc<State>) {
         let s = state.clone();
         match tokio::task::spawn_blocking(move || s.quotas.usage.flush()).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => eprintln!("usage: writing counters: {e}"),
-            Err(e) => eprintln!("usage: the flush task failed: {e}"),
+            Ok(Err(e)) => tracing::error!("usage: writing counters: {e}"),
+            Err(e) => tracing::error!("usage: the flush task failed: {e}"),
         }
     }
 }
@@ -300,13 +303,14 @@ async fn watch_policies(state: Arc<State>) {
             Ok(true) => {
                 last_error.clear();
                 let set = state.quotas.set();
-                println!("policies: version {} in force", set.version);
+                tracing::info!("policies: version {} in force", set.version);
                 let tenants = state.store.tenants().unwrap_or_default();
                 for m in &state.models {
                     if let Err(e) = m.engine.set_public_prefixes(set.public_prefixes(m.index)).await {
-                        eprintln!(
+                        tracing::warn!(
                             "policies: the public prefixes of version {} are not all cached on model {}: {e}",
-                            set.version, m.id
+                            set.version,
+                            m.id
                         );
                     }
                     for t in &tenants {
@@ -320,7 +324,7 @@ async fn watch_policies(state: Arc<State>) {
             Err(e) => {
                 let msg = e.to_string();
                 if msg != last_error {
-                    eprintln!(
+                    tracing::warn!(
                         "policies: refused ({msg}); version {} stays in force",
                         state.quotas.set().version
                     );
@@ -349,7 +353,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     let described = serde_json::to_vec_pretty(&info).map_err(ServeError::ServerInfo)?;
     std::fs::write(&info_path, described).map_err(StartupError::io(format!("writing {}", info_path.display())))?;
     let ids: Vec<&str> = state.models.iter().map(|m| m.id.as_str()).collect();
-    println!("serving {} on {}", ids.join(", "), info.url);
+    tracing::info!("serving {} on {}", ids.join(", "), info.url);
     state
         .metrics
         .policy(&state.quotas.set().version, state.quotas.reload_failures());
@@ -409,7 +413,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
             }
         });
     }
-    println!(
+    tracing::info!(
         "shutting down: finishing in-flight requests (up to {} s)",
         cfg.timeouts.shutdown_s
     );
@@ -427,6 +431,6 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     state.quotas.usage.flush()?;
     state.store.flush()?;
     let _ = std::fs::remove_file(server_info_path(&cfg.data_dir));
-    println!("stopped");
+    tracing::info!("stopped");
     Ok(())
 }

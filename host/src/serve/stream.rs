@@ -16,6 +16,7 @@ use hyper::body::{Body, Frame};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
+use super::access::Access;
 use super::error::ApiError;
 use crate::engine::TokenLogprobs;
 use crate::engine::request::{AbortReason, Outcome};
@@ -65,6 +66,8 @@ pub struct Responder {
     error: Option<ApiError>,
     /// Completions' `echo`: the prompt, returned before each choice's text.
     echo: Option<String>,
+    /// The request's access line, told of each update (and written when the responder goes).
+    access: Option<Arc<Access>>,
 }
 
 fn token_value(tok: &Tokenizer, id: u32, logprob: f32) -> Value {
@@ -99,7 +102,15 @@ impl Responder {
             done: 0,
             error: None,
             echo: None,
+            access: None,
         }
+    }
+
+    /// Tells `access` of each update: the request's line is written once the responder, and
+    /// every other holder, lets it go (a stream's, when its body ends).
+    pub fn with_access(mut self, access: Arc<Access>) -> Self {
+        self.access = Some(access);
+        self
     }
 
     /// Reads each choice's output for tool calls with `reader` (chat only): the calls become
@@ -199,6 +210,9 @@ impl Responder {
     pub fn push(&mut self, index: usize, u: Update, out: &mut VecDeque<Bytes>) {
         if self.finished() || self.choices.get(index).is_none_or(|c| c.finish.is_some()) {
             return;
+        }
+        if let Some(a) = &self.access {
+            a.update(&u);
         }
         match u {
             Update::Token { text, token, logprobs } => {

@@ -18,6 +18,7 @@ use crate::grammar::Format;
 use crate::plugin::KvAccess;
 use crate::policy::Policy;
 use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
+use crate::serve::access::Access;
 use crate::serve::error::ApiError;
 use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape, field_label};
 use crate::serve::plugins::pipeline::{Hooks, Reporter};
@@ -205,7 +206,12 @@ fn name_ignored(
     Ok(resp)
 }
 
-pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
+pub(super) async fn chat(
+    state: &Arc<State>,
+    t: Tenant,
+    body: &[u8],
+    access: &Arc<Access>,
+) -> Result<Response<Body>, ApiError> {
     let mut model = None;
     let mut ignored = Vec::new();
     let r = async {
@@ -215,25 +221,31 @@ pub(super) async fn chat(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<R
             .model(&r.common.model)
             .ok_or_else(|| model_not_found(&r.common.model))?;
         model = Some(served.id.clone());
+        access.model(&served.id);
         let a = admit(state, &t, served.clone())?;
         let asked = Asked::Chat(r.chat_messages()?);
         let plan = r.plan(&a.lim)?;
         let id = request_id("chatcmpl");
-        let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+        let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
         let reply = Reply {
             calls: plan.tools.as_ref().and_then(Tools::reader),
             echo: None,
         };
-        let req = limit(state, &t, &a, plan, prompt)?;
+        let req = limit(state, &t, &a, plan, prompt)?.with_request_id(access.id());
         let req = constrain(&a, &format, req).await?;
-        generate(state, &t, req, format, shape, Api::Chat, reply, id, hooks, a).await
+        generate(state, &t, req, format, shape, Api::Chat, reply, id, hooks, a, access).await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
 }
 
-pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> Result<Response<Body>, ApiError> {
+pub(super) async fn completions(
+    state: &Arc<State>,
+    t: Tenant,
+    body: &[u8],
+    access: &Arc<Access>,
+) -> Result<Response<Body>, ApiError> {
     let mut model = None;
     let mut ignored = Vec::new();
     let r = async {
@@ -243,6 +255,7 @@ pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> R
             .model(&r.common.model)
             .ok_or_else(|| model_not_found(&r.common.model))?;
         model = Some(served.id.clone());
+        access.model(&served.id);
         let a = admit(state, &t, served.clone())?;
         let asked = r.asked()?;
         let plan = r.common.plan(&a.lim, r.logprobs()?)?;
@@ -254,12 +267,25 @@ pub(super) async fn completions(state: &Arc<State>, t: Tenant, body: &[u8]) -> R
             (true, Asked::Chat(_)) => None,
         };
         let id = request_id("cmpl");
-        let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), &id).await?;
+        let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
-        let req = limit(state, &t, &a, plan, prompt)?;
+        let req = limit(state, &t, &a, plan, prompt)?.with_request_id(access.id());
         let req = constrain(&a, &format, req).await?;
         let reply = Reply { calls: None, echo };
-        generate(state, &t, req, format, shape, Api::Completion, reply, id, hooks, a).await
+        generate(
+            state,
+            &t,
+            req,
+            format,
+            shape,
+            Api::Completion,
+            reply,
+            id,
+            hooks,
+            a,
+            access,
+        )
+        .await
     }
     .await;
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
@@ -320,8 +346,9 @@ async fn prepare(
     mut asked: Asked,
     mut plan: Plan,
     plugin: Option<&str>,
-    id: &str,
+    access: &Access,
 ) -> Result<(Vec<u32>, Plan, Option<Hooks>), ApiError> {
+    let id = access.id();
     let resolved = match state.plugins.chosen(t, plugin)? {
         Some(name) if !a.policy.allows_plugin(&name) => {
             return Err(ApiError {
@@ -335,7 +362,10 @@ async fn prepare(
                 retry_after: None,
             });
         }
-        Some(name) => Some(state.plugins.resolve(t, &a.policy, name).await?),
+        Some(name) => {
+            access.plugin(&name);
+            Some(state.plugins.resolve(t, &a.policy, name).await?)
+        }
         None => None,
     };
     let mut hooks = None;
@@ -417,6 +447,7 @@ async fn generate(
     id: String,
     hooks: Option<Hooks>,
     a: Admitted,
+    access: &Arc<Access>,
 ) -> Result<Response<Body>, ApiError> {
     let (settings, policy_generation, grant, model) = (a.policy.tenant_settings(), a.generation, a.grant, a.model);
     if state.shutting_down.load(Ordering::SeqCst) {
@@ -498,6 +529,8 @@ async fn generate(
     if let Some(reader) = reply.calls {
         responder = responder.with_calls(reader);
     }
+    // A stream's access line is written when its body ends.
+    responder = responder.with_access(access.clone());
     let mut pending = VecDeque::new();
     if shape.stream {
         // Wait for each choice's first update: a rejection then becomes an error status.

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use hyper::body::Incoming;
+use hyper::header::HeaderValue;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{Value, json};
 
@@ -21,22 +22,41 @@ use self::auth::{admin, tenant};
 use self::body::read_body;
 pub use self::reply::Body;
 use self::reply::{error_response, full, json_response, method_not_allowed, model_not_found};
+use super::access::{Access, request_id};
 use super::error::ApiError;
 use super::state::{Served, State};
 
-/// Handles one request.
+/// Handles one request: its id (the client's `x-request-id`, or a new one) in every response,
+/// and its access line when it ends (see [`Access`]).
 pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, std::convert::Infallible> {
-    let r = match route(&state, req).await {
-        Ok(r) => r,
+    let id = request_id(req.headers().get("x-request-id").map(|v| v.as_bytes()));
+    let access = Access::new(id, req.method().as_str(), req.uri().path());
+    let mut r = match route(&state, req, &access).await {
+        Ok(r) => {
+            access.status(r.status().as_u16(), None);
+            r
+        }
         Err(e) => {
             state.metrics.http_error(e.code);
+            access.status(e.status.as_u16(), Some(e.code));
             error_response(&e)
         }
     };
+    // Plain ASCII by construction.
+    if let Ok(v) = HeaderValue::from_str(access.id()) {
+        r.headers_mut().insert("x-request-id", v);
+    }
     Ok(r)
 }
 
-async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, ApiError> {
+/// The tenant whose key `req` carries, named in its access line.
+fn tenant_of(state: &State, req: &Request<Incoming>, access: &Access) -> Result<crate::serve::store::Tenant, ApiError> {
+    let t = tenant(state, req)?;
+    access.tenant(&t.name);
+    Ok(t)
+}
+
+async fn route(state: &Arc<State>, req: Request<Incoming>, access: &Arc<Access>) -> Result<Response<Body>, ApiError> {
     let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
     if header_bytes > state.cfg.limits.header_bytes {
         return Err(ApiError::new(
@@ -86,7 +106,7 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         ["v1", "models"] => {
             allow(&[Method::GET])?;
-            let t = tenant(state, &req)?;
+            let t = tenant_of(state, &req, access)?;
             let policy = state.quotas.set().of(&t.name).clone();
             let cards: Vec<Value> = state
                 .models
@@ -98,7 +118,7 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         ["v1", "models", id @ ..] if !id.is_empty() => {
             allow(&[Method::GET])?;
-            let t = tenant(state, &req)?;
+            let t = tenant_of(state, &req, access)?;
             // A model id may hold '/' (`org/name`).
             let id = id.join("/");
             let policy = state.quotas.set().of(&t.name).clone();
@@ -109,26 +129,26 @@ async fn route(state: &Arc<State>, req: Request<Incoming>) -> Result<Response<Bo
         }
         ["v1", "chat", "completions"] => {
             allow(&[Method::POST])?;
-            let t = tenant(state, &req)?;
+            let t = tenant_of(state, &req, access)?;
             let body = read_body(state, req).await?;
-            generate::chat(state, t, &body).await
+            generate::chat(state, t, &body, access).await
         }
         ["v1", "completions"] => {
             allow(&[Method::POST])?;
-            let t = tenant(state, &req)?;
+            let t = tenant_of(state, &req, access)?;
             let body = read_body(state, req).await?;
-            generate::completions(state, t, &body).await
+            generate::completions(state, t, &body, access).await
         }
         ["v1", "usage"] => {
             allow(&[Method::GET])?;
-            let t = tenant(state, &req)?;
+            let t = tenant_of(state, &req, access)?;
             Ok(json_response(
                 StatusCode::OK,
                 &json!(state.quotas.usage.of(t.id, &t.name)),
             ))
         }
         ["v1", "plugins", rest @ ..] => {
-            let t = tenant(state, &req)?;
+            let t = tenant_of(state, &req, access)?;
             plugin_api::route(state, &t, req, &method, rest).await
         }
         ["admin", "v1", rest @ ..] => admin_api::route(state, req, &method, rest).await,

@@ -55,9 +55,17 @@ impl Reporter {
         ApiError::from(&self.failed(f.clone()))
     }
 
-    /// Counts `f` in the tenant's metrics.
+    /// Counts `f` in the tenant's metrics and logs its code at WARN (its message, which may
+    /// carry what the plugin said, goes only to the tenant).
     fn failed(&self, f: PluginFailure) -> PluginFailure {
         self.metrics.plugin_failure(&self.tenant, f.code());
+        tracing::warn!(
+            target: "warden::plugin",
+            tenant = %self.tenant,
+            request_id = %self.request,
+            code = f.code(),
+            "the request's plugin failed"
+        );
         f
     }
 

@@ -1,0 +1,66 @@
+//! The process's log: the library reports through `tracing` events and [`init`] installs the
+//! subscriber that writes them, one line each on stderr, as text or as JSON objects, filtered by
+//! `RUST_LOG` (`info` when unset). Events name requests by id and tenants by name; none carries
+//! a prompt, a completion, a key or a plugin's output (those go to the tenant's own plugin log).
+//!
+//! Targets an operator filters on: `warden::access` (one line per HTTP request, see
+//! `serve::access`), `warden::isolation` (a refused KV read or write, at ERROR), `warden::plugin`
+//! (a plugin's failure, at WARN), and each module's own.
+
+use tracing_subscriber::EnvFilter;
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum LogFormat {
+    /// `2026-12-07T04:36:53.123456Z  INFO target: message key=value ...`.
+    #[default]
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, `target`, `message` and the fields.
+    Json,
+}
+
+impl std::str::FromStr for LogFormat {
+    type Err = LogError;
+
+    fn from_str(s: &str) -> Result<Self, LogError> {
+        match s {
+            "text" => Ok(Self::Text),
+            "json" => Ok(Self::Json),
+            other => Err(LogError::Format(other.to_string())),
+        }
+    }
+}
+
+/// Why the log could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LogError {
+    /// `--log-format` named neither format.
+    #[error("log format {0:?}: expected text or json")]
+    Format(String),
+    /// `RUST_LOG` does not parse.
+    #[error("RUST_LOG={0:?}: {1}")]
+    Filter(String, String),
+    /// A subscriber was installed already.
+    #[error("installing the log: {0}")]
+    Install(String),
+}
+
+/// Installs the process's subscriber: `format` lines on stderr, filtered by `RUST_LOG` (`info`
+/// when it is unset or empty; a directive that does not parse is an error naming it).
+pub fn init(format: LogFormat) -> Result<(), LogError> {
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(s) if !s.trim().is_empty() => {
+            EnvFilter::try_new(&s).map_err(|e| LogError::Filter(s.clone(), e.to_string()))?
+        }
+        _ => EnvFilter::new("info"),
+    };
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false);
+    match format {
+        LogFormat::Text => fmt.try_init(),
+        LogFormat::Json => fmt.json().flatten_event(true).try_init(),
+    }
+    .map_err(|e| LogError::Install(e.to_string()))
+}

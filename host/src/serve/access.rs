@@ -1,0 +1,157 @@
+//! One access line per request, as operators read web servers' logs: the request's id, its
+//! tenant, model, route, status and error code, its prompt, completion and cached tokens, its
+//! time to first token and duration, its finish reason and plugin. The line is written when
+//! the request ends: for a stream, when its last byte is sent or its client goes away (the
+//! [`Access`] lives in the response body). It names the tenant and the plugin, never the text.
+//!
+//! The request id is the client's `x-request-id` when it is a plain one (at most
+//! [`MAX_REQUEST_ID`] characters of letters, digits and `-_.:`), else one made here; every
+//! response returns it in `x-request-id`, and it goes with the request to the engine (a cluster's
+//! nodes log it too) and to its plugin's log lines.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::engine::request::Outcome;
+use crate::runner::Update;
+
+/// Longest request id taken from a client.
+pub const MAX_REQUEST_ID: usize = 128;
+
+/// The request id for a request whose `x-request-id` header is `given`: that, if it is plain
+/// enough to log and echo, else a new one (`req_` and 24 hex digits).
+pub fn request_id(given: Option<&[u8]>) -> String {
+    if let Some(g) = given
+        && !g.is_empty()
+        && g.len() <= MAX_REQUEST_ID
+        && g.iter().all(|&b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    {
+        // Checked ASCII above.
+        return String::from_utf8_lossy(g).into_owned();
+    }
+    use rand::RngCore;
+    let mut b = [0u8; 12];
+    rand::rng().fill_bytes(&mut b);
+    format!("req_{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+}
+
+/// What the line says, filled in as the request goes.
+#[derive(Debug, Default)]
+struct Line {
+    tenant: Option<String>,
+    model: Option<String>,
+    plugin: Option<String>,
+    status: u16,
+    code: Option<&'static str>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    cached_tokens: usize,
+    first_token: Option<Duration>,
+    finish: Option<&'static str>,
+}
+
+/// A request's access line; written when the last holder lets go.
+#[derive(Debug)]
+pub struct Access {
+    id: String,
+    method: String,
+    route: String,
+    started: Instant,
+    line: Mutex<Line>,
+}
+
+impl Access {
+    /// The line of request `id`, a `method` on `path` (cut to 256 bytes), begun now.
+    pub fn new(id: String, method: &str, path: &str) -> Arc<Self> {
+        let mut route = path.to_string();
+        if route.len() > 256 {
+            let mut end = 256;
+            while !route.is_char_boundary(end) {
+                end -= 1;
+            }
+            route.truncate(end);
+        }
+        Arc::new(Self {
+            id,
+            method: method.to_string(),
+            route,
+            started: Instant::now(),
+            line: Mutex::new(Line::default()),
+        })
+    }
+
+    /// The request id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn line(&self) -> std::sync::MutexGuard<'_, Line> {
+        self.line.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The tenant whose key it carried.
+    pub fn tenant(&self, name: &str) {
+        self.line().tenant = Some(name.to_string());
+    }
+
+    /// The served model it named.
+    pub fn model(&self, id: &str) {
+        self.line().model = Some(id.to_string());
+    }
+
+    /// The plugin its tenant's request ran.
+    pub fn plugin(&self, name: &str) {
+        self.line().plugin = Some(name.to_string());
+    }
+
+    /// The response's status, and its error code if it is an error.
+    pub fn status(&self, status: u16, code: Option<&'static str>) {
+        let mut l = self.line();
+        l.status = status;
+        l.code = code;
+    }
+
+    /// A choice's update: the first token's time; at its end, its tokens and finish reason (a
+    /// request's choices add up; the finish is the last choice's).
+    pub fn update(&self, u: &Update) {
+        let mut l = self.line();
+        match u {
+            Update::Token { .. } if l.first_token.is_none() => l.first_token = Some(self.started.elapsed()),
+            Update::Done { outcome, usage, .. } => {
+                l.prompt_tokens = l.prompt_tokens.max(usage.prompt_tokens);
+                l.cached_tokens = l.cached_tokens.max(usage.cached_tokens);
+                l.completion_tokens += usage.completion_tokens;
+                l.finish = Some(match outcome {
+                    Outcome::Finished(f) => f.as_str(),
+                    Outcome::Aborted(r) => r.code(),
+                });
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Drop for Access {
+    fn drop(&mut self) {
+        let l = self.line.get_mut().unwrap_or_else(|p| p.into_inner());
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        tracing::info!(
+            target: "warden::access",
+            request_id = %self.id,
+            method = %self.method,
+            route = %self.route,
+            tenant = l.tenant.as_deref().unwrap_or("-"),
+            model = l.model.as_deref().unwrap_or("-"),
+            status = l.status,
+            code = l.code.unwrap_or("-"),
+            prompt_tokens = l.prompt_tokens,
+            completion_tokens = l.completion_tokens,
+            cached_tokens = l.cached_tokens,
+            ttft_ms = l.first_token.map_or(-1.0, ms),
+            duration_ms = ms(self.started.elapsed()),
+            finish_reason = l.finish.unwrap_or("-"),
+            plugin = l.plugin.as_deref().unwrap_or("-"),
+            "request"
+        );
+    }
+}
