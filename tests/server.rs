@@ -948,3 +948,76 @@ fn each_request_gets_an_access_line_and_its_id_back() {
         );
     });
 }
+
+/// `warden config check` reads a file as `warden serve` does, the WARDEN_ environment over it,
+/// and exits non-zero with the server's message; `serve`'s `--listen` and `--data-dir` win over
+/// both.
+#[test]
+fn config_check_says_what_serve_would_and_flags_override_the_file() {
+    let dir = common::temp_dir("cfgcheck");
+    let check = |toml: &str, env: &[(&str, &str)]| {
+        let cfg = dir.join("w.toml");
+        std::fs::write(&cfg, format!("model = {:?}\n{toml}", common::model())).unwrap();
+        let out = std::process::Command::new(common::warden_bin())
+            .args(["config", "check"])
+            .arg(&cfg)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), said)
+    };
+    let (ok, said) = check("listen = \"127.0.0.1:0\"\n", &[("WARDEN_KV__MEMORY_MIB", "96")]);
+    assert!(ok && said.contains(": ok (listen 127.0.0.1:0"), "{said}");
+    let (ok, said) = check("[kv]\nmemory_mb = 96\n", &[]);
+    assert!(!ok && said.contains("memory_mb") && said.contains("line 3"), "{said}");
+    let (ok, said) = check("", &[("WARDEN_LIMITS__QUEUE", "0")]);
+    assert!(!ok && said.contains("limits.queue = 0"), "{said}");
+    let (ok, said) = check("", &[("WARDEN_LISTN", "0.0.0.0:1")]);
+    assert!(
+        !ok && said.contains("WARDEN_LISTN: names no configuration key"),
+        "{said}"
+    );
+    let (ok, said) = check("[[models]]\npath = \"nowhere.gguf\"\n", &[]);
+    assert!(!ok && said.contains("set model (one model) or [[models]]"), "{said}");
+    std::fs::write(dir.join("m.toml"), "model = \"nowhere.gguf\"\n").unwrap();
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["config", "check"])
+        .arg(dir.join("m.toml"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("nowhere.gguf") && said.contains("not found"),
+        "{said}"
+    );
+    // Flags over the file: the server listens where --listen says and keeps its state where
+    // --data-dir says.
+    let data = dir.join("elsewhere");
+    std::fs::write(
+        dir.join("f.toml"),
+        format!("listen = \"127.0.0.1:1\"\nmodel = {:?}\n", common::model()),
+    )
+    .unwrap();
+    let mut child = std::process::Command::new(common::warden_bin())
+        .args(["serve", "--config"])
+        .arg(dir.join("f.toml"))
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !data.join("server.json").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the server never wrote its state under --data-dir"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let info = std::fs::read_to_string(data.join("server.json")).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(info.contains("127.0.0.1:") && !info.contains("127.0.0.1:1\""), "{info}");
+}

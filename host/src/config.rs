@@ -40,6 +40,15 @@ pub struct ServeConfig {
     pub cluster: ClusterConfig,
 }
 
+/// The configuration's top-level keys, as `WARDEN_` variables name them (lowercased).
+pub const TOP_LEVEL_KEYS: &[&str] = &[
+    "listen", "data_dir", "model", "models", "tls", "kv", "limits", "timeouts", "plugins", "policies", "cluster",
+];
+
+/// `WARDEN_` variables that are not configuration: the log's format, and the leak-canary suite's
+/// transfer faults.
+pub const NOT_CONFIG: &[&str] = &["LOG_FORMAT", "TRANSFER_FAULTS"];
+
 impl Default for ServeConfig {
     fn default() -> Self {
         Self {
@@ -386,6 +395,14 @@ impl Default for PluginsConfig {
 /// Errors reading a configuration.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
+    /// A `WARDEN_` environment variable (or a command-line flag) that cannot be applied.
+    #[error("{var}: {message}")]
+    Env {
+        /// The variable.
+        var: String,
+        /// What is wrong.
+        message: String,
+    },
     /// The file could not be read.
     #[error("reading {path}: {source}")]
     Read {
@@ -451,6 +468,90 @@ impl ServeConfig {
             source,
         })?;
         Self::parse(&text, path)
+    }
+
+    /// The configuration a server starts with: the file at `path` (none: the defaults), then
+    /// environment variables `WARDEN_<KEY>` over it (nested keys joined by `__`, as
+    /// `WARDEN_KV__MEMORY_MIB=512`; a value is read as TOML, else taken as a string), then
+    /// `flags` (key, TOML value) over both; checked as a file is. A `WARDEN_` variable that names
+    /// no configuration key is an error, but for the few the process reads for itself
+    /// ([`NOT_CONFIG`]).
+    pub fn load_layered(
+        path: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+        flags: &[(&str, toml::Value)],
+    ) -> Result<Self, ConfigError> {
+        let shown = path.unwrap_or(Path::new("(no configuration file)"));
+        let text = match path {
+            Some(p) => std::fs::read_to_string(p).map_err(|source| ConfigError::Read { path: p.into(), source })?,
+            None => String::new(),
+        };
+        // The file alone first: its own mistakes are named with their lines.
+        let from_file = Self::parse(&text, shown);
+        let mut layers: Vec<(String, Vec<String>, toml::Value)> = Vec::new();
+        for (var, raw) in env {
+            let Some(key) = var.strip_prefix("WARDEN_") else {
+                continue;
+            };
+            if NOT_CONFIG.contains(&key) {
+                continue;
+            }
+            let keys: Vec<String> = key.split("__").map(str::to_ascii_lowercase).collect();
+            if !TOP_LEVEL_KEYS.contains(&keys[0].as_str()) || keys.iter().any(String::is_empty) {
+                return Err(ConfigError::Env {
+                    var,
+                    message: format!(
+                        "names no configuration key (the top-level keys: {}; nested ones joined by __)",
+                        TOP_LEVEL_KEYS.join(", ")
+                    ),
+                });
+            }
+            let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+                .unwrap_or(toml::Value::String(raw));
+            layers.push((var, keys, value));
+        }
+        for (key, value) in flags {
+            layers.push((
+                format!("--{}", key.replace('_', "-")),
+                vec![key.to_string()],
+                value.clone(),
+            ));
+        }
+        if layers.is_empty() {
+            return from_file;
+        }
+        from_file?;
+        let mut table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: shown.into(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        let names: Vec<String> = layers.iter().map(|(n, _, _)| n.clone()).collect();
+        for (name, keys, value) in layers {
+            let mut at = &mut table;
+            for k in &keys[..keys.len() - 1] {
+                let next = at
+                    .entry(k.clone())
+                    .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+                at = match next {
+                    toml::Value::Table(t) => t,
+                    _ => {
+                        return Err(ConfigError::Env {
+                            var: name,
+                            message: format!("{k} is not a table"),
+                        });
+                    }
+                };
+            }
+            at.insert(keys[keys.len() - 1].clone(), value);
+        }
+        let cfg = ServeConfig::deserialize(toml::Value::Table(table)).map_err(|e| ConfigError::Parse {
+            path: shown.into(),
+            message: format!("{} (with {})", e.to_string().trim_end(), names.join(", ")),
+        })?;
+        cfg.check(shown)?;
+        Ok(cfg)
     }
 
     /// Parses and checks TOML text (`path` names it in errors).
@@ -736,6 +837,62 @@ mod tests {
 
     fn parse(text: &str) -> Result<ServeConfig, ConfigError> {
         ServeConfig::parse(text, Path::new("w.toml"))
+    }
+
+    #[test]
+    fn the_environment_then_flags_override_the_file_and_a_stray_variable_is_named() {
+        let dir = std::env::temp_dir().join(format!("warden-layered-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("w.toml");
+        std::fs::write(&file, "listen = \"127.0.0.1:9000\"\n[kv]\nmemory_mib = 64\n").unwrap();
+        let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        };
+        let c = ServeConfig::load_layered(
+            Some(&file),
+            env(&[
+                ("WARDEN_KV__MEMORY_MIB", "128"),
+                ("WARDEN_LISTEN", "0.0.0.0:9100"),
+                ("WARDEN_DATA_DIR", "/var/lib/warden"),
+                ("WARDEN_LIMITS__MAX_CONTEXT", "4096"),
+                ("WARDEN_LOG_FORMAT", "json"),
+                ("HOME", "/root"),
+            ]),
+            &[("listen", toml::Value::String("0.0.0.0:9200".into()))],
+        )
+        .unwrap();
+        assert_eq!(c.kv.memory_mib, 128, "the environment over the file");
+        assert_eq!(c.listen.to_string(), "0.0.0.0:9200", "a flag over the environment");
+        assert_eq!(
+            c.data_dir,
+            PathBuf::from("/var/lib/warden"),
+            "a string that is not TOML"
+        );
+        assert_eq!(c.limits.max_context, Some(4096));
+        // No file: the defaults under the environment.
+        let c = ServeConfig::load_layered(None, env(&[("WARDEN_KV__PAGE_SIZE", "32")]), &[]).unwrap();
+        assert_eq!((c.kv.page_size, c.listen.port()), (32, 8443));
+        // A variable that names no key, a nested key that does not exist, a value out of range.
+        let e = ServeConfig::load_layered(Some(&file), env(&[("WARDEN_LISTN", "x")]), &[]).unwrap_err();
+        assert!(
+            e.to_string().starts_with("WARDEN_LISTN: names no configuration key"),
+            "{e}"
+        );
+        let e = ServeConfig::load_layered(Some(&file), env(&[("WARDEN_KV__MEMORY_MB", "1")]), &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("memory_mb") && e.to_string().contains("WARDEN_KV__MEMORY_MB"),
+            "{e}"
+        );
+        let e = ServeConfig::load_layered(Some(&file), env(&[("WARDEN_KV__PAGE_SIZE", "0")]), &[]).unwrap_err();
+        assert!(e.to_string().contains("kv.page_size = 0"), "{e}");
+        // The file's own mistakes keep their line.
+        std::fs::write(&file, "listen = \"127.0.0.1:9000\"\n[kv]\nmemory_mb = 64\n").unwrap();
+        let e = ServeConfig::load_layered(Some(&file), env(&[("WARDEN_LISTEN", "0.0.0.0:1")]), &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("memory_mb") && e.to_string().contains("line 3"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -109,6 +109,22 @@ enum Command {
         /// cluster.prefill and cluster.decode).
         #[arg(long, value_enum, default_value_t = Role::All)]
         role: Role,
+        /// Address to listen on (over the file's `listen` and WARDEN_LISTEN).
+        #[arg(long)]
+        listen: Option<String>,
+        /// The GGUF model file to serve (over the file's `model` and WARDEN_MODEL).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// Directory for the state store, certificate and admin token (over the file's
+        /// `data_dir` and WARDEN_DATA_DIR).
+        #[arg(long)]
+        data_dir: Option<PathBuf>,
+    },
+    /// Check a configuration file as `warden serve` reads it (with the WARDEN_ environment
+    /// over it), without starting anything: exits non-zero with the server's message.
+    Config {
+        #[command(subcommand)]
+        op: ConfigOp,
     },
     /// Compile a plugin component read from stdin, writing the artefact to stdout: the server
     /// runs this in a child process under resource limits for every upload.
@@ -231,6 +247,15 @@ impl StoreArgs {
 }
 
 #[derive(Subcommand)]
+enum ConfigOp {
+    /// Check FILE: its keys, types and ranges, and that each model file it names is there.
+    Check {
+        /// The configuration file.
+        file: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
 enum TenantOp {
     /// Create a tenant.
     Create {
@@ -265,11 +290,9 @@ enum KeyOp {
     },
 }
 
+/// The configuration at `path` (none: the defaults) with the WARDEN_ environment over it.
 fn config(path: Option<&Path>) -> anyhow::Result<ServeConfig> {
-    Ok(match path {
-        Some(p) => ServeConfig::load(p)?,
-        None => ServeConfig::default(),
-    })
+    Ok(ServeConfig::load_layered(path, std::env::vars(), &[])?)
 }
 
 fn main() -> std::process::ExitCode {
@@ -382,7 +405,43 @@ fn run(command: Command) -> anyhow::Result<()> {
             config: path,
             insecure_http,
             role,
-        } => Ok(serve(config(path.as_deref())?, ServeOptions { insecure_http, role })?),
+            listen,
+            model,
+            data_dir,
+        } => {
+            let path_value = |p: PathBuf| toml::Value::String(p.to_string_lossy().into_owned());
+            let mut flags = Vec::new();
+            if let Some(l) = listen {
+                flags.push(("listen", toml::Value::String(l)));
+            }
+            if let Some(m) = model {
+                flags.push(("model", path_value(m)));
+            }
+            if let Some(d) = data_dir {
+                flags.push(("data_dir", path_value(d)));
+            }
+            let cfg = ServeConfig::load_layered(path.as_deref(), std::env::vars(), &flags)?;
+            Ok(serve(cfg, ServeOptions { insecure_http, role })?)
+        }
+        Command::Config {
+            op: ConfigOp::Check { file },
+        } => {
+            let cfg = ServeConfig::load_layered(Some(&file), std::env::vars(), &[])?;
+            for m in cfg.served() {
+                if !m.path.exists() {
+                    bail!(warden::loaded::LoadError::NotFound(m.path.clone()));
+                }
+            }
+            let names: Vec<String> = cfg.served().into_iter().map(|m| m.name).collect();
+            println!(
+                "{}: ok (listen {}, data_dir {}, serving {})",
+                file.display(),
+                cfg.listen,
+                cfg.data_dir.display(),
+                names.join(", ")
+            );
+            Ok(())
+        }
         Command::Tenant { op, store } => {
             let op = match op {
                 TenantOp::Create { name } => Op::TenantCreate(name),
