@@ -390,3 +390,44 @@ fn usage_survives_a_restart_and_a_kill_9() {
         assert_eq!(u["requests"], 5);
     });
 }
+
+/// `warden policies check DIR` loads a policy directory as the server does, against the pools
+/// and tokenizers of the configuration's models, and exits non-zero with the server's message.
+#[test]
+fn policies_check_says_what_the_server_would() {
+    let dir = common::temp_dir("polcheck");
+    let cfg = dir.join("w.toml");
+    std::fs::write(&cfg, format!("model = {:?}\n[kv]\nmemory_mib = 64\n", common::model())).unwrap();
+    let check = |files: &[(&str, &str)]| {
+        let p = dir.join(format!("p{}", rand::random::<u32>()));
+        for (name, text) in files {
+            let f = p.join(name);
+            std::fs::create_dir_all(f.parent().unwrap()).unwrap();
+            std::fs::write(f, text).unwrap();
+        }
+        let out = std::process::Command::new(common::warden_bin())
+            .args(["policies", "check"])
+            .arg(&p)
+            .arg("--config")
+            .arg(&cfg)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), said)
+    };
+    let (ok, said) = check(&[
+        ("default.toml", "max_tokens = 64\n"),
+        ("tenants/acme.toml", "tokens_per_minute = 300\n"),
+    ]);
+    assert!(ok && said.contains(": ok (version "), "{said}");
+    let (ok, said) = check(&[("tenants/acme.toml", "max_tokens = 2\nmax_tokenz = 3\n")]);
+    assert!(
+        !ok && said.contains("tenants/acme.toml:2") && said.contains("max_tokenz"),
+        "{said}"
+    );
+    let (ok, said) = check(&[("tenants/big.toml", "[kv]\nmax_pages = 10000000\n")]);
+    assert!(
+        !ok && said.contains("tenants/big.toml") && said.contains("max_pages"),
+        "{said}"
+    );
+}

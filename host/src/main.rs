@@ -126,6 +126,12 @@ enum Command {
         #[command(subcommand)]
         op: ConfigOp,
     },
+    /// Check a policy directory as `warden serve` loads it, against the pools and tokenizers of
+    /// the models a configuration serves: exits non-zero with the server's message.
+    Policies {
+        #[command(subcommand)]
+        op: PoliciesOp,
+    },
     /// Compile a plugin component read from stdin, writing the artefact to stdout: the server
     /// runs this in a child process under resource limits for every upload.
     #[command(name = "compile-plugin", hide = true)]
@@ -252,6 +258,19 @@ enum ConfigOp {
     Check {
         /// The configuration file.
         file: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum PoliciesOp {
+    /// Check DIR (default.toml and tenants/*.toml): each file's keys and ranges, the KV pages
+    /// and pins against the smallest pool, and the public prefixes tokenized by each model.
+    Check {
+        /// The policy directory.
+        dir: PathBuf,
+        /// The server's configuration (its models and KV pool); defaults apply without one.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
 }
 
@@ -422,6 +441,25 @@ fn run(command: Command) -> anyhow::Result<()> {
             }
             let cfg = ServeConfig::load_layered(path.as_deref(), std::env::vars(), &flags)?;
             Ok(serve(cfg, ServeOptions { insecure_http, role })?)
+        }
+        Command::Policies {
+            op: PoliciesOp::Check { dir, config: path },
+        } => {
+            let cfg = config(path.as_deref())?;
+            // The models' pools and tokenizers as the server makes them.
+            let (mut pools, mut tokenizers) = (Vec::new(), Vec::new());
+            for s in cfg.served() {
+                let loaded = LoadedModel::open(&s.path)?;
+                let engine = warden::runner::start_engine(&cfg, &s, &loaded)?;
+                pools.push((engine.kv_counters().pages_total, engine.pinnable_pages()));
+                tokenizers.push(loaded.tokenizer.clone());
+            }
+            let bounds = warden::policy::Bounds::of_pools(&pools, cfg.kv.page_size);
+            let tokenize = |text: &str| tokenizers.iter().map(|tk| tk.encode(text, true)).collect();
+            let set = warden::policy::PolicySet::load(&dir, bounds, &tokenize)
+                .context("loading the tenants' policies (see `policies` in the config)")?;
+            println!("{}: ok (version {})", dir.display(), set.version);
+            Ok(())
         }
         Command::Config {
             op: ConfigOp::Check { file },

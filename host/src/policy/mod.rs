@@ -292,6 +292,18 @@ pub struct Bounds {
     pub pin_pages: u64,
 }
 
+impl Bounds {
+    /// The bounds a tenant's KV policy has across pools of (pages, pinnable pages) with pages of
+    /// `page_size` tokens: a policy applies in every model's pool, so the smallest bounds it.
+    pub fn of_pools(pools: &[(usize, usize)], page_size: usize) -> Self {
+        Self {
+            kv_pages: pools.iter().map(|p| p.0).min().unwrap_or(0) as u64,
+            page_size,
+            pin_pages: pools.iter().map(|p| p.1).min().unwrap_or(0) as u64,
+        }
+    }
+}
+
 /// A public prefix: its name, and its tokens for each served model (in the server's order).
 type PublicPrefix = (String, Vec<Vec<u32>>);
 

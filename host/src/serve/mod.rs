@@ -135,11 +135,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
     first_start(&store, &cfg.data_dir)?;
     // A tenant's KV policy applies in every model's pool: the smallest pool bounds it.
     let pools: Vec<(usize, usize)> = models.iter().map(|m| m.engine.pool_pages()).collect();
-    let bounds = crate::policy::Bounds {
-        kv_pages: pools.iter().map(|p| p.0).min().unwrap_or(0) as u64,
-        page_size: cfg.kv.page_size,
-        pin_pages: pools.iter().map(|p| p.1).min().unwrap_or(0) as u64,
-    };
+    let bounds = crate::policy::Bounds::of_pools(&pools, cfg.kv.page_size);
     let tokenizers: Vec<_> = models.iter().map(|m| m.loaded.tokenizer.clone()).collect();
     let tokenize: quota::Tokenize =
         Arc::new(move |text: &str| tokenizers.iter().map(|tk| tk.encode(text, true)).collect());
