@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::chat::{ChatError, ChatTemplate};
 use crate::gguf::{Gguf, GgufError};
@@ -44,10 +45,27 @@ impl LoadedModel {
         if !path.exists() {
             return Err(LoadError::NotFound(path.into()));
         }
+        // Progress lines with their times: a large model takes a while at each stage.
+        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+        let (file, started) = (path.display(), Instant::now());
+        let mib = std::fs::metadata(path).map_or(0, |m| m.len() >> 20);
+        tracing::info!("model {file}: validating and mapping {mib} MiB");
         let g = Gguf::open(path).map_err(|e| LoadError::Gguf(path.into(), e))?;
+        tracing::info!(
+            "model {file}: mapped and validated in {:.0} ms; repacking its weights",
+            ms(started)
+        );
+        let t = Instant::now();
         let model = Model::from_gguf(&g).map_err(|e| LoadError::Model(path.into(), e))?;
+        tracing::info!("model {file}: weights repacked in {:.0} ms", ms(t));
+        let t = Instant::now();
         let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| LoadError::Tokenizer(path.into(), e))?;
         let chat = ChatTemplate::from_gguf(&g).map_err(|e| LoadError::Chat(path.into(), e))?;
+        tracing::info!(
+            "model {file}: tokenizer and chat template read in {:.0} ms; loaded in {:.0} ms",
+            ms(t),
+            ms(started)
+        );
         Ok(Self {
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
