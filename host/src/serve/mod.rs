@@ -271,6 +271,46 @@ async fn flush_usage(state: Arc<State>) {
     }
 }
 
+/// Reloads the TLS certificate and key when their files change (checked every second) and on
+/// SIGHUP, for new connections; a pair that does not load is reported and the one in force
+/// stays.
+async fn watch_certificates(certs: Arc<tls::Certificates>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut hup = signal(SignalKind::hangup()).ok();
+    let mut last_error = String::new();
+    loop {
+        let tick = tokio::time::sleep(Duration::from_secs(1));
+        let forced = match &mut hup {
+            Some(h) => tokio::select! {
+                _ = tick => false,
+                _ = h.recv() => true,
+            },
+            None => {
+                tick.await;
+                false
+            }
+        };
+        let c = certs.clone();
+        let Ok(result) = tokio::task::spawn_blocking(move || c.reload(forced)).await else {
+            continue;
+        };
+        match result {
+            Ok(Some(fingerprint)) => {
+                last_error.clear();
+                tracing::info!("TLS certificate reloaded (SHA-256 {fingerprint}): new connections get it");
+            }
+            Ok(None) => {}
+            Err(e) => {
+                let msg = e.to_string();
+                if msg != last_error {
+                    tracing::warn!("TLS certificate not reloaded ({msg}); the one in force stays");
+                    last_error = msg;
+                }
+            }
+        }
+    }
+}
+
 /// Reloads the policies every second and on SIGHUP; a good set takes effect at once (and its
 /// KV settings reach the engine), a bad one is reported and the set in force stays.
 async fn watch_policies(state: Arc<State>) {
@@ -355,6 +395,9 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
         .policy(&state.quotas.set().version, state.quotas.reload_failures());
     tokio::spawn(flush_usage(state.clone()));
     tokio::spawn(watch_policies(state.clone()));
+    if let Some(t) = &tls {
+        tokio::spawn(watch_certificates(t.certificates.clone()));
+    }
     tokio::spawn(crate::heap::trim_periodically());
     let acceptor = tls.map(|t| tokio_rustls::TlsAcceptor::from(t.config));
     // The protocol comes from ALPN (plain HTTP is HTTP/1.1 only), so no connection sits in

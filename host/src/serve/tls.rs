@@ -1,13 +1,17 @@
 //! TLS for `warden serve`: the configured certificate and key, or a self-signed certificate for
 //! `localhost` generated in the data dir on first start (and reused afterwards). ALPN offers
-//! HTTP/2 and HTTP/1.1.
+//! HTTP/2 and HTTP/1.1. The pair is reloaded on SIGHUP and when its files change
+//! ([`Certificates::reload`]), for new connections; open ones keep theirs.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
 
 use rustls::ServerConfig;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::{ClientHello, ResolvesServerCert};
+use rustls::sign::CertifiedKey;
 use sha2::{Digest, Sha256};
 
 use crate::config::TlsConfig;
@@ -22,6 +26,8 @@ pub struct TlsSetup {
     pub fingerprint: String,
     /// Whether this start generated it.
     pub generated: bool,
+    /// What the acceptor serves; reloaded on SIGHUP and when the files change.
+    pub certificates: Arc<Certificates>,
 }
 
 /// TLS errors.
@@ -72,7 +78,7 @@ pub fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Loads the configured certificate, or the generated one in `data_dir/tls`, generating it if
-/// absent.
+/// absent. The acceptor's certificate is [`Certificates`]: it may be reloaded while serving.
 pub fn setup(cfg: &TlsConfig, data_dir: &Path) -> Result<TlsSetup, TlsError> {
     let (cert_path, key_path, generated) = match (&cfg.cert, &cfg.key) {
         (Some(c), Some(k)) => (c.clone(), k.clone(), false),
@@ -89,12 +95,36 @@ pub fn setup(cfg: &TlsConfig, data_dir: &Path) -> Result<TlsSetup, TlsError> {
             (c, k, generated)
         }
     };
-    let cert_pem = std::fs::read(&cert_path).map_err(io_err(&cert_path))?;
+    let (key, fingerprint) = read_pair(&cert_path, &key_path)?;
+    let certificates = Arc::new(Certificates {
+        current: RwLock::new(key),
+        stamp: Mutex::new(stamp(&cert_path, &key_path)),
+        cert_path: cert_path.clone(),
+        key_path,
+    });
+    let mut config = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_cert_resolver(certificates.clone());
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsSetup {
+        config: Arc::new(config),
+        cert_path,
+        fingerprint,
+        generated,
+        certificates,
+    })
+}
+
+/// The certificate and key at these paths, checked to belong together, and the leaf's
+/// fingerprint.
+fn read_pair(cert_path: &Path, key_path: &Path) -> Result<(Arc<CertifiedKey>, String), TlsError> {
+    let cert_pem = std::fs::read(cert_path).map_err(io_err(cert_path))?;
     let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut &cert_pem[..])
         .collect::<Result<_, _>>()
-        .map_err(io_err(&cert_path))?;
+        .map_err(io_err(cert_path))?;
     let leaf = certs.first().ok_or(TlsError::Pem {
-        path: cert_path.clone(),
+        path: cert_path.into(),
         what: "no certificate in the file",
     })?;
     let fingerprint = Sha256::digest(leaf.as_ref())
@@ -102,24 +132,66 @@ pub fn setup(cfg: &TlsConfig, data_dir: &Path) -> Result<TlsSetup, TlsError> {
         .map(|b| format!("{b:02X}"))
         .collect::<Vec<_>>()
         .join(":");
-    let key_pem = std::fs::read(&key_path).map_err(io_err(&key_path))?;
+    let key_pem = std::fs::read(key_path).map_err(io_err(key_path))?;
     let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut &key_pem[..])
-        .map_err(io_err(&key_path))?
+        .map_err(io_err(key_path))?
         .ok_or(TlsError::Pem {
-            path: key_path.clone(),
+            path: key_path.into(),
             what: "no private key in the file",
         })?;
-    let mut config = ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()?
-        .with_no_client_auth()
-        .with_single_cert(certs, key)?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(TlsSetup {
-        config: Arc::new(config),
-        cert_path,
-        fingerprint,
-        generated,
-    })
+    let signer = rustls::crypto::ring::default_provider()
+        .key_provider
+        .load_private_key(key)?;
+    let pair = CertifiedKey::new(certs, signer);
+    pair.keys_match()?;
+    Ok((Arc::new(pair), fingerprint))
+}
+
+/// When the two files last changed, and their sizes: what says they were replaced.
+type Stamp = Option<(SystemTime, u64, SystemTime, u64)>;
+
+fn stamp(cert_path: &Path, key_path: &Path) -> Stamp {
+    let of = |p: &Path| {
+        std::fs::metadata(p)
+            .ok()
+            .and_then(|m| Some((m.modified().ok()?, m.len())))
+    };
+    let ((ct, cl), (kt, kl)) = (of(cert_path)?, of(key_path)?);
+    Some((ct, cl, kt, kl))
+}
+
+/// The certificate new TLS handshakes get. [`reload`](Self::reload) swaps in the files' current
+/// pair; connections already open keep theirs.
+#[derive(Debug)]
+pub struct Certificates {
+    current: RwLock<Arc<CertifiedKey>>,
+    stamp: Mutex<Stamp>,
+    cert_path: PathBuf,
+    key_path: PathBuf,
+}
+
+impl Certificates {
+    /// Reads the pair again, when `force` or when either file changed since it was last read:
+    /// the new leaf's fingerprint when it took effect, `None` when nothing changed. A pair that
+    /// does not load (half written, or a key that is not the certificate's) is an error and
+    /// the pair in force stays.
+    pub fn reload(&self, force: bool) -> Result<Option<String>, TlsError> {
+        let now = stamp(&self.cert_path, &self.key_path);
+        let mut seen = self.stamp.lock().unwrap_or_else(|p| p.into_inner());
+        if !force && now == *seen {
+            return Ok(None);
+        }
+        *seen = now;
+        let (pair, fingerprint) = read_pair(&self.cert_path, &self.key_path)?;
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = pair;
+        Ok(Some(fingerprint))
+    }
+}
+
+impl ResolvesServerCert for Certificates {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current.read().unwrap_or_else(|p| p.into_inner()).clone())
+    }
 }
 
 #[cfg(test)]
@@ -139,6 +211,36 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(dir.join("tls/key.pem")).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_replaced_pair_is_reloaded_and_a_mismatched_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("warden-tls-reload-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let t = setup(&TlsConfig::default(), &dir).unwrap();
+        let serving = || {
+            let leaf = t.certificates.current.read().unwrap().cert[0].clone();
+            Sha256::digest(leaf.as_ref())
+                .iter()
+                .map(|b| format!("{b:02X}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        };
+        assert_eq!(serving(), t.fingerprint);
+        assert_eq!(t.certificates.reload(false).unwrap(), None, "nothing changed");
+        let (cert, key) = (dir.join("tls/cert.pem"), dir.join("tls/key.pem"));
+        let next = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+        std::fs::write(&cert, next.cert.pem()).unwrap();
+        // The certificate is new and the key is not yet: refused, the old pair stays.
+        let e = t.certificates.reload(false).unwrap_err();
+        assert!(matches!(e, TlsError::Rustls(_)), "{e}");
+        assert_eq!(serving(), t.fingerprint);
+        write_private(&key, next.key_pair.serialize_pem().as_bytes()).unwrap();
+        let fp = t.certificates.reload(false).unwrap().expect("reloaded");
+        assert_ne!(fp, t.fingerprint);
+        assert_eq!(serving(), fp);
+        assert_eq!(t.certificates.reload(true).unwrap(), Some(fp), "SIGHUP reads it again");
         let _ = std::fs::remove_dir_all(&dir);
     }
 
