@@ -16,10 +16,10 @@ target/release/warden serve --config "$DIR/warden.toml" > "$DIR/serve.log" 2>&1 
 PID=$!
 trap 'kill $PID 2>/dev/null; wait $PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 120); do
-    grep -q '^serving ' "$DIR/serve.log" && break
+    grep -q ' serving .* on ' "$DIR/serve.log" && break
     sleep 0.5
 done
-URL=$(sed -n 's/^serving .* on //p' "$DIR/serve.log")
+URL=$(sed -n 's/.* serving .* on //p' "$DIR/serve.log")
 KEY=$(sed -n 's/.*API key (shown only now): //p' "$DIR/serve.log")
 [ -n "$URL" ] && [ -n "$KEY" ] || { cat "$DIR/serve.log" >&2; exit 1; }
 target/release/examples/serve_load "$URL" "$DIR/data/tls/cert.pem" "$KEY" "${1:-16}" "${2:-4}" "${3:-128}" "${4:-1000}"

@@ -975,7 +975,12 @@ fn config_check_says_what_serve_would_and_flags_override_the_file() {
     assert!(!ok && said.contains("limits.queue = 0"), "{said}");
     let (ok, said) = check("", &[("WARDEN_LISTN", "0.0.0.0:1")]);
     assert!(
-        !ok && said.contains("WARDEN_LISTN: names no configuration key"),
+        ok && said.contains("WARDEN_LISTN names no configuration key") && said.contains("ignored"),
+        "{said}"
+    );
+    let (ok, said) = check("", &[("WARDEN_KV__MEMORY_MB", "96")]);
+    assert!(
+        !ok && said.contains("memory_mb") && said.contains("WARDEN_KV__MEMORY_MB"),
         "{said}"
     );
     let (ok, said) = check("[[models]]\npath = \"nowhere.gguf\"\n", &[]);

@@ -497,13 +497,20 @@ impl ServeConfig {
                 continue;
             }
             let keys: Vec<String> = key.split("__").map(str::to_ascii_lowercase).collect();
-            if !TOP_LEVEL_KEYS.contains(&keys[0].as_str()) || keys.iter().any(String::is_empty) {
+            // Others set WARDEN_ variables too (a Kubernetes Service named warden sets
+            // WARDEN_PORT; clients keep WARDEN_KEY): one that names no top-level key is left
+            // alone, and said so. Under a key, an unknown name is an error (a typo).
+            if !TOP_LEVEL_KEYS.contains(&keys[0].as_str()) {
+                tracing::warn!(
+                    "{var} names no configuration key (the top-level keys: {}; nested ones joined by __): ignored",
+                    TOP_LEVEL_KEYS.join(", ")
+                );
+                continue;
+            }
+            if keys.iter().any(String::is_empty) {
                 return Err(ConfigError::Env {
                     var,
-                    message: format!(
-                        "names no configuration key (the top-level keys: {}; nested ones joined by __)",
-                        TOP_LEVEL_KEYS.join(", ")
-                    ),
+                    message: "an empty key between __".into(),
                 });
             }
             let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
@@ -512,6 +519,8 @@ impl ServeConfig {
                 .unwrap_or(toml::Value::String(raw));
             layers.push((var, keys, value));
         }
+        // A whole table first, then the keys under it, whatever the environment's order.
+        layers.sort_by_key(|(_, keys, _)| keys.len());
         for (key, value) in flags {
             layers.push((
                 format!("--{}", key.replace('_', "-")),
@@ -543,6 +552,10 @@ impl ServeConfig {
                         });
                     }
                 };
+            }
+            // One model named over the file replaces the file's list of them.
+            if keys == ["model"] {
+                at.remove("models");
             }
             at.insert(keys[keys.len() - 1].clone(), value);
         }
@@ -873,11 +886,25 @@ mod tests {
         let c = ServeConfig::load_layered(None, env(&[("WARDEN_KV__PAGE_SIZE", "32")]), &[]).unwrap();
         assert_eq!((c.kv.page_size, c.listen.port()), (32, 8443));
         // A variable that names no key, a nested key that does not exist, a value out of range.
-        let e = ServeConfig::load_layered(Some(&file), env(&[("WARDEN_LISTN", "x")]), &[]).unwrap_err();
-        assert!(
-            e.to_string().starts_with("WARDEN_LISTN: names no configuration key"),
-            "{e}"
-        );
+        // A variable that names no top-level key is someone else's: left alone.
+        let c = ServeConfig::load_layered(
+            Some(&file),
+            env(&[("WARDEN_LISTN", "x"), ("WARDEN_PORT", "tcp://10.0.0.1:8443")]),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.listen.port(), 9000);
+        // A whole table, then a key under it, whatever their order; one model over a list.
+        let c = ServeConfig::load_layered(
+            Some(&file),
+            env(&[
+                ("WARDEN_KV__MEMORY_MIB", "256"),
+                ("WARDEN_KV", "{ memory_mib = 32, page_size = 32 }"),
+            ]),
+            &[],
+        )
+        .unwrap();
+        assert_eq!((c.kv.memory_mib, c.kv.page_size), (256, 32));
         let e = ServeConfig::load_layered(Some(&file), env(&[("WARDEN_KV__MEMORY_MB", "1")]), &[]).unwrap_err();
         assert!(
             e.to_string().contains("memory_mb") && e.to_string().contains("WARDEN_KV__MEMORY_MB"),

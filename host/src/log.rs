@@ -54,6 +54,11 @@ pub fn init(format: LogFormat) -> Result<(), LogError> {
         }
         _ => EnvFilter::new("info"),
     };
+    // wasmtime-wasi traces each host call with its arguments: a plugin's strings (a name it
+    // looks up, say) would reach the operator's log. Off, whatever RUST_LOG says.
+    let filter = ["wasmtime_wasi=off", "wasmtime_wasi_io=off"]
+        .into_iter()
+        .fold(filter, |f, d| f.add_directive(d.parse().expect("a valid directive")));
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

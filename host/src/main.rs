@@ -447,17 +447,24 @@ fn run(command: Command) -> anyhow::Result<()> {
         } => {
             let cfg = config(path.as_deref())?;
             // The models' pools and tokenizers as the server makes them.
-            let (mut pools, mut tokenizers) = (Vec::new(), Vec::new());
+            let (mut pools, mut tokenizers, mut engines) = (Vec::new(), Vec::new(), Vec::new());
             for s in cfg.served() {
                 let loaded = LoadedModel::open(&s.path)?;
                 let engine = warden::runner::start_engine(&cfg, &s, &loaded)?;
                 pools.push((engine.kv_counters().pages_total, engine.pinnable_pages()));
                 tokenizers.push(loaded.tokenizer.clone());
+                engines.push((s.name, engine));
             }
             let bounds = warden::policy::Bounds::of_pools(&pools, cfg.kv.page_size);
             let tokenize = |text: &str| tokenizers.iter().map(|tk| tk.encode(text, true)).collect();
             let set = warden::policy::PolicySet::load(&dir, bounds, &tokenize)
                 .context("loading the tenants' policies (see `policies` in the config)")?;
+            // Its public prefixes computed and pinned in each pool, as the server does at start.
+            for (i, (name, engine)) in engines.iter_mut().enumerate() {
+                engine
+                    .set_public_prefixes(&set.public_prefixes(i))
+                    .with_context(|| format!("computing the public prefixes of the policies (public_prefixes in default.toml) on model {name}"))?;
+            }
             println!("{}: ok (version {})", dir.display(), set.version);
             Ok(())
         }

@@ -45,25 +45,52 @@ pub fn start(
         .args(["serve", "--role", role, "--config"])
         .arg(config)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .with_context(|| format!("starting {}", bin.display()))?;
+    // The key comes on stdout, the log (with the ready line) on stderr: both are read, and kept
+    // draining so the server never blocks on a full pipe.
+    let (tx, rx) = std::sync::mpsc::channel::<(bool, String)>();
     let out = child.stdout.take().context("stdout")?;
-    let mut lines = BufReader::new(out).lines();
+    let err = child.stderr.take().context("stderr")?;
+    for (is_log, pipe) in [
+        (false, Box::new(out) as Box<dyn std::io::Read + Send>),
+        (true, Box::new(err)),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(pipe).lines().map_while(Result::ok) {
+                if is_log {
+                    eprintln!("{l}");
+                }
+                let _ = tx.send((is_log, l));
+            }
+        });
+    }
+    drop(tx);
     let proc = Proc(child);
-    let mut key = None;
-    while let Some(l) = lines.next().transpose()? {
+    let (mut key, mut found) = (None, None);
+    while let Ok((_, l)) = rx.recv() {
         if let Some(k) = l.split("API key (shown only now): ").nth(1) {
             key = Some(k.to_string());
         }
-        if let Some(found) = ready(&l) {
-            // Keep draining its output so it never blocks on a full pipe.
-            std::thread::spawn(move || for _ in lines.map_while(Result::ok) {});
-            let found = match key {
-                Some(k) => format!("{found} {k}"),
-                None => found,
+        if found.is_none() {
+            found = ready(&l);
+        }
+        // A new data dir prints its key before the server is ready: wait for it a moment.
+        if let Some(f) = &found {
+            if key.is_none()
+                && let Ok((_, l)) = rx.recv_timeout(std::time::Duration::from_secs(1))
+                && let Some(k) = l.split("API key (shown only now): ").nth(1)
+            {
+                key = Some(k.to_string());
+            }
+            let f = match &key {
+                Some(k) => format!("{f} {k}"),
+                None => f.clone(),
             };
-            return Ok((proc, found));
+            std::thread::spawn(move || for _ in rx {});
+            return Ok((proc, f));
         }
     }
     bail!("warden serve --role {role} exited before it was ready")
@@ -78,8 +105,8 @@ pub fn server(bin: &Path, dir: &Path, role: &str, model: &Path, extra: &str) -> 
         format!("listen = \"127.0.0.1:0\"\ndata_dir = {data:?}\nmodel = {model:?}\n{extra}\n"),
     )?;
     let (p, found) = start(bin, role, &config, |l| {
-        l.strip_prefix("serving ")
-            .and_then(|r| r.split(" on ").nth(1))
+        l.split_once(": serving ")
+            .and_then(|(_, r)| r.split(" on ").nth(1))
             .map(str::to_string)
     })?;
     let (url, key) = found.split_once(' ').context("a new data dir prints the default key")?;

@@ -422,13 +422,14 @@ impl ValidRequest {
         self.req
     }
 
-    /// The same request, its log lines naming it `id` (at most 128 bytes are kept).
+    /// The same request, its log lines naming it `id`: at most 128 of its letters, digits and
+    /// `-_.:` are kept (an id from another node is not trusted to be plain).
     pub fn with_request_id(mut self, id: &str) -> Self {
-        let mut end = id.len().min(128);
-        while !id.is_char_boundary(end) {
-            end -= 1;
-        }
-        self.req.request_id = id[..end].to_string();
+        self.req.request_id = id
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || "-_.:".contains(*c))
+            .take(128)
+            .collect();
         self
     }
 

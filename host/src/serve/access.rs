@@ -38,6 +38,7 @@ pub fn request_id(given: Option<&[u8]>) -> String {
 /// What the line says, filled in as the request goes.
 #[derive(Debug, Default)]
 struct Line {
+    response_id: Option<String>,
     tenant: Option<String>,
     model: Option<String>,
     plugin: Option<String>,
@@ -45,6 +46,8 @@ struct Line {
     code: Option<&'static str>,
     prompt_tokens: usize,
     completion_tokens: usize,
+    /// Tokens sent, counted as they go (a choice that never ended reports no usage).
+    tokens_sent: usize,
     cached_tokens: usize,
     first_token: Option<Duration>,
     finish: Option<&'static str>,
@@ -61,16 +64,19 @@ pub struct Access {
 }
 
 impl Access {
-    /// The line of request `id`, a `method` on `path` (cut to 256 bytes), begun now.
+    /// The line of request `id`, a `method` on `path`, begun now. The route is the path cut to
+    /// 256 bytes, anything but printable ASCII shown as `?`, and a segment that is an API key
+    /// (`DELETE /admin/v1/keys/{key}` takes a whole one) shown as `wdn-…`.
     pub fn new(id: String, method: &str, path: &str) -> Arc<Self> {
-        let mut route = path.to_string();
-        if route.len() > 256 {
-            let mut end = 256;
-            while !route.is_char_boundary(end) {
-                end -= 1;
-            }
-            route.truncate(end);
-        }
+        let route: String = path
+            .split('/')
+            .map(|seg| if seg.starts_with("wdn-") { "wdn-…" } else { seg })
+            .collect::<Vec<_>>()
+            .join("/")
+            .chars()
+            .take(256)
+            .map(|c| if c.is_ascii_graphic() || c == '…' { c } else { '?' })
+            .collect();
         Arc::new(Self {
             id,
             method: method.to_string(),
@@ -87,6 +93,11 @@ impl Access {
 
     fn line(&self) -> std::sync::MutexGuard<'_, Line> {
         self.line.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The id its response body carries (`chatcmpl-…`, `cmpl-…`).
+    pub fn response_id(&self, id: &str) {
+        self.line().response_id = Some(id.to_string());
     }
 
     /// The tenant whose key it carried.
@@ -116,8 +127,19 @@ impl Access {
     pub fn update(&self, u: &Update) {
         let mut l = self.line();
         match u {
-            Update::Token { .. } if l.first_token.is_none() => l.first_token = Some(self.started.elapsed()),
+            Update::Token { .. } => {
+                l.tokens_sent += 1;
+                if l.first_token.is_none() {
+                    l.first_token = Some(self.started.elapsed());
+                }
+            }
+            Update::Rejected(r) => l.code = Some(r.reason.code()),
+            Update::Failed(e) => l.code = Some(e.code()),
+            Update::ShuttingDown => l.code = Some("shutting_down"),
             Update::Done { outcome, usage, .. } => {
+                if let Outcome::Aborted(r) = outcome {
+                    l.code = Some(r.code());
+                }
                 l.prompt_tokens = l.prompt_tokens.max(usage.prompt_tokens);
                 l.cached_tokens = l.cached_tokens.max(usage.cached_tokens);
                 l.completion_tokens += usage.completion_tokens;
@@ -126,7 +148,6 @@ impl Access {
                     Outcome::Aborted(r) => r.code(),
                 });
             }
-            _ => {}
         }
     }
 }
@@ -135,21 +156,31 @@ impl Drop for Access {
     fn drop(&mut self) {
         let l = self.line.get_mut().unwrap_or_else(|p| p.into_inner());
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        // A stream whose client left before its end: what was sent, and why it ended.
+        let completion = l.completion_tokens.max(l.tokens_sent);
+        let finish = match (l.finish, l.status) {
+            (Some(f), _) => f,
+            (None, 200) if l.response_id.is_some() => "client_closed",
+            (None, _) => "-",
+        };
+        // A request whose client left before its response was made.
+        let status = if l.status == 0 { 499 } else { l.status };
         tracing::info!(
             target: "warden::access",
             request_id = %self.id,
+            response_id = l.response_id.as_deref().unwrap_or("-"),
             method = %self.method,
             route = %self.route,
             tenant = l.tenant.as_deref().unwrap_or("-"),
             model = l.model.as_deref().unwrap_or("-"),
-            status = l.status,
+            status,
             code = l.code.unwrap_or("-"),
             prompt_tokens = l.prompt_tokens,
-            completion_tokens = l.completion_tokens,
+            completion_tokens = completion,
             cached_tokens = l.cached_tokens,
             ttft_ms = l.first_token.map_or(-1.0, ms),
             duration_ms = ms(self.started.elapsed()),
-            finish_reason = l.finish.unwrap_or("-"),
+            finish_reason = finish,
             plugin = l.plugin.as_deref().unwrap_or("-"),
             "request"
         );

@@ -302,7 +302,7 @@ async fn watch_certificates(certs: Arc<tls::Certificates>) {
             Ok(None) => {}
             Err(e) => {
                 let msg = e.to_string();
-                if msg != last_error {
+                if forced || msg != last_error {
                     tracing::warn!("TLS certificate not reloaded ({msg}); the one in force stays");
                     last_error = msg;
                 }

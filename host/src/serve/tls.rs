@@ -181,8 +181,9 @@ impl Certificates {
         if !force && now == *seen {
             return Ok(None);
         }
-        *seen = now;
+        // Remembered only once it loads: a pair that failed is tried again at the next check.
         let (pair, fingerprint) = read_pair(&self.cert_path, &self.key_path)?;
+        *seen = now;
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = pair;
         Ok(Some(fingerprint))
     }

@@ -226,6 +226,7 @@ pub(super) async fn chat(
         let asked = Asked::Chat(r.chat_messages()?);
         let plan = r.plan(&a.lim)?;
         let id = request_id("chatcmpl");
+        access.response_id(&id);
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
         let reply = Reply {
@@ -267,6 +268,7 @@ pub(super) async fn completions(
             (true, Asked::Chat(_)) => None,
         };
         let id = request_id("cmpl");
+        access.response_id(&id);
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
         let req = limit(state, &t, &a, plan, prompt)?.with_request_id(access.id());
@@ -363,8 +365,10 @@ async fn prepare(
             });
         }
         Some(name) => {
-            access.plugin(&name);
-            Some(state.plugins.resolve(t, &a.policy, name).await?)
+            let resolved = state.plugins.resolve(t, &a.policy, name).await?;
+            // A name the registry knows: never the client's text as such.
+            access.plugin(&resolved.name);
+            Some(resolved)
         }
         None => None,
     };
