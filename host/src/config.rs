@@ -461,15 +461,6 @@ pub fn model_id(path: &Path) -> String {
 }
 
 impl ServeConfig {
-    /// Reads and checks `path`.
-    pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.into(),
-            source,
-        })?;
-        Self::parse(&text, path)
-    }
-
     /// The configuration a server starts with: the file at `path` (none: the defaults), then
     /// environment variables `WARDEN_<KEY>` over it (nested keys joined by `__`, as
     /// `WARDEN_KV__MEMORY_MIB=512`; a value is read as TOML, else taken as a string), then

@@ -29,10 +29,15 @@ pub fn request_id(given: Option<&[u8]>) -> String {
         // Checked ASCII above.
         return String::from_utf8_lossy(g).into_owned();
     }
+    random_id("req_")
+}
+
+/// `prefix` and 24 random hex digits: a request's id, or its response's (`chatcmpl-…`).
+pub fn random_id(prefix: &str) -> String {
     use rand::RngCore;
     let mut b = [0u8; 12];
     rand::rng().fill_bytes(&mut b);
-    format!("req_{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    format!("{prefix}{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
 }
 
 /// What the line says, filled in as the request goes.

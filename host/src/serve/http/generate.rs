@@ -18,7 +18,7 @@ use crate::grammar::Format;
 use crate::plugin::KvAccess;
 use crate::policy::Policy;
 use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
-use crate::serve::access::Access;
+use crate::serve::access::{Access, random_id};
 use crate::serve::error::ApiError;
 use crate::serve::openai::{Asked, ChatRequest, CompletionRequest, Plan, RequestLimits, Shape, field_label};
 use crate::serve::plugins::pipeline::{Hooks, Reporter};
@@ -47,13 +47,6 @@ async fn off_runtime<T: Send + 'static>(
             format!("preparing the request failed: {e}"),
         ))
     })
-}
-
-fn request_id(prefix: &str) -> String {
-    use rand::RngCore;
-    let mut b = [0u8; 12];
-    rand::rng().fill_bytes(&mut b);
-    format!("{prefix}-{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
 }
 
 /// A request its tenant's policy let in.
@@ -225,7 +218,7 @@ pub(super) async fn chat(
         let a = admit(state, &t, served.clone())?;
         let asked = Asked::Chat(r.chat_messages()?);
         let plan = r.plan(&a.lim)?;
-        let id = request_id("chatcmpl");
+        let id = random_id("chatcmpl-");
         access.response_id(&id);
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
@@ -267,7 +260,7 @@ pub(super) async fn completions(
             (true, Asked::Tokens(ids)) => Some(a.model.tokenizer.decode(ids)),
             (true, Asked::Chat(_)) => None,
         };
-        let id = request_id("cmpl");
+        let id = random_id("cmpl-");
         access.response_id(&id);
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
