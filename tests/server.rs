@@ -25,6 +25,11 @@ fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
     rt().block_on(async {
         let c = s.client();
         let key = s.key().to_string();
+        // The token the server made for scrapers, beside its admin token.
+        let metrics_token = std::fs::read_to_string(s.data_dir.join("data").join("metrics-token"))
+            .expect("the metrics token file")
+            .trim()
+            .to_string();
         let chat = "/v1/chat/completions";
         let long_ids: Vec<u32> = (0..3000).map(|i| 100 + i % 1000).collect();
         let deep = format!("{}{}", "[".repeat(100), "]".repeat(100));
@@ -250,10 +255,19 @@ fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
                 "method_not_allowed",
             ),
             (
-                "metrics need the admin token",
+                "metrics need the metrics or admin token",
                 Method::GET,
                 "/metrics",
                 Some(&key),
+                vec![],
+                401,
+                "invalid_metrics_token",
+            ),
+            (
+                "the metrics token opens nothing else",
+                Method::GET,
+                "/admin/v1/tenants",
+                Some(&metrics_token),
                 vec![],
                 401,
                 "invalid_admin_token",
@@ -316,6 +330,16 @@ fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
         let v = r.json().unwrap();
         assert_eq!(v["error"]["param"], "temperature");
         assert!(v["error"]["message"].as_str().unwrap().contains("temperature"), "{v}");
+        // The scraper's token reads the metrics.
+        let r = c
+            .request(Method::GET, "/metrics", Some(&metrics_token), None)
+            .await
+            .unwrap();
+        assert!(
+            r.status == 200 && r.text().contains("# TYPE warden_requests_total counter"),
+            "{}",
+            r.text()
+        );
         // Rejections are counted by reason, and nothing was allocated for them.
         let m = s.metrics().await;
         assert!(
@@ -952,6 +976,171 @@ fn each_request_gets_an_access_line_and_its_id_back() {
 /// `warden config check` reads a file as `warden serve` does, the WARDEN_ environment over it,
 /// and exits non-zero with the server's message; `serve`'s `--listen` and `--data-dir` win over
 /// both.
+/// `GET /metrics` with the operator's metrics token (`[metrics] token_file`); latencies by
+/// tenant and model; and every metric the Grafana dashboard and the vLLM-name rules query is one
+/// the server exposes.
+#[test]
+fn metrics_are_per_tenant_have_their_own_token_and_cover_the_dashboard() {
+    let dir = common::temp_dir("metrics-token");
+    let token_file = dir.join("token");
+    let token = "scraper-0123456789abcdefghij";
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    let s = Server::start("metrics", &format!("[metrics]\ntoken_file = {token_file:?}\n"));
+    rt().block_on(async {
+        let c = s.client();
+        let a = s.key().to_string();
+        let b = s.tenant_with_key("beta").await;
+        for (key, n) in [(&a, 6), (&b, 3)] {
+            let r = c
+                .request(
+                    Method::POST,
+                    "/v1/chat/completions",
+                    Some(key),
+                    Some(chat_body(MODEL, "Count to ten", n, true)),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        let r = c.request(Method::GET, "/metrics", Some(token), None).await.unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let m = r.text();
+        let v = |series: &str| common::metric_value(&m, series);
+        for (tenant, n) in [("default", 6.0), ("beta", 3.0)] {
+            let of = |name: &str| v(&format!("{name}{{tenant=\"{tenant}\",model=\"{MODEL}\"}}"));
+            assert_eq!(of("warden_queue_time_seconds_count"), 1.0, "{tenant}: {m}");
+            assert_eq!(of("warden_time_to_first_token_seconds_count"), 1.0, "{tenant}: {m}");
+            assert_eq!(of("warden_inter_token_latency_seconds_count"), n - 1.0, "{tenant}: {m}");
+            assert_eq!(of("warden_request_duration_seconds_count"), 1.0, "{tenant}: {m}");
+            assert_eq!(of("warden_completion_tokens_total"), n, "{tenant}: {m}");
+            // A request's end comes after its first token, which comes after its admission.
+            let sum = |name: &str| of(&format!("{name}_sum"));
+            assert!(
+                sum("warden_queue_time_seconds") <= sum("warden_time_to_first_token_seconds")
+                    && sum("warden_time_to_first_token_seconds") <= sum("warden_request_duration_seconds"),
+                "{tenant}: {m}"
+            );
+        }
+        assert_eq!(
+            v(&format!("warden_kv_usage_ratio{{model=\"{MODEL}\"}}")),
+            0.0,
+            "idle: {m}"
+        );
+        // The admin token still reads them; a wrong token does not.
+        assert!(s.metrics().await.contains("warden_kv_usage_ratio"));
+        let r = c
+            .request(Method::GET, "/metrics", Some("scraper-0123456789abcdefghiJ"), None)
+            .await
+            .unwrap();
+        assert_eq!(r.status, 401);
+
+        // The names the dashboard's and the rules' queries use.
+        let families: std::collections::BTreeSet<&str> = m
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        let root = common::root();
+        let dashboard: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(root.join("deploy/grafana/warden.json")).unwrap()).unwrap();
+        let mut exprs = Vec::new();
+        collect_exprs(&dashboard, &mut exprs);
+        assert!(exprs.len() >= 20, "the dashboard's queries: {exprs:?}");
+        let rules = std::fs::read_to_string(root.join("deploy/prometheus/vllm-names.rules.yml")).unwrap();
+        // Each rule's `expr:` block: its text up to the next rule, without comment lines.
+        let rule_exprs: Vec<String> = rules
+            .split("- record:")
+            .skip(1)
+            .filter_map(|rule| rule.split_once("expr:"))
+            .map(|(_, e)| {
+                e.lines()
+                    .filter(|l| !l.trim_start().starts_with('#'))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect();
+        assert!(rule_exprs.len() >= 15, "the rules' expressions: {rule_exprs:?}");
+        let mut queried = std::collections::BTreeSet::new();
+        for e in exprs.iter().chain(&rule_exprs) {
+            let names = metric_names(e);
+            assert!(!names.is_empty(), "{e:?} queries no warden_ metric");
+            queried.extend(names);
+        }
+        for name in &queried {
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| name.strip_suffix(s).filter(|f| families.contains(f)))
+                .unwrap_or(name);
+            assert!(
+                families.contains(family),
+                "{name} is queried but /metrics has no such metric"
+            );
+        }
+        assert!(queried.len() >= 20, "{queried:?}");
+    });
+    // A token file that holds too short a token is refused before the server starts.
+    std::fs::write(&token_file, "short\n").unwrap();
+    let cfg = dir.join("w.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model = {:?}\n[metrics]\ntoken_file = {token_file:?}\n",
+            common::model()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["config", "check"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("metrics.token_file"), "{said}");
+}
+
+/// Every `expr` string in a Grafana dashboard (panels' targets and template variables' queries).
+fn collect_exprs(v: &serde_json::Value, out: &mut Vec<String>) {
+    match v {
+        serde_json::Value::Object(o) => {
+            for (k, x) in o {
+                match (k.as_str(), x) {
+                    ("expr", serde_json::Value::String(e)) => out.push(e.clone()),
+                    ("query", serde_json::Value::Object(q)) => {
+                        if let Some(serde_json::Value::String(e)) = q.get("query") {
+                            out.push(e.clone());
+                        }
+                    }
+                    _ => collect_exprs(x, out),
+                }
+            }
+        }
+        serde_json::Value::Array(a) => a.iter().for_each(|x| collect_exprs(x, out)),
+        _ => {}
+    }
+}
+
+/// The `warden_…` metric names a PromQL expression names.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("warden_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        // Not the tail of a longer identifier (a label named like one).
+        let preceded = rest[..i]
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !preceded {
+            names.push(tail[..end].to_string());
+        }
+        rest = &tail[end..];
+    }
+    names
+}
+
 #[test]
 fn config_check_says_what_serve_would_and_flags_override_the_file() {
     let dir = common::temp_dir("cfgcheck");

@@ -38,11 +38,14 @@ pub struct ServeConfig {
     pub policies: PathBuf,
     /// Disaggregated prefill and decode (`warden serve --role ...`).
     pub cluster: ClusterConfig,
+    /// Who may read `GET /metrics`.
+    pub metrics: MetricsConfig,
 }
 
 /// The configuration's top-level keys, as `WARDEN_` variables name them (lowercased).
 pub const TOP_LEVEL_KEYS: &[&str] = &[
     "listen", "data_dir", "model", "models", "tls", "kv", "limits", "timeouts", "plugins", "policies", "cluster",
+    "metrics",
 ];
 
 /// `WARDEN_` variables that are not configuration: the log's format, and the leak-canary suite's
@@ -63,6 +66,7 @@ impl Default for ServeConfig {
             plugins: PluginsConfig::default(),
             policies: PathBuf::from("policies"),
             cluster: ClusterConfig::default(),
+            metrics: MetricsConfig::default(),
         }
     }
 }
@@ -187,6 +191,44 @@ pub struct TlsConfig {
     pub cert: Option<PathBuf>,
     /// Private key (PEM). Default: none (generated).
     pub key: Option<PathBuf>,
+}
+
+/// `GET /metrics` answers the admin token and the metrics token, which can read the metrics and
+/// nothing else (a scraper holds it, never the admin token).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// A file holding the metrics token (a mounted secret, say): at least
+    /// [`MIN_METRICS_TOKEN`] printable characters, no spaces. Default: none, and the server
+    /// keeps one it made in `data_dir/metrics-token` (mode 0600).
+    pub token_file: Option<PathBuf>,
+}
+
+/// The shortest metrics token a `[metrics] token_file` may hold.
+pub const MIN_METRICS_TOKEN: usize = 24;
+
+impl MetricsConfig {
+    /// The token `token_file` holds (surrounding whitespace trimmed), if one is set: an error
+    /// where the file cannot be read or its token is too short or not plain.
+    pub fn token(&self) -> Result<Option<String>, ConfigError> {
+        let Some(path) = &self.token_file else {
+            return Ok(None);
+        };
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let token = text.trim();
+        if token.len() < MIN_METRICS_TOKEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(ConfigError::Invalid {
+                path: path.clone(),
+                key: "metrics.token_file",
+                value: format!("({} bytes)", token.len()),
+                why: "the file must hold one token of at least 24 printable ASCII characters, without spaces",
+            });
+        }
+        Ok(Some(token.to_string()))
+    }
 }
 
 /// The KV pool.

@@ -254,7 +254,8 @@ impl StoreArgs {
 
 #[derive(Subcommand)]
 enum ConfigOp {
-    /// Check FILE: its keys, types and ranges, and that each model file it names is there.
+    /// Check FILE: its keys, types and ranges, that each model file it names is there, and the
+    /// metrics token file's token.
     Check {
         /// The configuration file.
         file: PathBuf,
@@ -477,6 +478,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                     bail!(warden::loaded::LoadError::NotFound(m.path.clone()));
                 }
             }
+            cfg.metrics.token()?;
             let names: Vec<String> = cfg.served().into_iter().map(|m| m.name).collect();
             println!(
                 "{}: ok (listen {}, data_dir {}, serving {})",

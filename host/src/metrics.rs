@@ -1,10 +1,16 @@
 //! Server metrics, rendered as Prometheus text on `GET /metrics`.
 //!
-//! Per tenant and model: requests by outcome, prompt and completion tokens. Per tenant:
-//! rejections by reason. Request fields the server ignored, by name (a bounded set). Per model (each has its own engine and pool): isolation violations (tag
-//! mismatches), KV pages used/free/cached, queue depth and running sequences, and histograms of
-//! time to first token and inter-token latency. Labels are tenant names (validated at creation),
-//! the served models' ids (from the configuration) and fixed codes: never request content.
+//! Per tenant and model: requests by outcome, prompt and completion tokens, and histograms of
+//! time in the queue, time to first token, inter-token latency and end-to-end duration. Per
+//! tenant: rejections by reason. Request fields the server ignored, by name (a bounded set). Per
+//! model (each has its own engine and pool): isolation violations (tag mismatches), KV pages
+//! used/free/cached and the share in use, queue depth and running sequences. Labels are tenant
+//! names (validated at creation), the served models' ids (from the configuration) and fixed
+//! codes: never request content. Every family's `# TYPE` line is always written, series or
+//! not, so a dashboard's queries can be checked against one scrape.
+//!
+//! `deploy/prometheus/vllm-names.rules.yml` records vLLM's names (`vllm:…`) from these, and
+//! `deploy/grafana/warden.json` is a dashboard over them.
 
 use std::collections::BTreeMap;
 use std::fmt::Write;
@@ -14,8 +20,8 @@ use std::time::Duration;
 use crate::kv::KvCounters;
 
 /// Histogram bucket bounds, seconds.
-const BUCKETS: [f64; 14] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+const BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
 #[derive(Debug, Default, Clone)]
@@ -37,19 +43,59 @@ impl Histogram {
         self.sum += s;
     }
 
-    /// Its series, each labelled `model="..."` (`model` escaped).
-    fn render(&self, out: &mut String, name: &str, model: &str) {
+    /// Its series, each with `labels` (`k="v",…`, values escaped) before `le`.
+    fn render(&self, out: &mut String, name: &str, labels: &str) {
         for (c, b) in self.counts.iter().zip(&BUCKETS) {
-            let _ = writeln!(out, "{name}_bucket{{model=\"{model}\",le=\"{b}\"}} {c}");
+            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
         }
-        let _ = writeln!(out, "{name}_bucket{{model=\"{model}\",le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", self.count);
         let _ = writeln!(
             out,
-            "{name}_sum{{model=\"{model}\"}} {}\n{name}_count{{model=\"{model}\"}} {}",
+            "{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}",
             self.sum, self.count
         );
     }
 }
+
+/// One tenant's latencies on one model.
+#[derive(Debug, Default, Clone)]
+struct Latencies {
+    /// Submission to admission (the request's pages given).
+    queue: Histogram,
+    /// Submission to the first token.
+    ttft: Histogram,
+    /// Between consecutive tokens.
+    itl: Histogram,
+    /// Submission to the end.
+    e2e: Histogram,
+}
+
+/// Which of a tenant's [`Latencies`] a family renders.
+type Pick = fn(&Latencies) -> &Histogram;
+
+/// The latency histograms: (name, what it measures, which of [`Latencies`]).
+const LATENCY_FAMILIES: [(&str, &str, Pick); 4] = [
+    (
+        "warden_queue_time_seconds",
+        "Time from a request's submission to its admission (its KV pages given), by tenant and model.",
+        |l| &l.queue,
+    ),
+    (
+        "warden_time_to_first_token_seconds",
+        "Time from a request's submission to its first token, by tenant and model.",
+        |l| &l.ttft,
+    ),
+    (
+        "warden_inter_token_latency_seconds",
+        "Time between consecutive tokens of a request, by tenant and model.",
+        |l| &l.itl,
+    ),
+    (
+        "warden_request_duration_seconds",
+        "Time from a request's submission to its end (each choice of n counts once), by tenant and model.",
+        |l| &l.e2e,
+    ),
+];
 
 /// One model's engine: its pool, its queue, its latencies.
 #[derive(Debug, Default)]
@@ -58,8 +104,8 @@ struct EngineStats {
     waiting: usize,
     running: usize,
     preemptions: u64,
-    ttft: Histogram,
-    itl: Histogram,
+    /// By tenant.
+    latency: BTreeMap<String, Latencies>,
 }
 
 #[derive(Debug, Default)]
@@ -248,6 +294,9 @@ impl Metrics {
             per_model(&mut o, "warden_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from tenants' prefix caches, by model.", &|e| e.kv.prefix_hit_tokens.to_string());
             per_model(&mut o, "warden_prefix_cache_evictions_total", "counter", "Cached KV pages evicted to make room, by model.", &|e| e.kv.prefix_evictions.to_string());
             per_model(&mut o, "warden_kv_pages_total", "gauge", "KV pages in the model's pool.", &|e| e.kv.pages_total.to_string());
+            per_model(&mut o, "warden_kv_usage_ratio", "gauge", "Share of the model's KV pages held by sequences (0 to 1; idle cached pages count as free).", &|e| {
+                (e.kv.pages_used as f64 / e.kv.pages_total.max(1) as f64).to_string()
+            });
             per_model(&mut o, "warden_queue_depth", "gauge", "Requests waiting for a slot, by model.", &|e| e.waiting.to_string());
             per_model(&mut o, "warden_running_sequences", "gauge", "Sequences being prefilled or decoded, by model.", &|e| e.running.to_string());
             per_model(&mut o, "warden_preemptions_total", "counter", "Sequences that gave their KV pages up for others to grow into (they compute their tokens again when readmitted), by model.", &|e| e.preemptions.to_string());
@@ -255,31 +304,29 @@ impl Metrics {
             let _ = writeln!(o, "warden_policy_info{{version=\"{}\"}} 1", escape(&m.policy_version));
             help(&mut o, "warden_policy_reload_failures_total", "counter", "Policy reloads refused (a bad file; the previous set stayed in force).");
             let _ = writeln!(o, "warden_policy_reload_failures_total {}", m.policy_reload_failures);
-            if !m.nodes.is_empty() {
-                help(&mut o, "warden_cluster_node_up", "gauge", "Whether the router sends work to a node (it answers its probe and agrees with the cluster).");
-                for ((role, node), up) in &m.nodes {
-                    let _ = writeln!(o, "warden_cluster_node_up{{role=\"{role}\",node=\"{node}\"}} {}", u8::from(*up));
+            // A router's and a prefill node's families: declared everywhere, their series where
+            // they apply.
+            help(&mut o, "warden_cluster_node_up", "gauge", "Whether the router sends work to a node (it answers its probe and agrees with the cluster).");
+            for ((role, node), up) in &m.nodes {
+                let _ = writeln!(o, "warden_cluster_node_up{{role=\"{role}\",node=\"{}\"}} {}", escape(node), u8::from(*up));
+            }
+            help(&mut o, "warden_transfers_total", "counter", "KV transfers a prefill node sent, by outcome.");
+            for (outcome, n) in &m.transfers {
+                let _ = writeln!(o, "warden_transfers_total{{outcome=\"{outcome}\"}} {n}");
+            }
+            help(&mut o, "warden_transfer_pages_total", "counter", "KV pages of acknowledged transfers.");
+            let _ = writeln!(o, "warden_transfer_pages_total {}", m.transfer_pages);
+            help(&mut o, "warden_transfer_bytes_total", "counter", "Encoded bytes of acknowledged transfers.");
+            let _ = writeln!(o, "warden_transfer_bytes_total {}", m.transfer_bytes);
+            help(&mut o, "warden_transfer_seconds_total", "counter", "Time acknowledged transfers took, from Begin to the final Ack, summed.");
+            let _ = writeln!(o, "warden_transfer_seconds_total {}", m.transfer_seconds);
+            for (name, text, which) in LATENCY_FAMILIES {
+                help(&mut o, name, "histogram", text);
+                for (model, e) in &engines {
+                    for (t, l) in &e.latency {
+                        which(l).render(&mut o, name, &format!("tenant=\"{}\",model=\"{model}\"", escape(t)));
+                    }
                 }
-            }
-            if !m.transfers.is_empty() {
-                help(&mut o, "warden_transfers_total", "counter", "KV transfers a prefill node sent, by outcome.");
-                for (outcome, n) in &m.transfers {
-                    let _ = writeln!(o, "warden_transfers_total{{outcome=\"{outcome}\"}} {n}");
-                }
-                help(&mut o, "warden_transfer_pages_total", "counter", "KV pages of acknowledged transfers.");
-                let _ = writeln!(o, "warden_transfer_pages_total {}", m.transfer_pages);
-                help(&mut o, "warden_transfer_bytes_total", "counter", "Encoded bytes of acknowledged transfers.");
-                let _ = writeln!(o, "warden_transfer_bytes_total {}", m.transfer_bytes);
-                help(&mut o, "warden_transfer_seconds_total", "counter", "Time acknowledged transfers took, from Begin to the final Ack, summed.");
-                let _ = writeln!(o, "warden_transfer_seconds_total {}", m.transfer_seconds);
-            }
-            help(&mut o, "warden_time_to_first_token_seconds", "histogram", "Time from a request's submission to its first token, by model.");
-            for (model, e) in &engines {
-                e.ttft.render(&mut o, "warden_time_to_first_token_seconds", model);
-            }
-            help(&mut o, "warden_inter_token_latency_seconds", "histogram", "Time between consecutive tokens of a request, by model.");
-            for (model, e) in &engines {
-                e.itl.render(&mut o, "warden_inter_token_latency_seconds", model);
             }
             o
         })
@@ -315,14 +362,31 @@ impl ModelMetrics {
         self.metrics.rejected(tenant, Some(&self.model), reason)
     }
 
-    /// Time from submission to the first token.
-    pub fn first_token(&self, d: Duration) {
-        self.engine(|e| e.ttft.observe(d))
+    /// A request of `tenant` waited `d` from submission to admission.
+    pub fn queued(&self, tenant: &str, d: Duration) {
+        self.latency(tenant, |l| l.queue.observe(d))
     }
 
-    /// Time between two tokens of one request.
-    pub fn inter_token(&self, d: Duration) {
-        self.engine(|e| e.itl.observe(d))
+    /// A request of `tenant` had its first token `d` after its submission.
+    pub fn first_token(&self, tenant: &str, d: Duration) {
+        self.latency(tenant, |l| l.ttft.observe(d))
+    }
+
+    /// A request of `tenant` had a token `d` after its previous one.
+    pub fn inter_token(&self, tenant: &str, d: Duration) {
+        self.latency(tenant, |l| l.itl.observe(d))
+    }
+
+    /// A request of `tenant` (one choice) ended `d` after its submission.
+    pub fn ended(&self, tenant: &str, d: Duration) {
+        self.latency(tenant, |l| l.e2e.observe(d))
+    }
+
+    fn latency(&self, tenant: &str, f: impl FnOnce(&mut Latencies)) {
+        self.engine(|e| match e.latency.get_mut(tenant) {
+            Some(l) => f(l),
+            None => f(e.latency.entry(tenant.to_string()).or_default()),
+        })
     }
 
     /// The engine's current pool counters and queue.
@@ -350,8 +414,10 @@ impl ModelMetrics {
     }
 
     fn engine(&self, f: impl FnOnce(&mut EngineStats)) {
-        self.metrics
-            .with(|m| f(m.engines.entry(self.model.to_string()).or_default()))
+        self.metrics.with(|m| match m.engines.get_mut(&*self.model) {
+            Some(e) => f(e),
+            None => f(m.engines.entry(self.model.to_string()).or_default()),
+        })
     }
 }
 
@@ -369,7 +435,10 @@ mod tests {
         b.rejected("beta", "context_length_exceeded");
         m.rejected("beta", None, "model_not_found");
         m.plugin_failure("beta", "plugin_trap");
-        a.first_token(Duration::from_millis(30));
+        a.first_token("acme", Duration::from_millis(30));
+        a.queued("acme", Duration::from_millis(3));
+        a.inter_token("beta", Duration::from_millis(7));
+        a.ended("acme", Duration::from_secs(50));
         a.engine_state(
             KvCounters {
                 pages_total: 8,
@@ -399,12 +468,32 @@ mod tests {
             "warden_kv_pages{model=\"large\",state=\"free\"} 0",
             "warden_queue_depth{model=\"small\"} 3",
             "warden_preemptions_total{model=\"small\"} 4",
-            "warden_time_to_first_token_seconds_bucket{model=\"small\",le=\"0.025\"} 0",
-            "warden_time_to_first_token_seconds_bucket{model=\"small\",le=\"0.05\"} 1",
-            "warden_time_to_first_token_seconds_count{model=\"small\"} 1",
-            "warden_time_to_first_token_seconds_count{model=\"large\"} 0",
+            "warden_kv_usage_ratio{model=\"small\"} 0.25",
+            "warden_kv_usage_ratio{model=\"large\"} 0",
+            "warden_time_to_first_token_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"0.025\"} 0",
+            "warden_time_to_first_token_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"0.05\"} 1",
+            "warden_time_to_first_token_seconds_count{tenant=\"acme\",model=\"small\"} 1",
+            "warden_queue_time_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"0.0025\"} 0",
+            "warden_queue_time_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"0.005\"} 1",
+            "warden_inter_token_latency_seconds_count{tenant=\"beta\",model=\"small\"} 1",
+            "warden_request_duration_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"30\"} 0",
+            "warden_request_duration_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"60\"} 1",
+            "warden_request_duration_seconds_sum{tenant=\"acme\",model=\"small\"} 50",
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
+        }
+        // Latencies exist per tenant and model where observed, never as empty series.
+        assert!(
+            !t.contains("warden_time_to_first_token_seconds_count{tenant=\"acme\",model=\"large\"}"),
+            "{t}"
+        );
+        // Every family is declared, with series or not.
+        for family in [
+            "warden_cluster_node_up",
+            "warden_transfers_total",
+            "warden_queue_time_seconds",
+        ] {
+            assert!(t.contains(&format!("# TYPE {family} ")), "{family} undeclared in\n{t}");
         }
     }
 

@@ -330,8 +330,8 @@ impl Router {
                     Some(Ok(Packet::Msg(Msg::Token { token, text, logprobs }))) => {
                         let now = Instant::now();
                         match last {
-                            None => self.metrics.first_token(now - submitted),
-                            Some(t) => self.metrics.inter_token(now - t),
+                            None => self.metrics.first_token(&tenant, now - submitted),
+                            Some(t) => self.metrics.inter_token(&tenant, now - t),
                         }
                         last = Some(now);
                         let _ = tx.send((index, Update::Token { text, token, logprobs }));
@@ -342,6 +342,7 @@ impl Router {
                         if let Some(g) = grant.take() {
                             g.record(&usage);
                         }
+                        self.metrics.ended(&tenant, submitted.elapsed());
                         self.metrics.request_done(&tenant, outcome_label(&outcome), usage.prompt_tokens, usage.completion_tokens);
                         let _ = tx.send((index, Update::Done { outcome, text, usage }));
                         return;

@@ -363,6 +363,9 @@ pub struct Engine {
     computed: u64,
     /// Sequences preempted since the engine started.
     preemptions: u64,
+    /// Requests admitted (first given their pages) since [`take_admitted`](Self::take_admitted)
+    /// last ran, with when: their time in the queue ends there.
+    admitted: Vec<(RequestId, Instant)>,
     scratch: Scratch,
     events: Vec<Event>,
 }
@@ -433,6 +436,7 @@ impl Engine {
             cost: CostModel::default(),
             computed: 0,
             preemptions: 0,
+            admitted: Vec::new(),
             scratch: Scratch::default(),
             events: Vec::new(),
         })
@@ -538,6 +542,12 @@ impl Engine {
     /// scheduler favours to grow into, and computes its tokens again when readmitted.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
+    }
+
+    /// Requests admitted since the last call, each with when it was given its pages: the end of
+    /// its time in the queue (a readmission after a preemption is not one).
+    pub fn take_admitted(&mut self) -> Vec<(RequestId, Instant)> {
+        std::mem::take(&mut self.admitted)
     }
 
     /// Requests waiting for a slot, and sequences running.
@@ -808,6 +818,7 @@ impl Engine {
                     seq.computed = cached;
                     if seq.preempted == 0 {
                         seq.cached = cached;
+                        self.admitted.push((seq.id, Instant::now()));
                     }
                     if awaited_kv {
                         self.events.push(Event::Opened { id: seq.id });

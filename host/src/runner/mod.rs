@@ -884,6 +884,11 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
         for f in ends.take_finished() {
             metrics.transfer_done(f.outcome, f.pages, f.bytes, f.seconds);
         }
+        for (id, at) in engine.take_admitted() {
+            if let Some(l) = live.get(&id) {
+                metrics.queued(&l.tenant, at.saturating_duration_since(l.submitted));
+            }
+        }
         // The pool's state after the step is published before anyone hears what the step did.
         publish(&engine);
         for ev in events {
@@ -897,8 +902,8 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                     if let Some(l) = live.get_mut(&id) {
                         let now = Instant::now();
                         match l.last {
-                            None => metrics.first_token(now - l.submitted),
-                            Some(t) => metrics.inter_token(now - t),
+                            None => metrics.first_token(&l.tenant, now - l.submitted),
+                            Some(t) => metrics.inter_token(&l.tenant, now - t),
                         }
                         l.last = Some(now);
                         let _ = l.tx.send((l.index, Update::Token { text, token, logprobs }));
@@ -918,6 +923,7 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
                         if let Some(g) = l.grant.take() {
                             g.record(&usage);
                         }
+                        metrics.ended(&l.tenant, l.submitted.elapsed());
                         metrics.request_done(
                             &l.tenant,
                             outcome_label(&outcome),

@@ -69,6 +69,10 @@ pub enum ServeError {
     /// A file or socket operation failed.
     #[error(transparent)]
     Io(#[from] StartupError),
+    /// The configuration names a file that does not hold what it should (`[metrics]
+    /// token_file`).
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// `server.json` could not be written (a certificate path that is not UTF-8).
     #[error("describing the server in server.json")]
     ServerInfo(#[source] serde_json::Error),
@@ -89,6 +93,11 @@ pub struct ServerInfo {
 /// Where a data dir keeps the admin token.
 pub fn admin_token_path(data_dir: &Path) -> PathBuf {
     data_dir.join("admin-token")
+}
+
+/// Where the server keeps the metrics token it made.
+pub fn metrics_token_path(data_dir: &Path) -> PathBuf {
+    data_dir.join("metrics-token")
 }
 
 /// Where a data dir keeps [`ServerInfo`].
@@ -133,6 +142,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
     let Parts { models, rt, metrics } = parts;
     let store = Store::open(&cfg.data_dir)?;
     first_start(&store, &cfg.data_dir)?;
+    metrics_token(&store, &cfg)?;
     // A tenant's KV policy applies in every model's pool: the smallest pool bounds it.
     let pools: Vec<(usize, usize)> = models.iter().map(|m| m.engine.pool_pages()).collect();
     let bounds = crate::policy::Bounds::of_pools(&pools, cfg.kv.page_size);
@@ -255,6 +265,31 @@ fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
             .map_err(StartupError::io(format!("writing {}", path.display())))?;
     }
     tracing::info!("admin token in {}", path.display());
+    Ok(())
+}
+
+/// The metrics token: the operator's (`[metrics] token_file`), else one kept in
+/// `data_dir/metrics-token` (mode 0600), made anew if that file is missing or stale.
+fn metrics_token(store: &Store, cfg: &ServeConfig) -> Result<(), ServeError> {
+    if let Some(token) = cfg.metrics.token()? {
+        store.set_metrics_token(&token)?;
+        if let Some(p) = &cfg.metrics.token_file {
+            tracing::info!("metrics token from {}", p.display());
+        }
+        return Ok(());
+    }
+    let path = metrics_token_path(&cfg.data_dir);
+    let current = std::fs::read_to_string(&path).ok().map(|s| s.trim().to_string());
+    let valid = match &current {
+        Some(t) => store.is_metrics_reader(t)?,
+        None => false,
+    };
+    if !valid {
+        let token = store.new_metrics_token()?;
+        tls::write_private(&path, format!("{token}\n").as_bytes())
+            .map_err(StartupError::io(format!("writing {}", path.display())))?;
+    }
+    tracing::info!("metrics token (GET /metrics only) in {}", path.display());
     Ok(())
 }
 

@@ -1,4 +1,5 @@
-//! Who is asking: a tenant's API key or the admin token, as `Authorization: Bearer`.
+//! Who is asking: a tenant's API key, the admin token or the metrics token, as
+//! `Authorization: Bearer`.
 
 use hyper::body::Incoming;
 use hyper::header::AUTHORIZATION;
@@ -46,6 +47,25 @@ pub(super) fn admin(state: &State, req: &Request<Incoming>) -> Result<(), ApiErr
             StatusCode::UNAUTHORIZED,
             "missing_admin_token",
             "this endpoint needs the admin token: send Authorization: Bearer <token>",
+        )),
+    }
+}
+
+/// The admin token or the metrics token: who may read `GET /metrics`.
+pub(super) fn metrics_reader(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
+    match bearer(req) {
+        Some(t) if state.store.is_metrics_reader(t)? => Ok(()),
+        Some(_) => admin(state, req).map_err(|_| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_metrics_token",
+                "the token is neither the metrics token nor the admin token",
+            )
+        }),
+        None => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing_metrics_token",
+            "this endpoint needs the metrics token or the admin token: send Authorization: Bearer <token>",
         )),
     }
 }

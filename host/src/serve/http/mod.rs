@@ -18,7 +18,7 @@ use hyper::header::HeaderValue;
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{Value, json};
 
-use self::auth::{admin, tenant};
+use self::auth::{metrics_reader, tenant};
 use self::body::read_body;
 pub use self::reply::Body;
 use self::reply::{error_response, full, json_response, method_not_allowed, model_not_found};
@@ -97,7 +97,7 @@ async fn route(state: &Arc<State>, req: Request<Incoming>, access: &Arc<Access>)
         }
         ["metrics"] => {
             allow(&[Method::GET])?;
-            admin(state, &req)?;
+            metrics_reader(state, &req)?;
             Ok(full(
                 StatusCode::OK,
                 "text/plain; version=0.0.4",

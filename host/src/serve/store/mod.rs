@@ -66,6 +66,7 @@ pub struct Store {
 
 const NEXT_TENANT_ID: &[u8] = b"next_tenant_id";
 const ADMIN_TOKEN_HASH: &[u8] = b"admin_token_hash";
+const METRICS_TOKEN_HASH: &[u8] = b"metrics_token_hash";
 const KEY_PREFIX: &str = "wdn-";
 const KEY_ID_LEN: usize = 16;
 
@@ -266,14 +267,41 @@ impl Store {
     /// Makes a new admin token, stores its hash (replacing any earlier one) and returns it.
     pub fn new_admin_token(&self) -> Result<String, StoreError> {
         let token = format!("wadm-{}", b64(&random_bytes::<32>()));
-        self.meta.insert(ADMIN_TOKEN_HASH, &sha256(token.as_bytes())[..])?;
-        self.db.flush()?;
+        self.set_token(ADMIN_TOKEN_HASH, &token)?;
         Ok(token)
     }
 
     /// Whether `token` is the admin token.
     pub fn is_admin(&self, token: &str) -> Result<bool, StoreError> {
-        Ok(match self.meta.get(ADMIN_TOKEN_HASH)? {
+        self.token_is(ADMIN_TOKEN_HASH, token)
+    }
+
+    /// Makes a new metrics token (it reads `GET /metrics`, nothing else), stores its hash
+    /// (replacing any earlier one) and returns it.
+    pub fn new_metrics_token(&self) -> Result<String, StoreError> {
+        let token = format!("wmet-{}", b64(&random_bytes::<32>()));
+        self.set_token(METRICS_TOKEN_HASH, &token)?;
+        Ok(token)
+    }
+
+    /// Makes `token` (the operator's) the metrics token.
+    pub fn set_metrics_token(&self, token: &str) -> Result<(), StoreError> {
+        self.set_token(METRICS_TOKEN_HASH, token)
+    }
+
+    /// Whether `token` is the metrics token.
+    pub fn is_metrics_reader(&self, token: &str) -> Result<bool, StoreError> {
+        self.token_is(METRICS_TOKEN_HASH, token)
+    }
+
+    fn set_token(&self, slot: &[u8], token: &str) -> Result<(), StoreError> {
+        self.meta.insert(slot, &sha256(token.as_bytes())[..])?;
+        self.db.flush()?;
+        Ok(())
+    }
+
+    fn token_is(&self, slot: &[u8], token: &str) -> Result<bool, StoreError> {
+        Ok(match self.meta.get(slot)? {
             Some(h) if h.len() == 32 => sha256(token.as_bytes()).ct_eq(&h[..]).into(),
             _ => false,
         })
@@ -389,6 +417,14 @@ mod tests {
         assert!(!s.is_admin("anything").unwrap());
         let t = s.new_admin_token().unwrap();
         assert!(s.is_admin(&t).unwrap() && !s.is_admin(&t[1..]).unwrap());
+        // The metrics token is another secret: neither opens the other's door.
+        assert!(!s.is_metrics_reader(&t).unwrap());
+        let m = s.new_metrics_token().unwrap();
+        assert!(s.is_metrics_reader(&m).unwrap() && !s.is_admin(&m).unwrap() && !s.is_metrics_reader(&t).unwrap());
+        s.set_metrics_token("an operator's own token, long enough").unwrap();
+        assert!(
+            s.is_metrics_reader("an operator's own token, long enough").unwrap() && !s.is_metrics_reader(&m).unwrap()
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
