@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::cluster::router::{ConnectError, Router, RouterEngine};
 use crate::config::{Role, ServeConfig};
-use crate::loaded::{LoadError, LoadedModel};
+use crate::loaded::{LoadError, LoadedModel, ModelText};
 use crate::metrics::Metrics;
 use crate::runner::{EngineHandle, LocalEngine, StartError, StartupError, start_engine};
 use crate::serve::{ModelParts, Parts, ServeError, runtime};
@@ -56,18 +56,17 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> Result<(), BootError> {
     // The models and their engines first: a bad model or pool setting fails before any state
     // changes.
     let served = cfg.served();
-    let mut loaded = Vec::with_capacity(served.len());
-    for s in &served {
-        loaded.push(LoadedModel::open(&s.path)?);
-    }
     let rt = runtime().map_err(StartupError::io("starting the server's runtime"))?;
     let metrics = Arc::new(Metrics::default());
-    // Each model's engine: its own thread and pool, or (on a router) the cluster's nodes that
-    // serve it, once they agree.
+    // Each model's tokenizer and template, and its engine: its own thread and pool, or (on a
+    // router) the cluster's nodes that serve it, once they agree. A router reads the file's
+    // tokenizer, template and digest, and never its weights.
+    let mut texts = Vec::with_capacity(served.len());
     let engines: Vec<Arc<dyn EngineHandle>> = match opts.role {
         Role::Router => {
             let mut wanted = Vec::with_capacity(served.len());
             for s in &served {
+                texts.push(ModelText::open(&s.path)?);
                 let digest = crate::cluster::file_digest(&s.path)
                     .map_err(StartupError::io(format!("reading {}", s.path.display())))?;
                 wanted.push((s.name.clone(), digest));
@@ -80,8 +79,10 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> Result<(), BootError> {
         }
         _ => {
             let mut engines: Vec<Arc<dyn EngineHandle>> = Vec::with_capacity(served.len());
-            for (s, l) in served.iter().zip(&loaded) {
-                let engine = start_engine(&cfg, s, l)?;
+            for s in &served {
+                let loaded = LoadedModel::open(&s.path)?;
+                texts.push(loaded.text());
+                let engine = start_engine(&cfg, s, &loaded)?;
                 let local = LocalEngine::start(engine, s.limits.queue, metrics.model(&s.name)).map_err(
                     StartupError::io(format!("starting the engine thread of model {}", s.name)),
                 )?;
@@ -92,9 +93,9 @@ pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> Result<(), BootError> {
     };
     let models = served
         .into_iter()
-        .zip(loaded)
+        .zip(texts)
         .zip(engines)
-        .map(|((served, loaded), engine)| ModelParts { served, loaded, engine })
+        .map(|((served, text), engine)| ModelParts { served, text, engine })
         .collect();
     let parts = Parts { models, rt, metrics };
     Ok(crate::serve::serve(cfg, opts.insecure_http, parts)?)

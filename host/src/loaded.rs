@@ -1,4 +1,5 @@
-//! A model file opened for use: weights, tokenizer and chat template, from one GGUF file.
+//! A model file opened for use: weights, tokenizer and chat template, from one GGUF file; or,
+//! for a router, its tokenizer and chat template alone ([`ModelText`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,18 +40,61 @@ pub struct LoadedModel {
     pub chat: Option<Arc<ChatTemplate>>,
 }
 
+/// What the API side needs of a model file: its tokenizer and chat template. A router opens
+/// only this: it never repacks or keeps the weights (its nodes do).
+#[derive(Clone)]
+pub struct ModelText {
+    /// Its tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Its chat template, if it has one.
+    pub chat: Option<Arc<ChatTemplate>>,
+}
+
+/// Checks `path` is there, logs, and maps and validates it.
+fn map(path: &Path) -> Result<Gguf, LoadError> {
+    if !path.exists() {
+        return Err(LoadError::NotFound(path.into()));
+    }
+    let mib = std::fs::metadata(path).map_or(0, |m| m.len() >> 20);
+    tracing::info!("model {}: validating and mapping {mib} MiB", path.display());
+    Gguf::open(path).map_err(|e| LoadError::Gguf(path.into(), e))
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+impl ModelText {
+    /// Opens and validates `path`, reading its tokenizer and chat template and none of its
+    /// weights (the mapping goes when this returns); errors name the file.
+    pub fn open(path: &Path) -> Result<Self, LoadError> {
+        let started = Instant::now();
+        let g = map(path)?;
+        let text = Self::read(path, &g)?;
+        tracing::info!(
+            "model {}: tokenizer and chat template read in {:.0} ms (weights not loaded: the nodes hold them)",
+            path.display(),
+            ms(started)
+        );
+        Ok(text)
+    }
+
+    fn read(path: &Path, g: &Gguf) -> Result<Self, LoadError> {
+        let tokenizer = Tokenizer::from_gguf(g).map_err(|e| LoadError::Tokenizer(path.into(), e))?;
+        let chat = ChatTemplate::from_gguf(g).map_err(|e| LoadError::Chat(path.into(), e))?;
+        Ok(Self {
+            tokenizer: Arc::new(tokenizer),
+            chat: chat.map(Arc::new),
+        })
+    }
+}
+
 impl LoadedModel {
     /// Opens and validates `path`; errors name the file and what was wrong.
     pub fn open(path: &Path) -> Result<Self, LoadError> {
-        if !path.exists() {
-            return Err(LoadError::NotFound(path.into()));
-        }
         // Progress lines with their times: a large model takes a while at each stage.
-        let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
         let (file, started) = (path.display(), Instant::now());
-        let mib = std::fs::metadata(path).map_or(0, |m| m.len() >> 20);
-        tracing::info!("model {file}: validating and mapping {mib} MiB");
-        let g = Gguf::open(path).map_err(|e| LoadError::Gguf(path.into(), e))?;
+        let g = map(path)?;
         tracing::info!(
             "model {file}: mapped and validated in {:.0} ms; repacking its weights",
             ms(started)
@@ -59,8 +103,7 @@ impl LoadedModel {
         let model = Model::from_gguf(&g).map_err(|e| LoadError::Model(path.into(), e))?;
         tracing::info!("model {file}: weights repacked in {:.0} ms", ms(t));
         let t = Instant::now();
-        let tokenizer = Tokenizer::from_gguf(&g).map_err(|e| LoadError::Tokenizer(path.into(), e))?;
-        let chat = ChatTemplate::from_gguf(&g).map_err(|e| LoadError::Chat(path.into(), e))?;
+        let text = ModelText::read(path, &g)?;
         tracing::info!(
             "model {file}: tokenizer and chat template read in {:.0} ms; loaded in {:.0} ms",
             ms(t),
@@ -68,8 +111,16 @@ impl LoadedModel {
         );
         Ok(Self {
             model: Arc::new(model),
-            tokenizer: Arc::new(tokenizer),
-            chat: chat.map(Arc::new),
+            tokenizer: text.tokenizer,
+            chat: text.chat,
         })
+    }
+
+    /// Its tokenizer and chat template.
+    pub fn text(&self) -> ModelText {
+        ModelText {
+            tokenizer: self.tokenizer.clone(),
+            chat: self.chat.clone(),
+        }
     }
 }

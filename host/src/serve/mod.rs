@@ -37,7 +37,7 @@ use tokio::net::TcpListener;
 
 use crate::config::{ServeConfig, ServedModel};
 use crate::grammar::{GrammarLimits, Grammars};
-use crate::loaded::LoadedModel;
+use crate::loaded::ModelText;
 use crate::metrics::Metrics;
 use crate::net::{accept, shutdown_signal};
 use crate::policy::PolicyError;
@@ -121,8 +121,8 @@ pub struct Parts {
 pub struct ModelParts {
     /// How the configuration serves it.
     pub served: ServedModel,
-    /// Its file, opened.
-    pub loaded: LoadedModel,
+    /// Its tokenizer and chat template (a router reads no more of the file).
+    pub text: ModelText,
     /// Its engine.
     pub engine: Arc<dyn EngineHandle>,
 }
@@ -146,7 +146,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
     // A tenant's KV policy applies in every model's pool: the smallest pool bounds it.
     let pools: Vec<(usize, usize)> = models.iter().map(|m| m.engine.pool_pages()).collect();
     let bounds = crate::policy::Bounds::of_pools(&pools, cfg.kv.page_size);
-    let tokenizers: Vec<_> = models.iter().map(|m| m.loaded.tokenizer.clone()).collect();
+    let tokenizers: Vec<_> = models.iter().map(|m| m.text.tokenizer.clone()).collect();
     let tokenize: quota::Tokenize =
         Arc::new(move |text: &str| tokenizers.iter().map(|tk| tk.encode(text, true)).collect());
     let quotas = Arc::new(
@@ -179,7 +179,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         &cfg.data_dir,
         // An upload's smoke call runs against the first model's tokenizer; requests' calls
         // against their own model's.
-        models[0].loaded.tokenizer.clone(),
+        models[0].text.tokenizer.clone(),
         &plugins::compiler()?,
     )?;
     let tls = if insecure_http {
@@ -202,7 +202,7 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         .into_iter()
         .enumerate()
         .map(|(index, m)| {
-            let grammars = Arc::new(Grammars::new(m.loaded.tokenizer.clone(), grammar_limits));
+            let grammars = Arc::new(Grammars::new(m.text.tokenizer.clone(), grammar_limits));
             // The vocabulary's token trie is built now, off the start path, rather than in the
             // first structured request's time (a router compiles each request's format too, to
             // refuse a bad one before it is dispatched).
@@ -222,8 +222,8 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
                 queue: m.served.limits.queue,
                 id: m.served.name,
                 index,
-                tokenizer: m.loaded.tokenizer,
-                chat: m.loaded.chat,
+                tokenizer: m.text.tokenizer,
+                chat: m.text.chat,
                 engine: m.engine,
             })
         })
