@@ -329,7 +329,10 @@ fn a_router_refuses_nodes_that_disagree_and_a_node_refuses_a_pool_below_its_cont
     // A node refuses what is not its role's work, with the reason.
     rt().block_on(async {
         let m = warden::cluster::link::Msg::PublicPrefixes { prefixes: vec![] };
-        let e = warden::cluster::link::call(decode.addr, &m).await.unwrap_err();
+        let e = warden::cluster::link::Transport::plain()
+            .call(decode.addr, &m)
+            .await
+            .unwrap_err();
         assert!(
             matches!(&e, warden::cluster::link::CallError::Refused { message, .. }
                 if message.contains("a decode node does not take public_prefixes")),

@@ -380,3 +380,234 @@ fn no_canary_crosses_tenants_in_a_cluster_with_every_transfer_fault() {
     clean("the prefill node's log", &drain(&prefill.output));
     clean("the decode node's log", &drain(&decode.output));
 }
+
+/// One completion of `max_tokens` through `client`: its status and error code (`-` for none).
+async fn complete(client: &Client, key: &str, prompt: &str, max_tokens: usize) -> (u16, String) {
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let r = client
+        .request(
+            Method::POST,
+            "/v1/completions",
+            Some(key),
+            Some(body.to_string().into_bytes()),
+        )
+        .await
+        .expect("a response");
+    let code = r
+        .json()
+        .ok()
+        .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
+        .unwrap_or_else(|| "-".into());
+    (r.status, code)
+}
+
+/// A router, a prefill node and two decode nodes, each in a network namespace of its own on a
+/// bridge, talking mutual TLS under a cluster CA that `warden cluster certs` made: the canary
+/// load crosses them with no leak; a peer with a certificate from another CA, or with none, is
+/// refused before anything it sends is read; and cutting one decode node's link mid-request
+/// fails only that node's requests (502 `node_failed`), frees their pages on every side, and
+/// the router sends it nothing until its link is back.
+#[test]
+fn a_cluster_across_network_namespaces_talks_mutual_tls_and_survives_a_cut_link() {
+    use common::netns::Netns;
+    use warden::cluster::link::{Msg, Transport};
+    use warden::cluster::tls::ClusterTls;
+
+    let net = Netns::new(&["prefill", "decode1", "decode2", "router"]);
+    let dir = common::temp_dir("mtls");
+    let (certs, foreign) = (dir.join("certs"), dir.join("foreign"));
+    let made = |out: &std::path::Path, names: &[String]| {
+        let o = std::process::Command::new(common::warden_bin())
+            .args(["cluster", "certs", "--out"])
+            .arg(out)
+            .args(names)
+            .output()
+            .expect("warden cluster certs");
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    };
+    made(
+        &certs,
+        &[
+            "prefill".into(),
+            "decode1".into(),
+            "decode2".into(),
+            format!("router={}", net.addr("router")),
+            "tester".into(),
+        ],
+    );
+    made(&foreign, &["intruder".into()]);
+    let tls = |name: &str| {
+        format!(
+            "ca = {:?}\ncert = {:?}\nkey = {:?}\npeer_timeout_s = 3\n",
+            certs.join("ca.pem"),
+            certs.join(format!("{name}.pem")),
+            certs.join(format!("{name}.key"))
+        )
+    };
+    let peer_timeout = Duration::from_secs(3);
+    let transport = |ca: &std::path::Path, d: &std::path::Path, name: &str| {
+        let t = ClusterTls::load(
+            &ca.join("ca.pem"),
+            &d.join(format!("{name}.pem")),
+            &d.join(format!("{name}.key")),
+        )
+        .expect("certificates");
+        Transport::mutual_tls(t, peer_timeout)
+    };
+    let tester = transport(&certs, &certs, "tester");
+    let node = |host: &str, role: &str| {
+        Node::start_in(
+            &format!("mtls-{host}"),
+            role,
+            &format!("{ENGINE}[cluster]\n{}", tls(host)),
+            &format!("{}:9100", net.addr(host)),
+            VERBOSE,
+            Some(&net.ns(host)),
+            tester.clone(),
+        )
+    };
+    let prefill = node("prefill", "prefill");
+    let d1 = node("decode1", "decode");
+    let d2 = node("decode2", "decode");
+    let rdir = common::temp_dir("mtls-router");
+    let config = rdir.join("warden.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"{}:0\"\ndata_dir = {:?}\nmodel = {:?}\npolicies = {:?}\n{ENGINE}\n[tls]\ncert = {:?}\nkey = {:?}\n\
+             [cluster]\nprefill = [\"{}\"]\ndecode = [\"{}\", \"{}\"]\nconnect_timeout_s = 60\n{}",
+            net.addr("router"),
+            rdir.join("data"),
+            common::model(),
+            rdir.join("policies"),
+            certs.join("router.pem"),
+            certs.join("router.key"),
+            prefill.addr,
+            d1.addr,
+            d2.addr,
+            tls("router"),
+        ),
+    )
+    .expect("write config");
+    let mut router = Server::start_in(rdir, config, "router", VERBOSE, Some(&net.ns("router")));
+    // The router's API certificate is the cluster CA's too (it names the router's address).
+    router.cert = certs.join("ca.pem");
+    let tok = tokenizer();
+    let reqs = plan(requests() / 4, &tok, 3);
+    rt().block_on(async {
+        // The canary load, across the namespaces.
+        let counts = run("mutual TLS", &router, reqs, &[""; TENANTS]).await;
+        println!("across namespaces, by outcome: {counts:#?}");
+        assert!(counts.get("succeeded").copied().unwrap_or(0) > 0, "{counts:?}");
+        for n in [&prefill, &d1, &d2] {
+            assert!(n.pages_return().await, "{}", n.metrics().await);
+            clean("a node's metrics", &[n.metrics().await]);
+        }
+        let served = |m: &str| common::metric_value(m, "warden_requests_total");
+        assert!(served(&d1.metrics().await) > 0.0 && served(&d2.metrics().await) > 0.0);
+
+        // A certificate from another CA, and no certificate at all, are refused at the
+        // handshake: no answer, and the node says so.
+        let intruder = transport(&certs, &foreign, "intruder");
+        let e = intruder
+            .call(prefill.addr, &Msg::Describe)
+            .await
+            .expect_err("a foreign certificate");
+        println!("a foreign certificate: {e}");
+        let mut plain = tokio::net::TcpStream::connect(prefill.addr).await.expect("tcp");
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let hello = warden::cluster::link::encode_msg(&Msg::Hello {
+            version: warden::cluster::link::VERSION,
+        });
+        let describe = warden::cluster::link::encode_msg(&Msg::Describe);
+        let _ = plain.write_all(&[hello, describe].concat()).await;
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), plain.read_to_end(&mut answer)).await;
+        assert!(
+            read.is_ok() && !answer.windows(4).any(|w| w == b"role"),
+            "a peer without TLS got an answer: {answer:?}"
+        );
+        // Its log lines cross a pipe: wait for them.
+        let mut prefill_log = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let refusals = |log: &[String]| log.iter().filter(|l| l.contains("refused a connection")).count();
+        while refusals(&prefill_log) < 2 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            prefill_log.extend(drain(&prefill.output));
+        }
+        assert_eq!(refusals(&prefill_log), 2, "the prefill node's refusals");
+        clean("the prefill node's log", &prefill_log);
+        assert!(
+            tester.call(prefill.addr, &Msg::Describe).await.is_ok(),
+            "the cluster's own certificate"
+        );
+
+        // Long completions on both decode nodes; decode1's link is cut while it decodes.
+        let key = router.key().to_string();
+        let client = router.client();
+        let count: String = (1..=30).map(|i| format!("{i}, ")).collect();
+        let running = |m: &str| common::metric_value(m, "warden_running_sequences");
+        let mut tasks = Vec::new();
+        for _ in 0..6 {
+            let (c, k, p) = (client.clone(), key.clone(), count.clone());
+            tasks.push(tokio::spawn(async move { complete(&c, &k, &p, 400).await }));
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        while running(&d1.metrics().await) < 1.0 {
+            assert!(tokio::time::Instant::now() < deadline, "decode1 never ran a request");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let d2_before = served(&d2.metrics().await);
+        net.cut("decode1");
+        let mut outcomes = Vec::new();
+        for t in tasks {
+            outcomes.push(t.await.expect("a request task"));
+        }
+        println!("with decode1 cut mid-request: {outcomes:?}");
+        assert!(
+            outcomes
+                .iter()
+                .all(|(s, c)| (*s, c.as_str()) == (200, "-") || (*s, c.as_str()) == (502, "node_failed")),
+            "{outcomes:?}"
+        );
+        let failed = outcomes.iter().filter(|(s, _)| *s == 502).count();
+        assert!(failed >= 1 && failed < outcomes.len(), "{outcomes:?}");
+        // Every success came from decode2, once decode1 was cut.
+        let up = |node: std::net::SocketAddr| format!("warden_cluster_node_up{{role=\"decode\",node=\"{node}\"}}");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while router.metric(&up(d1.addr)).await != 0.0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the router still counts decode1 up"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        // While it is cut, the router sends its work elsewhere: every request succeeds.
+        for _ in 0..4 {
+            assert_eq!(complete(&client, &key, &count, 4).await, (200, "-".into()));
+        }
+        assert!(served(&d2.metrics().await) >= d2_before + 4.0);
+        // Back: the router probes it up again and sends it work; its pages, and the prefill
+        // node's, all came back.
+        net.restore("decode1");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while router.metric(&up(d1.addr)).await != 1.0 {
+            assert!(tokio::time::Instant::now() < deadline, "decode1 never came back");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for n in [&prefill, &d1, &d2] {
+            assert!(n.pages_return().await, "{}", n.metrics().await);
+        }
+        let d1_before = served(&d1.metrics().await);
+        for _ in 0..4 {
+            assert_eq!(complete(&client, &key, &count, 4).await, (200, "-".into()));
+        }
+        assert!(served(&d1.metrics().await) > d1_before, "decode1 gets work again");
+        clean("the router's metrics", &[router.metrics().await]);
+    });
+    clean("the router's log", &drain(&router.output));
+    for n in [&prefill, &d1, &d2] {
+        clean("a node's log", &drain(&n.output));
+    }
+}

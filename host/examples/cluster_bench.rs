@@ -19,7 +19,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use http_body_util::BodyExt;
 use hyper::Method;
-use warden::cluster::link::{self, Msg};
+use warden::cluster::link::{Msg, Transport};
 use warden::serve::client::{Client, Proto};
 
 mod common;
@@ -129,7 +129,7 @@ fn main() -> anyhow::Result<()> {
             let (a, d) = (median(&mut a), median(&mut d));
             println!("{n:>8} {a:>10.1} {d:>14.1} {:>7.2}x", d / a);
         }
-        let m = match link::call(p_addr, &Msg::Metrics).await {
+        let m = match Transport::plain().call(p_addr, &Msg::Metrics).await {
             Ok(Msg::MetricsText { text }) => text,
             other => bail!("the prefill node answered {other:?}"),
         };

@@ -135,8 +135,9 @@ pub fn valid_model_name(name: &str) -> bool {
 }
 
 /// Disaggregated serving: where a prefill or decode node listens, which nodes a router
-/// dispatches to, and the bounds of a KV transfer. Nodes speak to each other over loopback only
-/// (every address here must be one).
+/// dispatches to, the bounds of a KV transfer, and the cluster's mutual TLS. Without `ca`,
+/// `cert` and `key`, nodes speak to each other over loopback only (every address here must be
+/// one); with them, every connection is mutual TLS under the cluster's CA, on any address.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ClusterConfig {
@@ -155,6 +156,26 @@ pub struct ClusterConfig {
     pub batches_in_flight: usize,
     /// Bytes of batches sent ahead of acknowledgements, in MiB. Default 64.
     pub bytes_in_flight_mib: usize,
+    /// The cluster CA's certificate (PEM): a peer's certificate must chain to it. Default: none
+    /// (loopback only, plain TCP).
+    pub ca: Option<PathBuf>,
+    /// This process's certificate chain (PEM), signed by the CA and valid for the name
+    /// `warden-cluster` (`warden cluster certs` makes such). Default: none.
+    pub cert: Option<PathBuf>,
+    /// This process's private key (PEM). Default: none.
+    pub key: Option<PathBuf>,
+    /// Seconds a peer may leave sent data unacknowledged, or fail to answer keep-alive probes
+    /// on an idle connection, before the connection is dropped as dead (a cut link fails its
+    /// requests instead of stalling them); also the longest a connection and its handshake may
+    /// take. Default 10.
+    pub peer_timeout_s: u64,
+}
+
+impl ClusterConfig {
+    /// Whether every connection is mutual TLS (`ca`, `cert` and `key` set).
+    pub fn mutual_tls(&self) -> bool {
+        self.ca.is_some() && self.cert.is_some() && self.key.is_some()
+    }
 }
 
 impl Default for ClusterConfig {
@@ -167,6 +188,10 @@ impl Default for ClusterConfig {
             pages_per_batch: 8,
             batches_in_flight: 4,
             bytes_in_flight_mib: 64,
+            ca: None,
+            cert: None,
+            key: None,
+            peer_timeout_s: 10,
         }
     }
 }
@@ -829,15 +854,35 @@ impl ServeConfig {
             ("cluster.prefill", &self.cluster.prefill),
             ("cluster.decode", &self.cluster.decode),
         ];
-        for (key, addrs) in nodes {
-            if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
-                return Err(ConfigError::Invalid {
-                    path: path.into(),
-                    key,
-                    value: a.to_string(),
-                    why: "nodes talk over loopback only: use a 127.0.0.0/8 or ::1 address",
-                });
+        let tls = [
+            ("cluster.ca", self.cluster.ca.is_some()),
+            ("cluster.cert", self.cluster.cert.is_some()),
+            ("cluster.key", self.cluster.key.is_some()),
+        ];
+        if let Some((key, _)) = tls.iter().find(|(_, set)| !set)
+            && tls.iter().any(|(_, set)| *set)
+        {
+            return Err(ConfigError::Invalid {
+                path: path.into(),
+                key,
+                value: "(missing)".into(),
+                why: "cluster.ca, cluster.cert and cluster.key are set together (mutual TLS) or not at all",
+            });
+        }
+        if !self.cluster.mutual_tls() {
+            for (key, addrs) in nodes {
+                if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                    return Err(ConfigError::Invalid {
+                        path: path.into(),
+                        key,
+                        value: a.to_string(),
+                        why: "without mutual TLS (cluster.ca, cluster.cert, cluster.key) nodes talk over loopback only: use a 127.0.0.0/8 or ::1 address, or set them",
+                    });
+                }
             }
+        }
+        if self.cluster.peer_timeout_s == 0 {
+            return Err(bad("cluster.peer_timeout_s", 0, "must be at least 1"));
         }
         if self.tls.cert.is_some() != self.tls.key.is_some() {
             return Err(ConfigError::Invalid {
@@ -998,6 +1043,17 @@ mod tests {
             e.contains("cluster.decode = 10.0.0.2:9100") && e.contains("loopback"),
             "{e}"
         );
+        // With mutual TLS, any address; its three files go together.
+        let tls = "[cluster]\nca = \"ca.pem\"\ncert = \"n.pem\"\nkey = \"n.key\"\n";
+        let c = parse(&format!(
+            "{tls}decode = [\"10.0.0.2:9100\"]\nlisten = \"0.0.0.0:9100\"\n"
+        ))
+        .unwrap();
+        assert!(c.cluster.mutual_tls());
+        let e = parse("[cluster]\nca = \"ca.pem\"\ncert = \"n.pem\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cluster.key") && e.contains("together"), "{e}");
         let e = parse("[cluster]\npages_per_batch = 0\n").unwrap_err().to_string();
         assert!(e.contains("cluster.pages_per_batch = 0"), "{e}");
     }

@@ -33,6 +33,7 @@ pub mod log;
 pub mod metrics;
 pub mod model;
 pub mod net;
+pub mod pem;
 pub mod plugin;
 pub mod policy;
 pub mod runner;

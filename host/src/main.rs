@@ -126,6 +126,11 @@ enum Command {
         #[command(subcommand)]
         op: ConfigOp,
     },
+    /// The cluster's mutual TLS: make its CA and node certificates.
+    Cluster {
+        #[command(subcommand)]
+        op: ClusterOp,
+    },
     /// Check a policy directory as `warden serve` loads it, against the pools and tokenizers of
     /// the models a configuration serves: exits non-zero with the server's message.
     Policies {
@@ -259,6 +264,23 @@ enum ConfigOp {
     Check {
         /// The configuration file.
         file: PathBuf,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterOp {
+    /// Make a cluster CA (ca.pem, ca.key; one already in DIR signs instead) and, for each NAME,
+    /// NAME.pem and NAME.key: a certificate for server and client use, valid for the name
+    /// warden-cluster, NAME and any HOSTs (names or IP addresses). Set [cluster] ca, cert and
+    /// key on every node and the router to use them. Keys are written mode 0600; keep ca.key
+    /// off the nodes.
+    Certs {
+        /// Where to write the files.
+        #[arg(long)]
+        out: PathBuf,
+        /// A node or router: NAME, or NAME=HOST,HOST... (letters, digits, -_. in NAME).
+        #[arg(required = true)]
+        names: Vec<String>,
     },
 }
 
@@ -442,6 +464,32 @@ fn run(command: Command) -> anyhow::Result<()> {
             }
             let cfg = ServeConfig::load_layered(path.as_deref(), std::env::vars(), &flags)?;
             Ok(serve(cfg, ServeOptions { insecure_http, role })?)
+        }
+        Command::Cluster {
+            op: ClusterOp::Certs { out, names },
+        } => {
+            let mut nodes = Vec::new();
+            for n in &names {
+                let (name, hosts) = n.split_once('=').unwrap_or((n, ""));
+                if !warden::cluster::tls::valid_cert_name(name) {
+                    bail!(
+                        "{name:?} is not a certificate name: use letters, digits and -_. (at most 64, not starting with .)"
+                    );
+                }
+                let hosts: Vec<String> = hosts.split(',').filter(|h| !h.is_empty()).map(str::to_string).collect();
+                nodes.push((name.to_string(), hosts));
+            }
+            let made = warden::cluster::tls::make_certs(&out, &nodes)?;
+            println!(
+                "{} CA {} (its key {} stays off the nodes)",
+                if made.new_ca { "made" } else { "used the" },
+                out.join("ca.pem").display(),
+                out.join("ca.key").display()
+            );
+            for c in &made.certs {
+                println!("made {} and its key", c.display());
+            }
+            Ok(())
         }
         Command::Policies {
             op: PoliciesOp::Check { dir, config: path },

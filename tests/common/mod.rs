@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -160,9 +162,20 @@ impl Server {
 
     /// Starts `warden serve --role role` on a data dir and config, with environment `env`.
     pub fn start_as(data_dir: PathBuf, config: PathBuf, role: &str, env: &[(&str, &str)]) -> Server {
+        Self::start_in(data_dir, config, role, env, None)
+    }
+
+    /// [`start_as`](Self::start_as), in network namespace `netns` if one is given.
+    pub fn start_in(
+        data_dir: PathBuf,
+        config: PathBuf,
+        role: &str,
+        env: &[(&str, &str)],
+        netns: Option<&str>,
+    ) -> Server {
         let data = data_dir.join("data");
         let _ = std::fs::remove_file(data.join("server.json"));
-        let (child, rx, url, lines) = spawn(&config, role, env, |l| {
+        let (child, rx, url, lines) = spawn(&config, role, env, netns, |l| {
             // The log line `... INFO warden::serve: serving <models> on <url>`, or its JSON.
             l.split_once("serving ")
                 .and_then(|(_, r)| r.split(" on ").nth(1))
@@ -279,9 +292,19 @@ fn spawn(
     config: &Path,
     role: &str,
     env: &[(&str, &str)],
+    netns: Option<&str>,
     ready: impl Fn(&str) -> Option<String>,
 ) -> (Child, mpsc::Receiver<String>, String, Vec<String>) {
-    let mut child = Command::new(warden_bin())
+    // In a network namespace, through `ip netns exec` (which execs warden: the child is it).
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(warden_bin());
+            c
+        }
+        None => Command::new(warden_bin()),
+    };
+    let mut child = cmd
         .args(["serve", "--role", role, "--config"])
         .arg(config)
         .envs(env.iter().copied())
@@ -329,6 +352,8 @@ pub struct Node {
     child: Option<Child>,
     /// Where it listens.
     pub addr: std::net::SocketAddr,
+    /// How the test reaches it (plain on loopback, or with a cluster certificate).
+    pub transport: warden::cluster::link::Transport,
     /// What it printed after it started.
     pub output: mpsc::Receiver<String>,
     /// What it printed before.
@@ -352,18 +377,45 @@ impl Node {
     }
 
     fn start_env_on(tag: &str, role: &str, extra: &str, listen: &str, env: &[(&str, &str)]) -> Node {
+        Self::start_in(
+            tag,
+            role,
+            extra,
+            listen,
+            env,
+            None,
+            warden::cluster::link::Transport::plain(),
+        )
+    }
+
+    /// Starts a `role` node listening on `listen`, in network namespace `netns` if one is
+    /// given; the test reaches it through `transport`.
+    pub fn start_in(
+        tag: &str,
+        role: &str,
+        extra: &str,
+        listen: &str,
+        env: &[(&str, &str)],
+        netns: Option<&str>,
+        transport: warden::cluster::link::Transport,
+    ) -> Node {
         let dir = temp_dir(tag);
         let config = dir.join("node.toml");
+        // `extra` may open tables of its own; [cluster] comes last, with listen first in it.
+        let (extra, cluster) = match extra.split_once("[cluster]\n") {
+            Some((before, after)) => (before, after),
+            None => (extra, ""),
+        };
         std::fs::write(
             &config,
             format!(
-                "data_dir = {:?}\n{}{extra}\n[cluster]\nlisten = \"{listen}\"\n",
+                "data_dir = {:?}\n{}{extra}\n[cluster]\nlisten = \"{listen}\"\n{cluster}",
                 dir.join("data"),
                 model_line(extra)
             ),
         )
         .expect("write config");
-        let (child, output, addr, startup) = spawn(&config, role, env, |l| {
+        let (child, output, addr, startup) = spawn(&config, role, env, netns, |l| {
             l.contains(" node serving ")
                 .then(|| l.split(" on ").nth(1)?.split(' ').next().map(str::to_string))
                 .flatten()
@@ -371,6 +423,7 @@ impl Node {
         Node {
             child: Some(child),
             addr: addr.parse().expect("a node prints its address"),
+            transport,
             output,
             startup,
         }
@@ -378,7 +431,11 @@ impl Node {
 
     /// Its metrics, over the cluster protocol.
     pub async fn metrics(&self) -> String {
-        match warden::cluster::link::call(self.addr, &warden::cluster::link::Msg::Metrics).await {
+        match self
+            .transport
+            .call(self.addr, &warden::cluster::link::Msg::Metrics)
+            .await
+        {
             Ok(warden::cluster::link::Msg::MetricsText { text }) => text,
             other => panic!("node {} answered {other:?}", self.addr),
         }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::Agreement;
-use super::link::{self, Msg};
+use super::link::{Msg, Transport};
 use crate::config::Role;
 use crate::metrics::Metrics;
 
@@ -34,11 +34,12 @@ struct Node {
 pub struct Health {
     nodes: Vec<Node>,
     metrics: Arc<Metrics>,
+    transport: Transport,
 }
 
 impl Health {
     /// Every node, by address and role, up (the router has just heard from each of them).
-    pub fn new(nodes: &[(SocketAddr, Role)], metrics: Arc<Metrics>) -> Self {
+    pub fn new(nodes: &[(SocketAddr, Role)], metrics: Arc<Metrics>, transport: Transport) -> Self {
         let nodes: Vec<Node> = nodes
             .iter()
             .map(|&(addr, role)| Node {
@@ -50,7 +51,11 @@ impl Health {
         for n in &nodes {
             metrics.node_up(n.role, n.addr, true);
         }
-        Self { nodes, metrics }
+        Self {
+            nodes,
+            metrics,
+            transport,
+        }
     }
 
     /// The `n`th of `role`'s nodes, counting only those up, skipping `except`; `None` when
@@ -103,7 +108,7 @@ impl Health {
     /// Asks the `i`th node what it serves and marks it up or down by its answer.
     async fn check(&self, i: usize, agreed: &Agreement) {
         let node = &self.nodes[i];
-        let verdict = match tokio::time::timeout(PROBE_TIMEOUT, link::call(node.addr, &Msg::Describe)).await {
+        let verdict = match tokio::time::timeout(PROBE_TIMEOUT, self.transport.call(node.addr, &Msg::Describe)).await {
             Err(_) => Err("it did not answer in time".to_string()),
             Ok(Err(e)) => Err(e.to_string()),
             Ok(Ok(Msg::Info(info))) if info.role != node.role => Err(format!("it is now a {} node", info.role)),
@@ -127,7 +132,7 @@ mod tests {
         let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
         let p: SocketAddr = "127.0.0.1:3".parse().unwrap();
         let nodes = [(p, Role::Prefill), (a, Role::Decode), (b, Role::Decode)];
-        let h = Health::new(&nodes, Arc::new(Metrics::default()));
+        let h = Health::new(&nodes, Arc::new(Metrics::default()), Transport::plain());
         let picks: Vec<_> = (0..4).map(|n| h.pick(Role::Decode, n, &[])).collect();
         assert_eq!(picks, [Some(a), Some(b), Some(a), Some(b)]);
         assert_eq!(h.pick(Role::Prefill, 7, &[]), Some(p));

@@ -1,4 +1,5 @@
-//! The messages nodes and the router exchange, and their framing on a TCP connection.
+//! The messages nodes and the router exchange, their framing on a connection, and how
+//! connections are made ([`Transport`]: plain TCP on loopback, or mutual TLS on any address).
 //!
 //! A packet is a kind byte, then either a JSON [`Msg`] (a little-endian `u32` length and the
 //! text) or a transfer [`Frame`] in its own bounded encoding ([`crate::transfer::wire`]). Every
@@ -11,19 +12,23 @@
 //! that request's exchange needs.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 use super::NodeInfo;
+use super::tls::{ClusterTls, plain_allowed, tune};
+use crate::config::ClusterConfig;
 use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, RequestId, Usage};
 use crate::engine::steer::{SteerInit, TokenConstraint};
 use crate::engine::{TenantSettings, TokenLogprobs};
 use crate::grammar::Format;
 use crate::kv::{PageHandle, PageInfo};
+use crate::pem::TlsError;
 use crate::plugin::KvAccessError;
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
@@ -296,14 +301,16 @@ pub fn encode_frame(f: &Frame) -> Vec<u8> {
     out
 }
 
-/// Writes a message.
+/// Writes a message (and flushes it: over TLS, a record may wait in the session otherwise).
 pub async fn send<W: AsyncWrite + Unpin>(w: &mut W, m: &Msg) -> std::io::Result<()> {
-    w.write_all(&encode_msg(m)).await
+    w.write_all(&encode_msg(m)).await?;
+    w.flush().await
 }
 
-/// Writes a transfer frame.
+/// Writes a transfer frame (and flushes it).
 pub async fn send_frame<W: AsyncWrite + Unpin>(w: &mut W, f: &Frame) -> std::io::Result<()> {
-    w.write_all(&encode_frame(f)).await
+    w.write_all(&encode_frame(f)).await?;
+    w.flush().await
 }
 
 /// Reads one packet; `None` when the peer closed between packets. Frames over `frame_limit`
@@ -348,7 +355,7 @@ pub type Incoming = mpsc::Receiver<Result<Packet, LinkError>>;
 
 /// Reads `r` on a task of its own (so a `select!` never loses half a packet), handing packets
 /// on through a small channel: a slow consumer slows the peer through TCP.
-pub fn reader(r: OwnedReadHalf, frame_limit: usize) -> Incoming {
+pub fn reader(r: ReadHalf, frame_limit: usize) -> Incoming {
     let (tx, rx) = mpsc::channel(4);
     tokio::spawn(async move {
         let mut r = BufReader::with_capacity(64 << 10, r);
@@ -368,13 +375,125 @@ pub fn reader(r: OwnedReadHalf, frame_limit: usize) -> Incoming {
     rx
 }
 
-/// Connects to a node and says hello.
-pub async fn connect(addr: SocketAddr) -> std::io::Result<(OwnedReadHalf, OwnedWriteHalf)> {
-    let tcp = TcpStream::connect(addr).await?;
-    let _ = tcp.set_nodelay(true);
-    let (r, mut w) = tcp.into_split();
-    send(&mut w, &Msg::Hello { version: VERSION }).await?;
-    Ok((r, w))
+/// A connection's reading half: plain TCP or TLS.
+pub type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+/// A connection's writing half: plain TCP or TLS.
+pub type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
+
+/// How this process's cluster connections are made and taken: plain TCP, to and from loopback
+/// addresses only; or mutual TLS under the cluster's CA, on any address. Either way every link
+/// socket is [`tune`]d, so a peer behind a cut link is found dead within the peer timeout.
+#[derive(Clone)]
+pub struct Transport {
+    tls: Option<Arc<ClusterTls>>,
+    peer_timeout: Duration,
+}
+
+impl Transport {
+    /// The transport `[cluster]` configures: mutual TLS when `ca`, `cert` and `key` are set.
+    pub fn new(cluster: &ClusterConfig) -> Result<Self, TlsError> {
+        let tls = match (&cluster.ca, &cluster.cert, &cluster.key) {
+            (Some(ca), Some(cert), Some(key)) => Some(Arc::new(ClusterTls::load(ca, cert, key)?)),
+            _ => None,
+        };
+        Ok(Self {
+            tls,
+            peer_timeout: Duration::from_secs(cluster.peer_timeout_s.max(1)),
+        })
+    }
+
+    /// Plain TCP on loopback, with the default peer timeout.
+    pub fn plain() -> Self {
+        Self {
+            tls: None,
+            peer_timeout: Duration::from_secs(ClusterConfig::default().peer_timeout_s),
+        }
+    }
+
+    /// Mutual TLS with `tls`.
+    pub fn mutual_tls(tls: ClusterTls, peer_timeout: Duration) -> Self {
+        Self {
+            tls: Some(Arc::new(tls)),
+            peer_timeout,
+        }
+    }
+
+    /// Whether connections are mutual TLS.
+    pub fn is_mutual_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
+    /// Connects to a node (within the peer timeout, handshake included) and says hello.
+    pub async fn connect(&self, addr: SocketAddr) -> std::io::Result<(ReadHalf, WriteHalf)> {
+        if self.tls.is_none() && !plain_allowed(addr) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!("{addr} is not a loopback address and mutual TLS is off (cluster.ca, cert, key)"),
+            ));
+        }
+        let tcp = tokio::time::timeout(self.peer_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connecting timed out"))??;
+        tune(&tcp, self.peer_timeout);
+        let (r, mut w): (ReadHalf, WriteHalf) = match &self.tls {
+            Some(tls) => {
+                let (r, w) = tokio::io::split(tls.connect(tcp, self.peer_timeout).await?);
+                (Box::new(r), Box::new(w))
+            }
+            None => {
+                let (r, w) = tcp.into_split();
+                (Box::new(r), Box::new(w))
+            }
+        };
+        send(&mut w, &Msg::Hello { version: VERSION }).await?;
+        Ok((r, w))
+    }
+
+    /// Takes a connection a node accepted from `peer`: over mutual TLS, its handshake (an
+    /// error for a peer whose certificate the CA did not sign, or that has none, before
+    /// anything of it is read); else only from loopback.
+    pub async fn accept(&self, tcp: TcpStream, peer: SocketAddr) -> std::io::Result<(ReadHalf, WriteHalf)> {
+        tune(&tcp, self.peer_timeout);
+        match &self.tls {
+            Some(tls) => {
+                let (r, w) = tokio::io::split(tls.accept(tcp, self.peer_timeout).await?);
+                Ok((Box::new(r), Box::new(w)))
+            }
+            None if plain_allowed(peer) => {
+                let (r, w) = tcp.into_split();
+                Ok((Box::new(r), Box::new(w)))
+            }
+            None => Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                "not a loopback address, and mutual TLS is off",
+            )),
+        }
+    }
+
+    /// Opens a connection to the node at `addr` and sends `m` on it.
+    pub async fn open(&self, addr: SocketAddr, m: &Msg) -> Result<(ReadHalf, WriteHalf), CallError> {
+        let (r, mut w) = self
+            .connect(addr)
+            .await
+            .map_err(|cause| CallError::Connect { addr, cause })?;
+        send(&mut w, m)
+            .await
+            .map_err(|cause| CallError::Write { addr, cause })?;
+        Ok((r, w))
+    }
+
+    /// One control exchange with a node: connect, send `m`, read its one answer.
+    pub async fn call(&self, addr: SocketAddr, m: &Msg) -> Result<Msg, CallError> {
+        let (r, _w) = self.open(addr, m).await?;
+        let mut r = BufReader::new(r);
+        match read(&mut r, 0).await {
+            Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(CallError::Refused { addr, message }),
+            Ok(Some(Packet::Msg(m))) => Ok(m),
+            Ok(Some(Packet::Frame(_))) => Err(CallError::Frame(addr)),
+            Ok(None) => Err(CallError::Closed(addr)),
+            Err(cause) => Err(CallError::Read { addr, cause }),
+        }
+    }
 }
 
 /// Why an exchange with a node failed.
@@ -419,30 +538,6 @@ pub enum CallError {
         /// Why.
         cause: LinkError,
     },
-}
-
-/// Opens a connection to the node at `addr` and sends `m` on it.
-pub async fn open(addr: SocketAddr, m: &Msg) -> Result<(OwnedReadHalf, OwnedWriteHalf), CallError> {
-    let (r, mut w) = connect(addr)
-        .await
-        .map_err(|cause| CallError::Connect { addr, cause })?;
-    send(&mut w, m)
-        .await
-        .map_err(|cause| CallError::Write { addr, cause })?;
-    Ok((r, w))
-}
-
-/// One control exchange with a node: connect, send `m`, read its one answer.
-pub async fn call(addr: SocketAddr, m: &Msg) -> Result<Msg, CallError> {
-    let (r, _w) = open(addr, m).await?;
-    let mut r = BufReader::new(r);
-    match read(&mut r, 0).await {
-        Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(CallError::Refused { addr, message }),
-        Ok(Some(Packet::Msg(m))) => Ok(m),
-        Ok(Some(Packet::Frame(_))) => Err(CallError::Frame(addr)),
-        Ok(None) => Err(CallError::Closed(addr)),
-        Err(cause) => Err(CallError::Read { addr, cause }),
-    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
-//! A prefill or decode node: a model, an engine thread with its KV pool, and a loopback listener
-//! for the router and for other nodes.
+//! A prefill or decode node: a model, an engine thread with its KV pool, and a listener for the
+//! router and for other nodes (loopback peers only, or mutual TLS).
 //!
 //! A decode node serves one request per router connection: it admits and opens it (a refusal
 //! ends it there, before any transfer), asks the named prefill node for the prompt's KV on a
@@ -12,11 +12,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 
-use super::link::{self, CallError, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet};
+use super::link::{self, CallError, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet, Transport, WriteHalf};
 use super::{Disagreement, NodeInfo};
 use crate::config::Role;
 use crate::config::ServeConfig;
@@ -50,6 +49,10 @@ struct Node {
     /// Bytes of one full page's K and V: the unit of a batch's size limit.
     page_bytes: usize,
     queue: usize,
+    /// How its connections are taken and made: plain on loopback, or mutual TLS.
+    transport: Transport,
+    /// Where it listens (set once bound), for messages that name it.
+    addr: std::sync::OnceLock<std::net::SocketAddr>,
 }
 
 /// Runs a prefill or decode node until SIGTERM or SIGINT.
@@ -62,6 +65,8 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
         )));
     }
     let served = served.remove(0);
+    // The cluster's certificates before the model: a bad file fails in a moment.
+    let transport = Transport::new(&cfg.cluster).map_err(|e| StartupError::Config(format!("cluster TLS: {e}")))?;
     let loaded = LoadedModel::open(&served.path)?;
     let engine = start_engine(&cfg, &served, &loaded)?;
     let digest =
@@ -98,6 +103,8 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
         metrics,
         engine: handle,
         page_bytes,
+        transport,
+        addr: std::sync::OnceLock::new(),
         queue: served.limits.queue,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -119,13 +126,19 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     let addr = listener
         .local_addr()
         .map_err(StartupError::io("the listening socket's address"))?;
+    let _ = node.addr.set(addr);
     tracing::info!(
-        "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {})",
+        "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {}; {})",
         node.info.role,
         node.info.model,
         node.info.pages,
         node.info.page_size,
-        node.info.max_context
+        node.info.max_context,
+        if node.transport.is_mutual_tls() {
+            "mutual TLS"
+        } else {
+            "plain TCP, loopback only"
+        }
     );
     tokio::spawn(crate::heap::trim_periodically());
     let signal = crate::net::shutdown_signal();
@@ -134,11 +147,7 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
         let Some((tcp, peer)) = crate::net::accept(&listener, signal.as_mut()).await else {
             break;
         };
-        // Loopback only: the configuration binds there, and this holds whatever it binds.
-        if !peer.ip().is_loopback() {
-            continue;
-        }
-        tokio::spawn(connection(node.clone(), tcp));
+        tokio::spawn(connection(node.clone(), tcp, peer));
     }
     tracing::info!(
         "shutting down: finishing in-flight requests (up to {} s)",
@@ -161,13 +170,20 @@ async fn next_msg(rx: &mut Incoming) -> Option<Msg> {
     }
 }
 
-async fn refuse(w: &mut OwnedWriteHalf, message: String) {
+async fn refuse(w: &mut WriteHalf, message: String) {
     let _ = link::send(w, &Msg::Error { message }).await;
 }
 
-async fn connection(node: Arc<Node>, tcp: TcpStream) {
-    let _ = tcp.set_nodelay(true);
-    let (r, mut w) = tcp.into_split();
+async fn connection(node: Arc<Node>, tcp: TcpStream, peer: std::net::SocketAddr) {
+    // Mutual TLS: a peer the cluster's CA did not certify is refused here, before anything it
+    // sent is read. Plain: loopback peers only.
+    let (r, mut w) = match node.transport.accept(tcp, peer).await {
+        Ok(halves) => halves,
+        Err(e) => {
+            tracing::warn!(target: "warden::cluster", %peer, "refused a connection: {e}");
+            return;
+        }
+    };
     let mut rx = link::reader(r, ANSWER_FRAME_LIMIT);
     match next_msg(&mut rx).await {
         Some(Msg::Hello { version }) if version == link::VERSION => {}
@@ -247,7 +263,7 @@ fn ended(outcome: &Outcome) -> Ended {
 /// The prefill connection of a decode request, while its transfer runs.
 struct Upstream {
     rx: Incoming,
-    w: OwnedWriteHalf,
+    w: WriteHalf,
     /// The prefill node's name for the sequence (from `Begin`), for the frames sent back.
     seq: u64,
 }
@@ -260,11 +276,8 @@ async fn next_upstream(up: &mut Option<Upstream>) -> Option<Result<Packet, link:
 }
 
 /// A decode node's request: admit and open it, fetch its prompt's KV, stream its tokens.
-async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: OwnedWriteHalf) {
-    if !d.prefill.ip().is_loopback() {
-        return refuse(&mut w, format!("prefill node {} is not a loopback address", d.prefill)).await;
-    }
-    if let Err(why) = agrees(node, &d, &w) {
+async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf) {
+    if let Err(why) = agrees(node, &d) {
         return refuse(&mut w, why.to_string()).await;
     }
     let owner = d.req.owner;
@@ -475,7 +488,10 @@ fn unreachable_prefill(e: CallError) -> String {
 
 /// Asks the dispatch's prefill node for the prompt's KV.
 async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, CallError> {
-    let (r, w) = link::open(d.prefill, &Msg::Prefill(Box::new(d.clone()))).await?;
+    let (r, w) = node
+        .transport
+        .open(d.prefill, &Msg::Prefill(Box::new(d.clone())))
+        .await?;
     // A batch holds at most `pages_per_batch` pages: anything larger is refused unread.
     let pages = d.limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
     let limit = pages * (node.page_bytes + 64) + 1024;
@@ -543,18 +559,20 @@ fn ask_kv(
 
 /// Whether this node serves what the request's cluster agreed on (a node restarted with another
 /// model, page size or context refuses work until the router's probe takes it out).
-fn agrees(node: &Node, d: &Dispatch, w: &OwnedWriteHalf) -> Result<(), Disagreement> {
-    let addr = w
-        .local_addr()
-        .unwrap_or_else(|_| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+fn agrees(node: &Node, d: &Dispatch) -> Result<(), Disagreement> {
+    let addr = node
+        .addr
+        .get()
+        .copied()
+        .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
     d.agreed.check(&node.info, addr)
 }
 
 /// A prefill node's request: compute the prompt and send its KV on this connection, until the
 /// decode node's final acknowledgement (or its going away) lets the pages go.
-async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: OwnedWriteHalf) {
+async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHalf) {
     let refused = |reason: String| Frame::Abort { seq: 0, reason };
-    if let Err(why) = agrees(node, &d, &w) {
+    if let Err(why) = agrees(node, &d) {
         let _ = link::send_frame(&mut w, &refused(why.to_string())).await;
         return;
     }

@@ -19,7 +19,7 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 
 use super::NodeInfo;
 use super::health::Health;
-use super::link::{self, CallError, Dispatch, Ended, KvCall, KvReply, Msg, Packet};
+use super::link::{self, CallError, Dispatch, Ended, KvCall, KvReply, Msg, Packet, Transport};
 use crate::config::ClusterConfig;
 use crate::config::Role;
 use crate::engine::TenantSettings;
@@ -41,6 +41,8 @@ pub struct Router {
     decode: Vec<SocketAddr>,
     /// Which of them are up.
     health: Arc<Health>,
+    /// How connections to them are made.
+    transport: Transport,
     next: AtomicUsize,
     limits: Limits,
     metrics: ModelMetrics,
@@ -60,6 +62,9 @@ pub struct Router {
 /// Why a router could not form its cluster.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
+    /// The cluster's certificates (`[cluster] ca`, `cert`, `key`) do not load.
+    #[error("cluster TLS: {0}")]
+    Tls(#[from] crate::pem::TlsError),
     /// The configuration names no prefill or no decode node.
     #[error("a router needs at least one prefill and one decode node: set cluster.prefill and cluster.decode")]
     NoNodes,
@@ -133,6 +138,7 @@ impl Router {
         if cluster.prefill.is_empty() || cluster.decode.is_empty() {
             return Err(ConnectError::NoNodes);
         }
+        let transport = Transport::new(cluster)?;
         let deadline = Instant::now() + Duration::from_secs(cluster.connect_timeout_s);
         let nodes = cluster
             .prefill
@@ -142,7 +148,7 @@ impl Router {
             .collect::<Vec<_>>();
         let mut infos: Vec<(SocketAddr, NodeInfo)> = Vec::new();
         for &(addr, role) in &nodes {
-            let info = describe_node(addr, deadline).await?;
+            let info = describe_node(&transport, addr, deadline).await?;
             if info.role != role {
                 return Err(ConnectError::WrongRole {
                     addr,
@@ -176,7 +182,7 @@ impl Router {
                     });
                 }
             }
-            routers.push(Self::of_nodes(cluster, &mine, metrics.model(model))?);
+            routers.push(Self::of_nodes(cluster, &mine, metrics.model(model), transport.clone())?);
         }
         Ok(routers)
     }
@@ -186,6 +192,7 @@ impl Router {
         cluster: &ClusterConfig,
         infos: &[(SocketAddr, NodeInfo)],
         metrics: ModelMetrics,
+        transport: Transport,
     ) -> Result<Self, ConnectError> {
         let (first_addr, first) = infos[0].clone();
         for (addr, info) in &infos[1..] {
@@ -207,13 +214,14 @@ impl Router {
             |role| -> Vec<SocketAddr> { infos.iter().filter(|(_, i)| i.role == role).map(|(a, _)| *a).collect() };
         let (prefill, decode) = (of_role(Role::Prefill), of_role(Role::Decode));
         let nodes: Vec<(SocketAddr, Role)> = infos.iter().map(|(a, i)| (*a, i.role)).collect();
-        let health = Arc::new(Health::new(&nodes, metrics.registry().clone()));
+        let health = Arc::new(Health::new(&nodes, metrics.registry().clone(), transport.clone()));
         let closing = watch::channel(false).0;
         tokio::spawn(health.clone().probe(first.agreement(), closing.subscribe()));
         Ok(Self {
             prefill,
             decode,
             health,
+            transport,
             next: AtomicUsize::new(0),
             limits: cluster.transfer_limits(),
             metrics,
@@ -303,7 +311,7 @@ impl Router {
                 None if tried.is_empty() => self.decode[n % self.decode.len()],
                 None => return failed(grant.take(), errors.join("; ")),
             };
-            match link::connect(decode).await {
+            match self.transport.connect(decode).await {
                 Ok((r, w)) => break (decode, r, w),
                 Err(e) => {
                     self.health.set(decode, false, &format!("unreachable: {e}"));
@@ -363,7 +371,12 @@ impl Router {
                         return failed(grant.take(), format!("the decode node {decode} refused: {message}"));
                     }
                     Some(Ok(_)) => return failed(grant.take(), format!("the decode node {decode} broke the protocol")),
-                    Some(Err(e)) => return failed(grant.take(), format!("from the decode node {decode}: {e}")),
+                    Some(Err(e)) => {
+                        // A broken link (reset, or the peer timeout on a cut one): no more work
+                        // goes there until a probe finds it answering again.
+                        self.health.set(decode, false, &format!("its connection broke: {e}"));
+                        return failed(grant.take(), format!("from the decode node {decode}: {e}"));
+                    }
                     None => return failed(grant.take(), format!("the decode node {decode} closed the connection")),
                 },
                 // The client went away: dropping the connection cancels the request there.
@@ -410,10 +423,10 @@ impl Router {
     }
 
     /// Sends `m` to every node in `nodes`, returning what went wrong.
-    async fn broadcast(nodes: &[SocketAddr], m: Msg) -> Vec<String> {
+    async fn broadcast(&self, nodes: &[SocketAddr], m: Msg) -> Vec<String> {
         let mut errors = Vec::new();
         for &addr in nodes {
-            match link::call(addr, &m).await {
+            match self.transport.call(addr, &m).await {
                 Ok(Msg::Applied { error: None }) => {}
                 Ok(Msg::Applied { error: Some(e) }) => errors.push(format!("{addr}: {e}")),
                 Ok(_) => errors.push(format!("{addr}: an answer that is not one")),
@@ -448,7 +461,7 @@ impl EngineHandle for RouterEngine {
                 settings,
                 generation,
             };
-            for e in Router::broadcast(&self.0.all_nodes(), m).await {
+            for e in self.0.broadcast(&self.0.all_nodes(), m).await {
                 tracing::warn!("cluster: applying tenant {owner}'s policy: {e}");
             }
         })
@@ -457,7 +470,10 @@ impl EngineHandle for RouterEngine {
     /// Makes `prefixes` the public prefixes on every prefill node (where prompts are computed).
     fn set_public_prefixes(&self, prefixes: Vec<Vec<u32>>) -> EngineFuture<'_, Result<(), EngineCallError>> {
         Box::pin(async move {
-            let errors = Router::broadcast(&self.0.prefill, Msg::PublicPrefixes { prefixes }).await;
+            let errors = self
+                .0
+                .broadcast(&self.0.prefill, Msg::PublicPrefixes { prefixes })
+                .await;
             if errors.is_empty() {
                 Ok(())
             } else {
@@ -469,7 +485,7 @@ impl EngineHandle for RouterEngine {
     /// Drops a deleted tenant's caches on every node.
     fn forget_tenant(&self, owner: TenantId) -> EngineFuture<'_, ()> {
         Box::pin(async move {
-            for e in Router::broadcast(&self.0.all_nodes(), Msg::Forget { owner }).await {
+            for e in self.0.broadcast(&self.0.all_nodes(), Msg::Forget { owner }).await {
                 tracing::warn!("cluster: forgetting tenant {owner}: {e}");
             }
         })
@@ -527,10 +543,10 @@ impl EngineHandle for RouterEngine {
 }
 
 /// Asks `addr` what it serves, retrying until `deadline` (nodes may still be loading).
-async fn describe_node(addr: SocketAddr, deadline: Instant) -> Result<NodeInfo, ConnectError> {
+async fn describe_node(transport: &Transport, addr: SocketAddr, deadline: Instant) -> Result<NodeInfo, ConnectError> {
     let mut said = false;
     loop {
-        match link::call(addr, &Msg::Describe).await {
+        match transport.call(addr, &Msg::Describe).await {
             Ok(Msg::Info(info)) => return Ok(info),
             Ok(_) => return Err(ConnectError::NotANode(addr)),
             Err(last) => {

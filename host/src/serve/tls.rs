@@ -3,13 +3,11 @@
 //! HTTP/2 and HTTP/1.1. The pair is reloaded on SIGHUP and when its files change
 //! ([`Certificates::reload`]), for new connections; open ones keep theirs.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
 use rustls::ServerConfig;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use sha2::{Digest, Sha256};
@@ -30,52 +28,8 @@ pub struct TlsSetup {
     pub certificates: Arc<Certificates>,
 }
 
-/// TLS errors.
-#[derive(Debug, thiserror::Error)]
-pub enum TlsError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A PEM file held no certificate or no key.
-    #[error("{path}: {what}")]
-    Pem {
-        /// The file.
-        path: PathBuf,
-        /// What was missing.
-        what: &'static str,
-    },
-    /// Generating the certificate failed.
-    #[error("generating a self-signed certificate: {0}")]
-    Generate(#[from] rcgen::Error),
-    /// rustls refused the certificate or key.
-    #[error("TLS configuration: {0}")]
-    Rustls(#[from] rustls::Error),
-}
-
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
-    move |source| TlsError::Io {
-        path: path.into(),
-        source,
-    }
-}
-
-/// Writes `bytes` to `path` readable by its owner only.
-pub fn write_private(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(path)?;
-    f.write_all(bytes)?;
-    f.sync_all()
-}
+pub use crate::pem::{TlsError, write_private};
+use crate::pem::{io_err, read_certs, read_key};
 
 /// Loads the configured certificate, or the generated one in `data_dir/tls`, generating it if
 /// absent. The acceptor's certificate is [`Certificates`]: it may be reloaded while serving.
@@ -119,26 +73,13 @@ pub fn setup(cfg: &TlsConfig, data_dir: &Path) -> Result<TlsSetup, TlsError> {
 /// The certificate and key at these paths, checked to belong together, and the leaf's
 /// fingerprint.
 fn read_pair(cert_path: &Path, key_path: &Path) -> Result<(Arc<CertifiedKey>, String), TlsError> {
-    let cert_pem = std::fs::read(cert_path).map_err(io_err(cert_path))?;
-    let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut &cert_pem[..])
-        .collect::<Result<_, _>>()
-        .map_err(io_err(cert_path))?;
-    let leaf = certs.first().ok_or(TlsError::Pem {
-        path: cert_path.into(),
-        what: "no certificate in the file",
-    })?;
-    let fingerprint = Sha256::digest(leaf.as_ref())
+    let certs = read_certs(cert_path)?;
+    let fingerprint = Sha256::digest(certs[0].as_ref())
         .iter()
         .map(|b| format!("{b:02X}"))
         .collect::<Vec<_>>()
         .join(":");
-    let key_pem = std::fs::read(key_path).map_err(io_err(key_path))?;
-    let key: PrivateKeyDer<'static> = rustls_pemfile::private_key(&mut &key_pem[..])
-        .map_err(io_err(key_path))?
-        .ok_or(TlsError::Pem {
-            path: key_path.into(),
-            what: "no private key in the file",
-        })?;
+    let key = read_key(key_path)?;
     let signer = rustls::crypto::ring::default_provider()
         .key_provider
         .load_private_key(key)?;
