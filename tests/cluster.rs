@@ -330,7 +330,7 @@ fn a_router_refuses_nodes_that_disagree_and_a_node_refuses_a_pool_below_its_cont
     rt().block_on(async {
         let m = warden::cluster::link::Msg::PublicPrefixes { prefixes: vec![] };
         let e = warden::cluster::link::Transport::plain()
-            .call(decode.addr, &m)
+            .call(&decode.addr.into(), &m)
             .await
             .unwrap_err();
         assert!(

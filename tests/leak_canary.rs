@@ -510,7 +510,7 @@ fn a_cluster_across_network_namespaces_talks_mutual_tls_and_survives_a_cut_link(
         // handshake: no answer, and the node says so.
         let intruder = transport(&certs, &foreign, "intruder");
         let e = intruder
-            .call(prefill.addr, &Msg::Describe)
+            .call(&prefill.addr.into(), &Msg::Describe)
             .await
             .expect_err("a foreign certificate");
         println!("a foreign certificate: {e}");
@@ -538,7 +538,7 @@ fn a_cluster_across_network_namespaces_talks_mutual_tls_and_survives_a_cut_link(
         assert_eq!(refusals(&prefill_log), 2, "the prefill node's refusals");
         clean("the prefill node's log", &prefill_log);
         assert!(
-            tester.call(prefill.addr, &Msg::Describe).await.is_ok(),
+            tester.call(&prefill.addr.into(), &Msg::Describe).await.is_ok(),
             "the cluster's own certificate"
         );
 

@@ -129,7 +129,7 @@ fn main() -> anyhow::Result<()> {
             let (a, d) = (median(&mut a), median(&mut d));
             println!("{n:>8} {a:>10.1} {d:>14.1} {:>7.2}x", d / a);
         }
-        let m = match Transport::plain().call(p_addr, &Msg::Metrics).await {
+        let m = match Transport::plain().call(&p_addr.into(), &Msg::Metrics).await {
             Ok(Msg::MetricsText { text }) => text,
             other => bail!("the prefill node answered {other:?}"),
         };

@@ -134,6 +134,97 @@ pub fn valid_model_name(name: &str) -> bool {
         && !name.ends_with('/')
 }
 
+/// A node's address as a configuration names it: `host:port`, the host an IP address or a DNS
+/// name. A name is resolved at each connection, so a node that comes back at another address
+/// (a Kubernetes pod restarted) is found there.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct NodeAddr {
+    host: String,
+    port: u16,
+}
+
+/// A node address that is not `host:port`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not host:port (an IP address or a DNS name, and a port)")]
+pub struct BadNodeAddr(String);
+
+impl NodeAddr {
+    /// Parses `host:port` (`[v6]:port` for an IPv6 address).
+    pub fn parse(s: &str) -> Result<Self, BadNodeAddr> {
+        if let Ok(a) = s.parse::<SocketAddr>() {
+            return Ok(a.into());
+        }
+        let bad = || BadNodeAddr(s.chars().take(300).collect());
+        let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let label_ok = |l: &str| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+        };
+        if host.len() > 253 || !host.split('.').all(label_ok) {
+            return Err(bad());
+        }
+        Ok(Self {
+            host: host.to_ascii_lowercase(),
+            port,
+        })
+    }
+
+    /// The host: an IP address or a DNS name.
+    pub fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Whether it is loopback whatever it resolves to: a loopback IP address, or `localhost`.
+    pub fn is_loopback(&self) -> bool {
+        match self.host.parse::<std::net::IpAddr>() {
+            Ok(ip) => ip.is_loopback(),
+            Err(_) => self.host == "localhost",
+        }
+    }
+}
+
+impl From<SocketAddr> for NodeAddr {
+    fn from(a: SocketAddr) -> Self {
+        Self {
+            host: a.ip().to_string(),
+            port: a.port(),
+        }
+    }
+}
+
+impl TryFrom<String> for NodeAddr {
+    type Error = BadNodeAddr;
+    fn try_from(s: String) -> Result<Self, BadNodeAddr> {
+        Self::parse(&s)
+    }
+}
+
+impl From<NodeAddr> for String {
+    fn from(a: NodeAddr) -> String {
+        a.to_string()
+    }
+}
+
+impl std::fmt::Display for NodeAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
 /// Disaggregated serving: where a prefill or decode node listens, which nodes a router
 /// dispatches to, the bounds of a KV transfer, and the cluster's mutual TLS. Without `ca`,
 /// `cert` and `key`, nodes speak to each other over loopback only (every address here must be
@@ -144,10 +235,11 @@ pub struct ClusterConfig {
     /// Where a prefill or decode node listens, for the router and for other nodes. Default
     /// `127.0.0.1:9100`.
     pub listen: SocketAddr,
-    /// The prefill nodes a router dispatches to. Default: none.
-    pub prefill: Vec<SocketAddr>,
+    /// The prefill nodes a router dispatches to (`host:port`; a DNS name is resolved at each
+    /// connection). Default: none.
+    pub prefill: Vec<NodeAddr>,
     /// The decode nodes a router dispatches to. Default: none.
-    pub decode: Vec<SocketAddr>,
+    pub decode: Vec<NodeAddr>,
     /// How long a router waits at start for every node to answer, in seconds. Default 120.
     pub connect_timeout_s: u64,
     /// Pages per transfer batch. Default 8.
@@ -850,7 +942,7 @@ impl ServeConfig {
             ));
         }
         let nodes = [
-            ("cluster.listen", &[self.cluster.listen][..]),
+            ("cluster.listen", &[NodeAddr::from(self.cluster.listen)][..]),
             ("cluster.prefill", &self.cluster.prefill),
             ("cluster.decode", &self.cluster.decode),
         ];
@@ -871,7 +963,7 @@ impl ServeConfig {
         }
         if !self.cluster.mutual_tls() {
             for (key, addrs) in nodes {
-                if let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback()) {
+                if let Some(a) = addrs.iter().find(|a| !a.is_loopback()) {
                     return Err(ConfigError::Invalid {
                         path: path.into(),
                         key,
@@ -1050,6 +1142,26 @@ mod tests {
         ))
         .unwrap();
         assert!(c.cluster.mutual_tls());
+        // Nodes by name (resolved at each connection), IPv4 and IPv6; not anything else.
+        let c = parse(&format!(
+            "{tls}prefill = [\"warden-prefill-0.warden-prefill.ns.svc.cluster.local:9100\", \"[::1]:9\"]\n"
+        ))
+        .unwrap();
+        let shown: Vec<String> = c.cluster.prefill.iter().map(|a| a.to_string()).collect();
+        assert_eq!(
+            shown,
+            ["warden-prefill-0.warden-prefill.ns.svc.cluster.local:9100", "[::1]:9"]
+        );
+        for bad in ["nohost", "a b:9", "x:port", "-x:9", "x:70000", "a..b:9"] {
+            let e = parse(&format!("{tls}decode = [{bad:?}]\n")).unwrap_err().to_string();
+            assert!(e.contains("host:port"), "{bad}: {e}");
+        }
+        // Without mutual TLS a name must be localhost.
+        assert!(parse("[cluster]\ndecode = [\"localhost:9\"]\n").is_ok());
+        let e = parse("[cluster]\ndecode = [\"node.example:9\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("loopback"), "{e}");
         let e = parse("[cluster]\nca = \"ca.pem\"\ncert = \"n.pem\"\n")
             .unwrap_err()
             .to_string();

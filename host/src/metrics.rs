@@ -214,7 +214,7 @@ impl Metrics {
     }
 
     /// A router's node (`role`, `addr`) is up or down.
-    pub fn node_up(&self, role: crate::config::Role, addr: std::net::SocketAddr, up: bool) {
+    pub fn node_up(&self, role: crate::config::Role, addr: &crate::config::NodeAddr, up: bool) {
         self.with(|m| {
             m.nodes.insert((role.to_string(), addr.to_string()), up);
         })

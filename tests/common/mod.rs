@@ -433,7 +433,7 @@ impl Node {
     pub async fn metrics(&self) -> String {
         match self
             .transport
-            .call(self.addr, &warden::cluster::link::Msg::Metrics)
+            .call(&self.addr.into(), &warden::cluster::link::Msg::Metrics)
             .await
         {
             Ok(warden::cluster::link::Msg::MetricsText { text }) => text,

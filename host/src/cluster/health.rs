@@ -6,7 +6,6 @@
 //! that are up, round-robin; when none of a role is up it tries them anyway (the request then
 //! fails with `node_failed`, naming the node).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -15,7 +14,7 @@ use tokio::sync::watch;
 
 use super::Agreement;
 use super::link::{Msg, Transport};
-use crate::config::Role;
+use crate::config::{NodeAddr, Role};
 use crate::metrics::Metrics;
 
 /// How often the router asks every node what it serves.
@@ -25,7 +24,7 @@ pub const PROBE_EVERY: Duration = Duration::from_secs(1);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
 struct Node {
-    addr: SocketAddr,
+    addr: NodeAddr,
     role: Role,
     up: AtomicBool,
 }
@@ -39,17 +38,17 @@ pub struct Health {
 
 impl Health {
     /// Every node, by address and role, up (the router has just heard from each of them).
-    pub fn new(nodes: &[(SocketAddr, Role)], metrics: Arc<Metrics>, transport: Transport) -> Self {
+    pub fn new(nodes: &[(NodeAddr, Role)], metrics: Arc<Metrics>, transport: Transport) -> Self {
         let nodes: Vec<Node> = nodes
             .iter()
-            .map(|&(addr, role)| Node {
-                addr,
-                role,
+            .map(|(addr, role)| Node {
+                addr: addr.clone(),
+                role: *role,
                 up: AtomicBool::new(true),
             })
             .collect();
         for n in &nodes {
-            metrics.node_up(n.role, n.addr, true);
+            metrics.node_up(n.role, &n.addr, true);
         }
         Self {
             nodes,
@@ -60,19 +59,19 @@ impl Health {
 
     /// The `n`th of `role`'s nodes, counting only those up, skipping `except`; `None` when
     /// every other node of the role is down.
-    pub fn pick(&self, role: Role, n: usize, except: &[SocketAddr]) -> Option<SocketAddr> {
-        let up: Vec<SocketAddr> = self
+    pub fn pick(&self, role: Role, n: usize, except: &[NodeAddr]) -> Option<NodeAddr> {
+        let up: Vec<NodeAddr> = self
             .nodes
             .iter()
             .filter(|x| x.role == role && x.up.load(Ordering::Relaxed) && !except.contains(&x.addr))
-            .map(|x| x.addr)
+            .map(|x| x.addr.clone())
             .collect();
-        (!up.is_empty()).then(|| up[n % up.len()])
+        (!up.is_empty()).then(|| up[n % up.len()].clone())
     }
 
     /// Marks `addr` up or down, saying so when that changes it.
-    pub fn set(&self, addr: SocketAddr, up: bool, why: &str) {
-        let Some(node) = self.nodes.iter().find(|x| x.addr == addr) else {
+    pub fn set(&self, addr: &NodeAddr, up: bool, why: &str) {
+        let Some(node) = self.nodes.iter().find(|x| x.addr == *addr) else {
             return;
         };
         if node.up.swap(up, Ordering::Relaxed) != up {
@@ -108,16 +107,16 @@ impl Health {
     /// Asks the `i`th node what it serves and marks it up or down by its answer.
     async fn check(&self, i: usize, agreed: &Agreement) {
         let node = &self.nodes[i];
-        let verdict = match tokio::time::timeout(PROBE_TIMEOUT, self.transport.call(node.addr, &Msg::Describe)).await {
+        let verdict = match tokio::time::timeout(PROBE_TIMEOUT, self.transport.call(&node.addr, &Msg::Describe)).await {
             Err(_) => Err("it did not answer in time".to_string()),
             Ok(Err(e)) => Err(e.to_string()),
             Ok(Ok(Msg::Info(info))) if info.role != node.role => Err(format!("it is now a {} node", info.role)),
-            Ok(Ok(Msg::Info(info))) => agreed.check(&info, node.addr).map_err(|e| e.to_string()),
+            Ok(Ok(Msg::Info(info))) => agreed.check(&info, &node.addr).map_err(|e| e.to_string()),
             Ok(Ok(_)) => Err("it answered Describe with something else".to_string()),
         };
         match verdict {
-            Ok(()) => self.set(node.addr, true, ""),
-            Err(why) => self.set(node.addr, false, &why),
+            Ok(()) => self.set(&node.addr, true, ""),
+            Err(why) => self.set(&node.addr, false, &why),
         }
     }
 }
@@ -128,28 +127,34 @@ mod tests {
 
     #[test]
     fn picks_round_robin_among_the_nodes_up_and_none_when_all_are_down() {
-        let a: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let b: SocketAddr = "127.0.0.1:2".parse().unwrap();
-        let p: SocketAddr = "127.0.0.1:3".parse().unwrap();
-        let nodes = [(p, Role::Prefill), (a, Role::Decode), (b, Role::Decode)];
+        let at = |s: &str| NodeAddr::parse(s).unwrap();
+        let (a, b, p) = (at("127.0.0.1:1"), at("decode-b.cluster:2"), at("127.0.0.1:3"));
+        let nodes = [
+            (p.clone(), Role::Prefill),
+            (a.clone(), Role::Decode),
+            (b.clone(), Role::Decode),
+        ];
         let h = Health::new(&nodes, Arc::new(Metrics::default()), Transport::plain());
         let picks: Vec<_> = (0..4).map(|n| h.pick(Role::Decode, n, &[])).collect();
-        assert_eq!(picks, [Some(a), Some(b), Some(a), Some(b)]);
+        assert_eq!(
+            picks,
+            [Some(a.clone()), Some(b.clone()), Some(a.clone()), Some(b.clone())]
+        );
         assert_eq!(h.pick(Role::Prefill, 7, &[]), Some(p));
         assert_eq!(
-            h.pick(Role::Decode, 0, &[a]),
-            Some(b),
+            h.pick(Role::Decode, 0, std::slice::from_ref(&a)),
+            Some(b.clone()),
             "a node already tried is skipped"
         );
-        h.set(b, false, "test");
+        h.set(&b, false, "test");
         assert_eq!(
             (0..3).map(|n| h.pick(Role::Decode, n, &[])).collect::<Vec<_>>(),
-            [Some(a); 3]
+            vec![Some(a.clone()); 3]
         );
-        assert_eq!(h.pick(Role::Decode, 0, &[a]), None);
-        h.set(a, false, "test");
+        assert_eq!(h.pick(Role::Decode, 0, std::slice::from_ref(&a)), None);
+        h.set(&a, false, "test");
         assert_eq!(h.pick(Role::Decode, 0, &[]), None);
-        h.set(b, true, "");
+        h.set(&b, true, "");
         assert_eq!(h.pick(Role::Decode, 5, &[]), Some(b));
     }
 }

@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 
 use super::NodeInfo;
 use super::tls::{ClusterTls, plain_allowed, tune};
-use crate::config::ClusterConfig;
+use crate::config::{ClusterConfig, NodeAddr};
 use crate::engine::request::{FinishReason, GenerateRequest, RejectReason, RequestId, Usage};
 use crate::engine::steer::{SteerInit, TokenConstraint};
 use crate::engine::{TenantSettings, TokenLogprobs};
@@ -59,7 +59,7 @@ pub struct Dispatch {
     /// The policy generation `settings` came from.
     pub generation: u64,
     /// The prefill node to compute the prompt on.
-    pub prefill: SocketAddr,
+    pub prefill: NodeAddr,
     /// What the router's nodes agreed to serve; a node serving anything else refuses.
     pub agreed: super::Agreement,
     /// The transfer's bounds.
@@ -423,21 +423,29 @@ impl Transport {
         self.tls.is_some()
     }
 
-    /// Connects to a node (within the peer timeout, handshake included) and says hello.
-    pub async fn connect(&self, addr: SocketAddr) -> std::io::Result<(ReadHalf, WriteHalf)> {
-        if self.tls.is_none() && !plain_allowed(addr) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                format!("{addr} is not a loopback address and mutual TLS is off (cluster.ca, cert, key)"),
-            ));
-        }
-        let tcp = tokio::time::timeout(self.peer_timeout, TcpStream::connect(addr))
-            .await
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connecting timed out"))??;
-        tune(&tcp, self.peer_timeout);
+    /// Connects to a node (its name resolved now; within the peer timeout, handshake included)
+    /// and says hello. Without TLS, only to loopback addresses.
+    pub async fn connect(&self, addr: &NodeAddr) -> std::io::Result<(ReadHalf, WriteHalf)> {
+        let limit = self.peer_timeout;
+        let tcp = tokio::time::timeout(limit, async {
+            let mut ips: Vec<SocketAddr> = tokio::net::lookup_host((addr.host(), addr.port())).await?.collect();
+            if self.tls.is_none() {
+                ips.retain(|a| plain_allowed(*a));
+                if ips.is_empty() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::PermissionDenied,
+                        format!("{addr} is not a loopback address and mutual TLS is off (cluster.ca, cert, key)"),
+                    ));
+                }
+            }
+            TcpStream::connect(&ips[..]).await
+        })
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connecting timed out"))??;
+        tune(&tcp, limit);
         let (r, mut w): (ReadHalf, WriteHalf) = match &self.tls {
             Some(tls) => {
-                let (r, w) = tokio::io::split(tls.connect(tcp, self.peer_timeout).await?);
+                let (r, w) = tokio::io::split(tls.connect(tcp, limit).await?);
                 (Box::new(r), Box::new(w))
             }
             None => {
@@ -471,27 +479,34 @@ impl Transport {
     }
 
     /// Opens a connection to the node at `addr` and sends `m` on it.
-    pub async fn open(&self, addr: SocketAddr, m: &Msg) -> Result<(ReadHalf, WriteHalf), CallError> {
-        let (r, mut w) = self
-            .connect(addr)
-            .await
-            .map_err(|cause| CallError::Connect { addr, cause })?;
-        send(&mut w, m)
-            .await
-            .map_err(|cause| CallError::Write { addr, cause })?;
+    pub async fn open(&self, addr: &NodeAddr, m: &Msg) -> Result<(ReadHalf, WriteHalf), CallError> {
+        let (r, mut w) = self.connect(addr).await.map_err(|cause| CallError::Connect {
+            addr: addr.clone(),
+            cause,
+        })?;
+        send(&mut w, m).await.map_err(|cause| CallError::Write {
+            addr: addr.clone(),
+            cause,
+        })?;
         Ok((r, w))
     }
 
     /// One control exchange with a node: connect, send `m`, read its one answer.
-    pub async fn call(&self, addr: SocketAddr, m: &Msg) -> Result<Msg, CallError> {
+    pub async fn call(&self, addr: &NodeAddr, m: &Msg) -> Result<Msg, CallError> {
         let (r, _w) = self.open(addr, m).await?;
         let mut r = BufReader::new(r);
         match read(&mut r, 0).await {
-            Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(CallError::Refused { addr, message }),
+            Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(CallError::Refused {
+                addr: addr.clone(),
+                message,
+            }),
             Ok(Some(Packet::Msg(m))) => Ok(m),
-            Ok(Some(Packet::Frame(_))) => Err(CallError::Frame(addr)),
-            Ok(None) => Err(CallError::Closed(addr)),
-            Err(cause) => Err(CallError::Read { addr, cause }),
+            Ok(Some(Packet::Frame(_))) => Err(CallError::Frame(addr.clone())),
+            Ok(None) => Err(CallError::Closed(addr.clone())),
+            Err(cause) => Err(CallError::Read {
+                addr: addr.clone(),
+                cause,
+            }),
         }
     }
 }
@@ -503,7 +518,7 @@ pub enum CallError {
     #[error("connecting to {addr}: {cause}")]
     Connect {
         /// The node.
-        addr: SocketAddr,
+        addr: NodeAddr,
         /// Why (in the message, not a separate source: health reports and broadcasts show
         /// the message alone).
         cause: std::io::Error,
@@ -512,7 +527,7 @@ pub enum CallError {
     #[error("writing to {addr}: {cause}")]
     Write {
         /// The node.
-        addr: SocketAddr,
+        addr: NodeAddr,
         /// Why.
         cause: std::io::Error,
     },
@@ -520,21 +535,21 @@ pub enum CallError {
     #[error("{addr} refused: {message}")]
     Refused {
         /// The node.
-        addr: SocketAddr,
+        addr: NodeAddr,
         /// What it said.
         message: String,
     },
     /// The node answered with a transfer frame, not a message.
     #[error("{0} answered with a transfer frame")]
-    Frame(SocketAddr),
+    Frame(NodeAddr),
     /// The node closed the connection before answering.
     #[error("{0} closed the connection without an answer")]
-    Closed(SocketAddr),
+    Closed(NodeAddr),
     /// The answer could not be read.
     #[error("{addr}: {cause}")]
     Read {
         /// The node.
-        addr: SocketAddr,
+        addr: NodeAddr,
         /// Why.
         cause: LinkError,
     },

@@ -81,7 +81,7 @@ impl NodeInfo {
     }
 
     /// What the node at `addr` serves, for messages.
-    pub fn describe(&self, addr: std::net::SocketAddr) -> String {
+    pub fn describe(&self, addr: &impl std::fmt::Display) -> String {
         format!(
             "{} node {addr} (model {} sha256 {}, page size {}, max context {})",
             self.role,
@@ -109,7 +109,7 @@ pub struct Agreement {
 
 impl Agreement {
     /// Whether `node` at `addr` serves what was agreed; if not, what differs.
-    pub fn check(&self, node: &NodeInfo, addr: std::net::SocketAddr) -> Result<(), Disagreement> {
+    pub fn check(&self, node: &NodeInfo, addr: &impl std::fmt::Display) -> Result<(), Disagreement> {
         if *self == node.agreement() {
             return Ok(());
         }
@@ -169,15 +169,15 @@ mod tests {
             pages: 256,
             pinnable_pages: 64,
         };
-        let addr = "127.0.0.1:9".parse().expect("an address");
+        let addr = "127.0.0.1:9";
         let agreed = node.agreement();
-        assert_eq!(agreed.check(&node, addr), Ok(()));
+        assert_eq!(agreed.check(&node, &addr), Ok(()));
         let other = NodeInfo {
             pages: 3,
             pool_tokens: 48,
             ..node.clone()
         };
-        assert_eq!(agreed.check(&other, addr), Ok(()), "pools may differ");
+        assert_eq!(agreed.check(&other, &addr), Ok(()), "pools may differ");
         for changed in [
             NodeInfo {
                 page_size: 32,
@@ -192,7 +192,7 @@ mod tests {
                 ..node.clone()
             },
         ] {
-            let e = agreed.check(&changed, addr).expect_err("a disagreement").to_string();
+            let e = agreed.check(&changed, &addr).expect_err("a disagreement").to_string();
             assert!(
                 e.contains("127.0.0.1:9") && e.contains("agreed on sha256 ababab"),
                 "{e}"

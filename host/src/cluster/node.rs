@@ -490,7 +490,7 @@ fn unreachable_prefill(e: CallError) -> String {
 async fn ask_prefill(node: &Node, d: &Dispatch) -> Result<Upstream, CallError> {
     let (r, w) = node
         .transport
-        .open(d.prefill, &Msg::Prefill(Box::new(d.clone())))
+        .open(&d.prefill, &Msg::Prefill(Box::new(d.clone())))
         .await?;
     // A batch holds at most `pages_per_batch` pages: anything larger is refused unread.
     let pages = d.limits.pages_per_batch.clamp(1, MAX_PAGES_PER_BATCH);
@@ -565,7 +565,7 @@ fn agrees(node: &Node, d: &Dispatch) -> Result<(), Disagreement> {
         .get()
         .copied()
         .unwrap_or_else(|| std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-    d.agreed.check(&node.info, addr)
+    d.agreed.check(&node.info, &addr)
 }
 
 /// A prefill node's request: compute the prompt and send its KV on this connection, until the

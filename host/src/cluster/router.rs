@@ -10,7 +10,6 @@
 //! end or an `End` message. Nodes are picked round-robin.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -20,8 +19,8 @@ use tokio::sync::{Notify, mpsc, oneshot, watch};
 use super::NodeInfo;
 use super::health::Health;
 use super::link::{self, CallError, Dispatch, Ended, KvCall, KvReply, Msg, Packet, Transport};
-use crate::config::ClusterConfig;
 use crate::config::Role;
+use crate::config::{ClusterConfig, NodeAddr};
 use crate::engine::TenantSettings;
 use crate::engine::constraint::ConstraintError;
 use crate::engine::request::{AbortReason, AdmissionLimits, Outcome, Rejected, Usage};
@@ -37,8 +36,8 @@ use crate::transfer::Limits;
 
 /// One model's part of the cluster, as the router sees it.
 pub struct Router {
-    prefill: Vec<SocketAddr>,
-    decode: Vec<SocketAddr>,
+    prefill: Vec<NodeAddr>,
+    decode: Vec<NodeAddr>,
     /// Which of them are up.
     health: Arc<Health>,
     /// How connections to them are made.
@@ -72,7 +71,7 @@ pub enum ConnectError {
     #[error("{addr} is configured as a {configured} node but is a {actual} node")]
     WrongRole {
         /// The node.
-        addr: SocketAddr,
+        addr: NodeAddr,
         /// Its role in the configuration.
         configured: Role,
         /// The role it says it has.
@@ -112,12 +111,12 @@ pub enum ConnectError {
     },
     /// Something that is not a warden node answered.
     #[error("{0} answered Describe with something else: is it a warden node?")]
-    NotANode(SocketAddr),
+    NotANode(NodeAddr),
     /// A node did not answer in time.
     #[error("node {addr} did not answer before cluster.connect_timeout_s")]
     NoAnswer {
         /// The node.
-        addr: SocketAddr,
+        addr: NodeAddr,
         /// The last failure.
         #[source]
         last: CallError,
@@ -143,12 +142,12 @@ impl Router {
         let nodes = cluster
             .prefill
             .iter()
-            .map(|a| (*a, Role::Prefill))
-            .chain(cluster.decode.iter().map(|a| (*a, Role::Decode)))
+            .map(|a| (a.clone(), Role::Prefill))
+            .chain(cluster.decode.iter().map(|a| (a.clone(), Role::Decode)))
             .collect::<Vec<_>>();
-        let mut infos: Vec<(SocketAddr, NodeInfo)> = Vec::new();
-        for &(addr, role) in &nodes {
-            let info = describe_node(&transport, addr, deadline).await?;
+        let mut infos: Vec<(NodeAddr, NodeInfo)> = Vec::new();
+        for (addr, role) in nodes {
+            let info = describe_node(&transport, &addr, deadline).await?;
             if info.role != role {
                 return Err(ConnectError::WrongRole {
                     addr,
@@ -156,10 +155,10 @@ impl Router {
                     actual: info.role,
                 });
             }
-            tracing::info!("cluster: {}", info.describe(addr));
+            tracing::info!("cluster: {}", info.describe(&addr));
             if !models.iter().any(|(_, d)| *d == info.digest) {
                 return Err(ConnectError::OtherModel {
-                    node: info.describe(addr),
+                    node: info.describe(&addr),
                     digests: models
                         .iter()
                         .map(|(m, d)| format!("{m} {}", &d[..d.len().min(12)]))
@@ -171,8 +170,7 @@ impl Router {
         }
         let mut routers = Vec::with_capacity(models.len());
         for (model, digest) in models {
-            let mine: Vec<(SocketAddr, NodeInfo)> =
-                infos.iter().filter(|(_, i)| i.digest == *digest).cloned().collect();
+            let mine: Vec<(NodeAddr, NodeInfo)> = infos.iter().filter(|(_, i)| i.digest == *digest).cloned().collect();
             for role in [Role::Prefill, Role::Decode] {
                 if !mine.iter().any(|(_, i)| i.role == role) {
                     return Err(ConnectError::Unserved {
@@ -190,7 +188,7 @@ impl Router {
     /// The router of one model over `infos`, the nodes that serve its file (of both roles).
     fn of_nodes(
         cluster: &ClusterConfig,
-        infos: &[(SocketAddr, NodeInfo)],
+        infos: &[(NodeAddr, NodeInfo)],
         metrics: ModelMetrics,
         transport: Transport,
     ) -> Result<Self, ConnectError> {
@@ -198,8 +196,8 @@ impl Router {
         for (addr, info) in &infos[1..] {
             if info.agreement() != first.agreement() {
                 return Err(ConnectError::Disagree {
-                    first: first.describe(first_addr),
-                    other: info.describe(*addr),
+                    first: first.describe(&first_addr),
+                    other: info.describe(addr),
                 });
             }
         }
@@ -210,10 +208,15 @@ impl Router {
             pinnable_pages: infos.iter().map(|(_, i)| i.pinnable_pages).min().unwrap_or(0),
             ..first.clone()
         };
-        let of_role =
-            |role| -> Vec<SocketAddr> { infos.iter().filter(|(_, i)| i.role == role).map(|(a, _)| *a).collect() };
+        let of_role = |role| -> Vec<NodeAddr> {
+            infos
+                .iter()
+                .filter(|(_, i)| i.role == role)
+                .map(|(a, _)| a.clone())
+                .collect()
+        };
         let (prefill, decode) = (of_role(Role::Prefill), of_role(Role::Decode));
-        let nodes: Vec<(SocketAddr, Role)> = infos.iter().map(|(a, i)| (*a, i.role)).collect();
+        let nodes: Vec<(NodeAddr, Role)> = infos.iter().map(|(a, i)| (a.clone(), i.role)).collect();
         let health = Arc::new(Health::new(&nodes, metrics.registry().clone(), transport.clone()));
         let closing = watch::channel(false).0;
         tokio::spawn(health.clone().probe(first.agreement(), closing.subscribe()));
@@ -250,7 +253,7 @@ impl Router {
         let prefill = self
             .health
             .pick(Role::Prefill, n, &[])
-            .unwrap_or(self.prefill[n % self.prefill.len()]);
+            .unwrap_or_else(|| self.prefill[n % self.prefill.len()].clone());
         let mut closing = self.closing.subscribe();
         let submitted = Instant::now();
         let Job {
@@ -308,13 +311,13 @@ impl Router {
         let (decode, r, mut w) = loop {
             let decode = match self.health.pick(Role::Decode, n, &tried) {
                 Some(d) => d,
-                None if tried.is_empty() => self.decode[n % self.decode.len()],
+                None if tried.is_empty() => self.decode[n % self.decode.len()].clone(),
                 None => return failed(grant.take(), errors.join("; ")),
             };
-            match self.transport.connect(decode).await {
+            match self.transport.connect(&decode).await {
                 Ok((r, w)) => break (decode, r, w),
                 Err(e) => {
-                    self.health.set(decode, false, &format!("unreachable: {e}"));
+                    self.health.set(&decode, false, &format!("unreachable: {e}"));
                     errors.push(format!("the decode node {decode} is unreachable: {e}"));
                     tried.push(decode);
                 }
@@ -374,7 +377,7 @@ impl Router {
                     Some(Err(e)) => {
                         // A broken link (reset, or the peer timeout on a cut one): no more work
                         // goes there until a probe finds it answering again.
-                        self.health.set(decode, false, &format!("its connection broke: {e}"));
+                        self.health.set(&decode, false, &format!("its connection broke: {e}"));
                         return failed(grant.take(), format!("from the decode node {decode}: {e}"));
                     }
                     None => return failed(grant.take(), format!("the decode node {decode} closed the connection")),
@@ -423,9 +426,9 @@ impl Router {
     }
 
     /// Sends `m` to every node in `nodes`, returning what went wrong.
-    async fn broadcast(&self, nodes: &[SocketAddr], m: Msg) -> Vec<String> {
+    async fn broadcast(&self, nodes: &[NodeAddr], m: Msg) -> Vec<String> {
         let mut errors = Vec::new();
-        for &addr in nodes {
+        for addr in nodes {
             match self.transport.call(addr, &m).await {
                 Ok(Msg::Applied { error: None }) => {}
                 Ok(Msg::Applied { error: Some(e) }) => errors.push(format!("{addr}: {e}")),
@@ -436,8 +439,8 @@ impl Router {
         errors
     }
 
-    fn all_nodes(&self) -> Vec<SocketAddr> {
-        self.prefill.iter().chain(&self.decode).copied().collect()
+    fn all_nodes(&self) -> Vec<NodeAddr> {
+        self.prefill.iter().chain(&self.decode).cloned().collect()
     }
 }
 
@@ -543,15 +546,18 @@ impl EngineHandle for RouterEngine {
 }
 
 /// Asks `addr` what it serves, retrying until `deadline` (nodes may still be loading).
-async fn describe_node(transport: &Transport, addr: SocketAddr, deadline: Instant) -> Result<NodeInfo, ConnectError> {
+async fn describe_node(transport: &Transport, addr: &NodeAddr, deadline: Instant) -> Result<NodeInfo, ConnectError> {
     let mut said = false;
     loop {
         match transport.call(addr, &Msg::Describe).await {
             Ok(Msg::Info(info)) => return Ok(info),
-            Ok(_) => return Err(ConnectError::NotANode(addr)),
+            Ok(_) => return Err(ConnectError::NotANode(addr.clone())),
             Err(last) => {
                 if Instant::now() >= deadline {
-                    return Err(ConnectError::NoAnswer { addr, last });
+                    return Err(ConnectError::NoAnswer {
+                        addr: addr.clone(),
+                        last,
+                    });
                 }
                 if !said {
                     tracing::info!("cluster: waiting for node {addr} ({last})");
