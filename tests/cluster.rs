@@ -88,11 +88,10 @@ fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
                 >= 1.0
         );
         // A light router: it reads the model file's tokenizer, template and digest, never its
-        // weights, so its peak resident memory stays under the file's size. (One that repacked
-        // the weights peaked at about 250 MB on this 93 MB file, and a node holds about 680 MB.)
+        // weights. One that repacked them peaked at about 250 MB on this 93 MB file (a node
+        // holds about 680 MB); this one at about 68 MB: the bound leaves twice that.
         let peak = peak_rss_kib(router.pid());
-        let file = std::fs::metadata(common::model()).expect("the model").len() / 1024;
-        assert!(peak > 0 && peak < file, "the router peaked at {peak} KiB, the model file is {file} KiB");
+        assert!(peak > 0 && peak < 150 << 10, "the router peaked at {peak} KiB");
         // Output under a constraint and under a plugin's steering: the router compiles the
         // format (refusing a bad one before it dispatches anything), the decode node compiles
         // and applies it, and the plugin's verdicts cross to the decode node token by token.

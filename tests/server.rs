@@ -273,6 +273,15 @@ fn bad_requests_get_their_status_and_code_while_good_ones_keep_working() {
                 "invalid_admin_token",
             ),
             (
+                "nor is it a tenant's key",
+                Method::POST,
+                chat,
+                Some(&metrics_token),
+                chat_body(MODEL, "hi", 4, false),
+                401,
+                "invalid_api_key",
+            ),
+            (
                 "admin needs the admin token",
                 Method::GET,
                 "/admin/v1/tenants",
@@ -973,9 +982,6 @@ fn each_request_gets_an_access_line_and_its_id_back() {
     });
 }
 
-/// `warden config check` reads a file as `warden serve` does, the WARDEN_ environment over it,
-/// and exits non-zero with the server's message; `serve`'s `--listen` and `--data-dir` win over
-/// both.
 /// `GET /metrics` with the operator's metrics token (`[metrics] token_file`); latencies by
 /// tenant and model; and every metric the Grafana dashboard and the vLLM-name rules query is one
 /// the server exposes.
@@ -1141,6 +1147,9 @@ fn metric_names(expr: &str) -> Vec<String> {
     names
 }
 
+/// `warden config check` reads a file as `warden serve` does, the WARDEN_ environment over it,
+/// and exits non-zero with the server's message; `serve`'s `--listen` and `--data-dir` win over
+/// both.
 #[test]
 fn config_check_says_what_serve_would_and_flags_override_the_file() {
     let dir = common::temp_dir("cfgcheck");

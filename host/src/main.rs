@@ -259,8 +259,8 @@ impl StoreArgs {
 
 #[derive(Subcommand)]
 enum ConfigOp {
-    /// Check FILE: its keys, types and ranges, that each model file it names is there, and the
-    /// metrics token file's token.
+    /// Check FILE: its keys, types and ranges, that each model file it names is there, the
+    /// metrics token file's token, and the cluster's certificates and key.
     Check {
         /// The configuration file.
         file: PathBuf,
@@ -527,6 +527,8 @@ fn run(command: Command) -> anyhow::Result<()> {
                 }
             }
             cfg.metrics.token()?;
+            // The cluster's certificates, read as a node or the router reads them.
+            warden::cluster::link::Transport::new(&cfg.cluster)?;
             let names: Vec<String> = cfg.served().into_iter().map(|m| m.name).collect();
             println!(
                 "{}: ok (listen {}, data_dir {}, serving {})",

@@ -98,8 +98,11 @@ const LATENCY_FAMILIES: [(&str, &str, Pick); 4] = [
 ];
 
 /// One model's engine: its pool, its queue, its latencies.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct EngineStats {
+    /// Whether an engine of this process reported its pool and queue (a router's models have
+    /// none here: their nodes' are theirs, and the router shows no zeros for them).
+    reported: bool,
     kv: KvCounters,
     waiting: usize,
     running: usize,
@@ -108,7 +111,7 @@ struct EngineStats {
     latency: BTreeMap<String, Latencies>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Inner {
     /// By tenant, model (empty when the request named none served) and outcome.
     requests: BTreeMap<(String, String, &'static str), u64>,
@@ -131,6 +134,9 @@ struct Inner {
     transfer_seconds: f64,
     /// A router's nodes, by role and address: up or not.
     nodes: BTreeMap<(String, String), bool>,
+    /// Cluster connections a node refused (no certificate the CA issued for the cluster, not
+    /// loopback, too many handshakes).
+    refused_connections: u64,
 }
 
 /// Distinct field names [`Metrics::ignored_fields`] counts by name (one more, `_other`, holds
@@ -220,14 +226,28 @@ impl Metrics {
         })
     }
 
+    /// A node refused a cluster connection.
+    pub fn cluster_refused(&self) {
+        self.with(|m| m.refused_connections += 1)
+    }
+
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
-        self.with(|m| {
+        // Copied under the lock and written outside it: the engine threads, which report every
+        // token, never wait for a scrape to be formatted.
+        let snapshot = self.with(|m| m.clone());
+        let m = &snapshot;
+        {
             let mut o = String::new();
             let help = |o: &mut String, name: &str, kind: &str, text: &str| {
                 let _ = writeln!(o, "# HELP {name} {text}\n# TYPE {name} {kind}");
             };
-            help(&mut o, "warden_requests_total", "counter", "Requests by tenant, model and outcome.");
+            help(
+                &mut o,
+                "warden_requests_total",
+                "counter",
+                "Requests by tenant, model and outcome.",
+            );
             for ((t, model, outcome), n) in &m.requests {
                 let _ = writeln!(
                     o,
@@ -237,50 +257,99 @@ impl Metrics {
                 );
             }
             for (name, map, text) in [
-                ("warden_prompt_tokens_total", &m.prompt_tokens, "Prompt tokens by tenant and model."),
-                ("warden_completion_tokens_total", &m.completion_tokens, "Generated tokens by tenant and model."),
+                (
+                    "warden_prompt_tokens_total",
+                    &m.prompt_tokens,
+                    "Prompt tokens by tenant and model.",
+                ),
+                (
+                    "warden_completion_tokens_total",
+                    &m.completion_tokens,
+                    "Generated tokens by tenant and model.",
+                ),
             ] {
                 help(&mut o, name, "counter", text);
                 for ((t, model), n) in map {
                     let _ = writeln!(o, "{name}{{tenant=\"{}\",model=\"{}\"}} {n}", escape(t), escape(model));
                 }
             }
-            help(&mut o, "warden_rejections_total", "counter", "Requests refused at admission, by tenant and reason.");
+            help(
+                &mut o,
+                "warden_rejections_total",
+                "counter",
+                "Requests refused at admission, by tenant and reason.",
+            );
             for ((t, reason), n) in &m.rejections {
-                let _ = writeln!(o, "warden_rejections_total{{tenant=\"{}\",reason=\"{reason}\"}} {n}", escape(t));
+                let _ = writeln!(
+                    o,
+                    "warden_rejections_total{{tenant=\"{}\",reason=\"{reason}\"}} {n}",
+                    escape(t)
+                );
             }
-            help(&mut o, "warden_http_errors_total", "counter", "Requests refused before reaching a tenant, by error code.");
+            help(
+                &mut o,
+                "warden_http_errors_total",
+                "counter",
+                "Requests refused before reaching a tenant, by error code.",
+            );
             for (code, n) in &m.http_errors {
                 let _ = writeln!(o, "warden_http_errors_total{{code=\"{code}\"}} {n}");
             }
-            help(&mut o, "warden_plugin_requests_total", "counter", "Requests that ran a plugin, by tenant.");
+            help(
+                &mut o,
+                "warden_plugin_requests_total",
+                "counter",
+                "Requests that ran a plugin, by tenant.",
+            );
             for (t, n) in &m.plugin_requests {
                 let _ = writeln!(o, "warden_plugin_requests_total{{tenant=\"{}\"}} {n}", escape(t));
             }
-            help(&mut o, "warden_plugin_failures_total", "counter", "Requests a plugin failed, by tenant and error code.");
+            help(
+                &mut o,
+                "warden_plugin_failures_total",
+                "counter",
+                "Requests a plugin failed, by tenant and error code.",
+            );
             for ((t, code), n) in &m.plugin_failures {
-                let _ = writeln!(o, "warden_plugin_failures_total{{tenant=\"{}\",code=\"{code}\"}} {n}", escape(t));
+                let _ = writeln!(
+                    o,
+                    "warden_plugin_failures_total{{tenant=\"{}\",code=\"{code}\"}} {n}",
+                    escape(t)
+                );
             }
-            help(&mut o, "warden_ignored_fields_total", "counter", "Request fields the server does not know, ignored, by name (_other past the first 64 names).");
+            help(
+                &mut o,
+                "warden_ignored_fields_total",
+                "counter",
+                "Request fields the server does not know, ignored, by name (_other past the first 64 names).",
+            );
             for (f, n) in &m.ignored_fields {
                 let _ = writeln!(o, "warden_ignored_fields_total{{field=\"{}\"}} {n}", escape(f));
             }
             // Each model's engine: one series per model of each.
             let engines: Vec<(String, &EngineStats)> = m.engines.iter().map(|(k, e)| (escape(k), e)).collect();
-            let per_model = |o: &mut String, name: &str, kind: &str, text: &str, value: &dyn Fn(&EngineStats) -> String| {
-                help(o, name, kind, text);
-                for (model, e) in &engines {
-                    let _ = writeln!(o, "{name}{{model=\"{model}\"}} {}", value(e));
-                }
-            };
-            per_model(&mut o, "warden_isolation_violations_total", "counter", "KV reads or writes refused by a tag check, by model.", &|e| e.kv.tag_mismatches.to_string());
+            let local: Vec<&(String, &EngineStats)> = engines.iter().filter(|(_, e)| e.reported).collect();
+            let per_model =
+                |o: &mut String, name: &str, kind: &str, text: &str, value: &dyn Fn(&EngineStats) -> String| {
+                    help(o, name, kind, text);
+                    for (model, e) in &local {
+                        let _ = writeln!(o, "{name}{{model=\"{model}\"}} {}", value(e));
+                    }
+                };
+            per_model(
+                &mut o,
+                "warden_isolation_violations_total",
+                "counter",
+                "KV reads or writes refused by a tag check, by model.",
+                &|e| e.kv.tag_mismatches.to_string(),
+            );
             help(
                 &mut o,
                 "warden_kv_pages",
                 "gauge",
                 "KV pages by model and state (used, free and cached add up to the total; reserved pages are free pages promised to running sequences).",
             );
-            for (model, e) in &engines {
+            for (model, e) in &local {
                 for (state, n) in [
                     ("used", e.kv.pages_used),
                     ("free", e.kv.pages_free),
@@ -290,35 +359,128 @@ impl Metrics {
                     let _ = writeln!(o, "warden_kv_pages{{model=\"{model}\",state=\"{state}\"}} {n}");
                 }
             }
-            per_model(&mut o, "warden_kv_pinned_pages", "gauge", "KV pages in tenants' pinned prefixes, by model.", &|e| e.kv.pages_pinned.to_string());
-            per_model(&mut o, "warden_prefix_cache_hit_tokens_total", "counter", "Prompt tokens served from tenants' prefix caches, by model.", &|e| e.kv.prefix_hit_tokens.to_string());
-            per_model(&mut o, "warden_prefix_cache_evictions_total", "counter", "Cached KV pages evicted to make room, by model.", &|e| e.kv.prefix_evictions.to_string());
-            per_model(&mut o, "warden_kv_pages_total", "gauge", "KV pages in the model's pool.", &|e| e.kv.pages_total.to_string());
-            per_model(&mut o, "warden_kv_usage_ratio", "gauge", "Share of the model's KV pages held by sequences (0 to 1; idle cached pages count as free).", &|e| {
-                (e.kv.pages_used as f64 / e.kv.pages_total.max(1) as f64).to_string()
-            });
-            per_model(&mut o, "warden_queue_depth", "gauge", "Requests waiting for a slot, by model.", &|e| e.waiting.to_string());
-            per_model(&mut o, "warden_running_sequences", "gauge", "Sequences being prefilled or decoded, by model.", &|e| e.running.to_string());
-            per_model(&mut o, "warden_preemptions_total", "counter", "Sequences that gave their KV pages up for others to grow into (they compute their tokens again when readmitted), by model.", &|e| e.preemptions.to_string());
-            help(&mut o, "warden_policy_info", "gauge", "The tenant policy set in force (its version: a digest of the files).");
+            per_model(
+                &mut o,
+                "warden_kv_pinned_pages",
+                "gauge",
+                "KV pages in tenants' pinned prefixes, by model.",
+                &|e| e.kv.pages_pinned.to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_prefix_cache_hit_tokens_total",
+                "counter",
+                "Prompt tokens served from tenants' prefix caches, by model.",
+                &|e| e.kv.prefix_hit_tokens.to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_prefix_cache_evictions_total",
+                "counter",
+                "Cached KV pages evicted to make room, by model.",
+                &|e| e.kv.prefix_evictions.to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_kv_pages_total",
+                "gauge",
+                "KV pages in the model's pool.",
+                &|e| e.kv.pages_total.to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_kv_usage_ratio",
+                "gauge",
+                "Share of the model's KV pages held by sequences (0 to 1; idle cached pages count as free).",
+                &|e| (e.kv.pages_used as f64 / e.kv.pages_total.max(1) as f64).to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_queue_depth",
+                "gauge",
+                "Requests waiting for a slot, by model.",
+                &|e| e.waiting.to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_running_sequences",
+                "gauge",
+                "Sequences being prefilled or decoded, by model.",
+                &|e| e.running.to_string(),
+            );
+            per_model(
+                &mut o,
+                "warden_preemptions_total",
+                "counter",
+                "Sequences that gave their KV pages up for others to grow into (they compute their tokens again when readmitted), by model.",
+                &|e| e.preemptions.to_string(),
+            );
+            help(
+                &mut o,
+                "warden_policy_info",
+                "gauge",
+                "The tenant policy set in force (its version: a digest of the files).",
+            );
             let _ = writeln!(o, "warden_policy_info{{version=\"{}\"}} 1", escape(&m.policy_version));
-            help(&mut o, "warden_policy_reload_failures_total", "counter", "Policy reloads refused (a bad file; the previous set stayed in force).");
+            help(
+                &mut o,
+                "warden_policy_reload_failures_total",
+                "counter",
+                "Policy reloads refused (a bad file; the previous set stayed in force).",
+            );
             let _ = writeln!(o, "warden_policy_reload_failures_total {}", m.policy_reload_failures);
             // A router's and a prefill node's families: declared everywhere, their series where
             // they apply.
-            help(&mut o, "warden_cluster_node_up", "gauge", "Whether the router sends work to a node (it answers its probe and agrees with the cluster).");
+            help(
+                &mut o,
+                "warden_cluster_node_up",
+                "gauge",
+                "Whether the router sends work to a node (it answers its probe and agrees with the cluster).",
+            );
             for ((role, node), up) in &m.nodes {
-                let _ = writeln!(o, "warden_cluster_node_up{{role=\"{role}\",node=\"{}\"}} {}", escape(node), u8::from(*up));
+                let _ = writeln!(
+                    o,
+                    "warden_cluster_node_up{{role=\"{role}\",node=\"{}\"}} {}",
+                    escape(node),
+                    u8::from(*up)
+                );
             }
-            help(&mut o, "warden_transfers_total", "counter", "KV transfers a prefill node sent, by outcome.");
+            help(
+                &mut o,
+                "warden_cluster_refused_connections_total",
+                "counter",
+                "Cluster connections a node refused (a peer without a certificate the cluster's CA issued for the cluster, a plain peer not on loopback, or past the handshakes in progress).",
+            );
+            let _ = writeln!(o, "warden_cluster_refused_connections_total {}", m.refused_connections);
+            help(
+                &mut o,
+                "warden_transfers_total",
+                "counter",
+                "KV transfers a prefill node sent, by outcome.",
+            );
             for (outcome, n) in &m.transfers {
                 let _ = writeln!(o, "warden_transfers_total{{outcome=\"{outcome}\"}} {n}");
             }
-            help(&mut o, "warden_transfer_pages_total", "counter", "KV pages of acknowledged transfers.");
+            help(
+                &mut o,
+                "warden_transfer_pages_total",
+                "counter",
+                "KV pages of acknowledged transfers.",
+            );
             let _ = writeln!(o, "warden_transfer_pages_total {}", m.transfer_pages);
-            help(&mut o, "warden_transfer_bytes_total", "counter", "Encoded bytes of acknowledged transfers.");
+            help(
+                &mut o,
+                "warden_transfer_bytes_total",
+                "counter",
+                "Encoded bytes of acknowledged transfers.",
+            );
             let _ = writeln!(o, "warden_transfer_bytes_total {}", m.transfer_bytes);
-            help(&mut o, "warden_transfer_seconds_total", "counter", "Time acknowledged transfers took, from Begin to the final Ack, summed.");
+            help(
+                &mut o,
+                "warden_transfer_seconds_total",
+                "counter",
+                "Time acknowledged transfers took, from Begin to the final Ack, summed.",
+            );
             let _ = writeln!(o, "warden_transfer_seconds_total {}", m.transfer_seconds);
             for (name, text, which) in LATENCY_FAMILIES {
                 help(&mut o, name, "histogram", text);
@@ -329,7 +491,7 @@ impl Metrics {
                 }
             }
             o
-        })
+        }
     }
 }
 
@@ -392,6 +554,7 @@ impl ModelMetrics {
     /// The engine's current pool counters and queue.
     pub fn engine_state(&self, kv: KvCounters, waiting: usize, running: usize, preemptions: u64) {
         self.engine(|e| {
+            e.reported = true;
             e.kv = kv;
             e.waiting = waiting;
             e.running = running;
@@ -462,14 +625,11 @@ mod tests {
             "warden_completion_tokens_total{tenant=\"acme\",model=\"large\"} 4",
             "warden_rejections_total{tenant=\"beta\",reason=\"context_length_exceeded\"} 1",
             "warden_isolation_violations_total{model=\"small\"} 1",
-            "warden_isolation_violations_total{model=\"large\"} 0",
             "warden_plugin_failures_total{tenant=\"beta\",code=\"plugin_trap\"} 1",
             "warden_kv_pages{model=\"small\",state=\"free\"} 6",
-            "warden_kv_pages{model=\"large\",state=\"free\"} 0",
             "warden_queue_depth{model=\"small\"} 3",
             "warden_preemptions_total{model=\"small\"} 4",
             "warden_kv_usage_ratio{model=\"small\"} 0.25",
-            "warden_kv_usage_ratio{model=\"large\"} 0",
             "warden_time_to_first_token_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"0.025\"} 0",
             "warden_time_to_first_token_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"0.05\"} 1",
             "warden_time_to_first_token_seconds_count{tenant=\"acme\",model=\"small\"} 1",
@@ -482,6 +642,9 @@ mod tests {
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
         }
+        // A model whose engine is not this process's (a router's) shows no pool or queue.
+        assert!(!t.contains("model=\"large\",state="), "{t}");
+        assert!(!t.contains("warden_queue_depth{model=\"large\"}"), "{t}");
         // Latencies exist per tenant and model where observed, never as empty series.
         assert!(
             !t.contains("warden_time_to_first_token_seconds_count{tenant=\"acme\",model=\"large\"}"),

@@ -34,7 +34,8 @@ impl Netns {
     /// this process's id); the test's own end is 10.213.S.1.
     pub fn new(hosts: &[&str]) -> Netns {
         let pid = std::process::id();
-        let tag = format!("w{}", pid % 100_000);
+        // Interface names hold at most 15 bytes: w, the pid (at most 7 digits), 3 more.
+        let tag = format!("w{pid}");
         let subnet = (pid % 200) as u8 + 20;
         let n = Netns {
             hosts: hosts.iter().map(|h| h.to_string()).collect(),
@@ -42,6 +43,11 @@ impl Netns {
             tag,
             subnet,
         };
+        // What a killed run of a process with the same id left behind goes first.
+        let _ = Command::new("ip").args(["link", "del", &n.host_if]).output();
+        for h in hosts.iter().copied().chain(["sw"]) {
+            let _ = Command::new("ip").args(["netns", "del", &n.ns(h)]).output();
+        }
         let sw = n.ns("sw");
         ip(&["netns", "add", &sw]);
         ip(&["-n", &sw, "link", "set", "lo", "up"]);
@@ -83,6 +89,11 @@ impl Netns {
             .position(|h| h == host)
             .expect("a host of these namespaces");
         Ipv4Addr::new(10, 213, self.subnet, i as u8 + 2)
+    }
+
+    /// The test's own address, on the bridge.
+    pub fn own_addr(&self) -> Ipv4Addr {
+        Ipv4Addr::new(10, 213, self.subnet, 1)
     }
 
     /// The bridge's end of `host`'s veth.

@@ -394,7 +394,13 @@ impl Transport {
     pub fn new(cluster: &ClusterConfig) -> Result<Self, TlsError> {
         let tls = match (&cluster.ca, &cluster.cert, &cluster.key) {
             (Some(ca), Some(cert), Some(key)) => Some(Arc::new(ClusterTls::load(ca, cert, key)?)),
-            _ => None,
+            (None, None, None) => None,
+            // Never plain TCP for a configuration that asked for mutual TLS.
+            _ => {
+                return Err(TlsError::Rustls(rustls::Error::General(
+                    "cluster.ca, cluster.cert and cluster.key are set together or not at all".into(),
+                )));
+            }
         };
         Ok(Self {
             tls,
@@ -421,6 +427,11 @@ impl Transport {
     /// Whether connections are mutual TLS.
     pub fn is_mutual_tls(&self) -> bool {
         self.tls.is_some()
+    }
+
+    /// How long a peer may stay silent where an answer is due, and connecting may take.
+    pub fn peer_timeout(&self) -> Duration {
+        self.peer_timeout
     }
 
     /// Connects to a node (its name resolved now; within the peer timeout, handshake included)
@@ -495,7 +506,10 @@ impl Transport {
     pub async fn call(&self, addr: &NodeAddr, m: &Msg) -> Result<Msg, CallError> {
         let (r, _w) = self.open(addr, m).await?;
         let mut r = BufReader::new(r);
-        match read(&mut r, 0).await {
+        let Ok(answer) = tokio::time::timeout(self.peer_timeout, read(&mut r, 0)).await else {
+            return Err(CallError::Silent(addr.clone()));
+        };
+        match answer {
             Ok(Some(Packet::Msg(Msg::Error { message }))) => Err(CallError::Refused {
                 addr: addr.clone(),
                 message,
@@ -542,6 +556,9 @@ pub enum CallError {
     /// The node answered with a transfer frame, not a message.
     #[error("{0} answered with a transfer frame")]
     Frame(NodeAddr),
+    /// The node did not answer within the peer timeout.
+    #[error("{0} did not answer in time")]
+    Silent(NodeAddr),
     /// The node closed the connection before answering.
     #[error("{0} closed the connection without an answer")]
     Closed(NodeAddr),

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 
 use super::link::{self, CallError, Dispatch, Ended, Incoming, KvCall, KvReply, Msg, Packet, Transport, WriteHalf};
@@ -53,6 +53,34 @@ struct Node {
     transport: Transport,
     /// Where it listens (set once bound), for messages that name it.
     addr: std::sync::OnceLock<std::net::SocketAddr>,
+    /// Connections refused: counted, and logged at most once a second.
+    refusals: Refusals,
+}
+
+/// Handshakes a node runs at once; connections past them are dropped.
+const MAX_HANDSHAKES: usize = 64;
+
+/// Refused connections: each counted in `warden_cluster_refused_connections_total`, and logged
+/// at most once a second (with how many went unlogged), so a port scan or a flood of foreign
+/// peers cannot flood the log.
+struct Refusals {
+    metrics: Arc<Metrics>,
+    last: std::sync::Mutex<(Option<Instant>, u64)>,
+}
+
+impl Refusals {
+    fn note(&self, peer: std::net::SocketAddr, why: &std::io::Error) {
+        self.metrics.cluster_refused();
+        let mut g = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        let (last, unlogged) = &mut *g;
+        if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            *unlogged += 1;
+            return;
+        }
+        tracing::warn!(target: "warden::cluster", %peer, unlogged = *unlogged, "refused a connection: {why}");
+        *last = Some(Instant::now());
+        *unlogged = 0;
+    }
 }
 
 /// Runs a prefill or decode node until SIGTERM or SIGINT.
@@ -97,6 +125,7 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
     let metrics = Arc::new(Metrics::default());
     let handle = LocalEngine::start(engine, served.limits.queue, metrics.model(&served.name))
         .map_err(StartupError::io("starting the engine thread"))?;
+    let refusals_metrics = metrics.clone();
     let node = Arc::new(Node {
         info,
         grammars,
@@ -105,6 +134,10 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
         page_bytes,
         transport,
         addr: std::sync::OnceLock::new(),
+        refusals: Refusals {
+            metrics: refusals_metrics,
+            last: std::sync::Mutex::new((None, 0)),
+        },
         queue: served.limits.queue,
     });
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -143,11 +176,33 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     tokio::spawn(crate::heap::trim_periodically());
     let signal = crate::net::shutdown_signal();
     tokio::pin!(signal);
+    // Open connections are bounded (each request holds one or two), and so are handshakes in
+    // progress, which anyone who reaches the port can start: past that, a new one is dropped.
+    let open = Arc::new(tokio::sync::Semaphore::new(cfg.limits.max_connections));
+    let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     loop {
+        let permit = tokio::select! {
+            p = open.clone().acquire_owned() => p,
+            _ = signal.as_mut() => break,
+        };
+        let Ok(permit) = permit else { break };
         let Some((tcp, peer)) = crate::net::accept(&listener, signal.as_mut()).await else {
             break;
         };
-        tokio::spawn(connection(node.clone(), tcp, peer));
+        let (node, handshakes) = (node.clone(), handshakes.clone());
+        tokio::spawn(async move {
+            let _open = permit;
+            let halves = match handshakes.try_acquire() {
+                Ok(_shaking) => node.transport.accept(tcp, peer).await,
+                Err(_) => Err(std::io::Error::other("too many handshakes in progress")),
+            };
+            match halves {
+                Ok((r, w)) => connection(node, r, w).await,
+                // Mutual TLS: a peer the cluster's CA did not certify for the cluster is refused
+                // here, before anything it sent is read. Plain: loopback peers only.
+                Err(e) => node.refusals.note(peer, &e),
+            }
+        });
     }
     tracing::info!(
         "shutting down: finishing in-flight requests (up to {} s)",
@@ -174,18 +229,10 @@ async fn refuse(w: &mut WriteHalf, message: String) {
     let _ = link::send(w, &Msg::Error { message }).await;
 }
 
-async fn connection(node: Arc<Node>, tcp: TcpStream, peer: std::net::SocketAddr) {
-    // Mutual TLS: a peer the cluster's CA did not certify is refused here, before anything it
-    // sent is read. Plain: loopback peers only.
-    let (r, mut w) = match node.transport.accept(tcp, peer).await {
-        Ok(halves) => halves,
-        Err(e) => {
-            tracing::warn!(target: "warden::cluster", %peer, "refused a connection: {e}");
-            return;
-        }
-    };
+async fn connection(node: Arc<Node>, r: link::ReadHalf, mut w: WriteHalf) {
     let mut rx = link::reader(r, ANSWER_FRAME_LIMIT);
-    match next_msg(&mut rx).await {
+    let hello = tokio::time::timeout(node.transport.peer_timeout(), next_msg(&mut rx));
+    match hello.await.ok().flatten() {
         Some(Msg::Hello { version }) if version == link::VERSION => {}
         Some(Msg::Hello { version }) => {
             return refuse(

@@ -2,8 +2,10 @@
 //! nodes, authenticates both ends with certificates from the cluster's CA (`[cluster] ca`,
 //! `cert`, `key`). A node's acceptor requires a client certificate that chains to the CA, so
 //! a peer without one, or with a foreign one, fails the handshake before any message is read.
-//! Both sides speak TLS 1.3 only. A server's certificate is checked for the name
-//! [`CLUSTER_NAME`]: membership is what the CA signs, whatever address a node has.
+//! Both sides speak TLS 1.3 only. Both sides' certificates must also be valid for the name
+//! [`CLUSTER_NAME`] (a server's as the client checks it, a client's right after the handshake):
+//! membership is a certificate the cluster's CA issued for the cluster, whatever address a node
+//! has, so a CA that also signs other workloads' certificates does not make them members.
 //!
 //! [`make_certs`] makes a CA and node certificates for a first setup (`warden cluster certs`).
 
@@ -84,9 +86,21 @@ impl ClusterTls {
         tcp: TcpStream,
         limit: Duration,
     ) -> std::io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
-        tokio::time::timeout(limit, self.acceptor.accept(tcp))
+        let tls = tokio::time::timeout(limit, self.acceptor.accept(tcp))
             .await
-            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the TLS handshake timed out"))?
+            .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "the TLS handshake timed out"))??;
+        // The chain was verified in the handshake; the name must be the cluster's.
+        let leaf = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .ok_or_else(|| std::io::Error::other("no client certificate"))?;
+        let name = ServerName::try_from(CLUSTER_NAME).map_err(std::io::Error::other)?;
+        webpki::EndEntityCert::try_from(leaf)
+            .and_then(|c| c.verify_is_valid_for_subject_name(&name))
+            .map_err(|e| std::io::Error::other(format!("the client certificate is not one for {CLUSTER_NAME}: {e}")))?;
+        Ok(tls)
     }
 }
 
@@ -105,31 +119,24 @@ pub struct MadeCerts {
 /// IP addresses). Keys are written readable by their owner only. Certificates are valid from a
 /// year ago for five years.
 pub fn make_certs(dir: &Path, nodes: &[(String, Vec<String>)]) -> Result<MadeCerts, TlsError> {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose};
+    use rcgen::KeyPair;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
-    let year = 1970
-        + (std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs())
-            / 31_556_952) as i32;
-    let valid = |p: &mut CertificateParams| {
-        p.not_before = rcgen::date_time_ymd(year - 1, 1, 1);
-        p.not_after = rcgen::date_time_ymd(year + 5, 1, 1);
-    };
     let (ca_pem, ca_key_pem) = (dir.join("ca.pem"), dir.join("ca.key"));
     let existing = ca_pem.exists() && ca_key_pem.exists();
+    // Half a CA is never replaced: the certificates it signed would stop chaining.
+    if ca_pem.exists() != ca_key_pem.exists() {
+        return Err(TlsError::Pem {
+            path: if ca_pem.exists() { ca_key_pem } else { ca_pem },
+            what: "missing while the rest of the CA is there: put it back to sign with that CA (a new CA would orphan every certificate it signed)",
+        });
+    }
     let ca_key = if existing {
         let pem = std::fs::read_to_string(&ca_key_pem).map_err(io_err(&ca_key_pem))?;
         KeyPair::from_pem(&pem)?
     } else {
         KeyPair::generate()?
     };
-    let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
-    ca_params.distinguished_name.push(DnType::CommonName, CA_NAME);
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    valid(&mut ca_params);
-    let ca = ca_params.self_signed(&ca_key)?;
+    let ca = ca_params()?.self_signed(&ca_key)?;
     if !existing {
         write_private(&ca_key_pem, ca_key.serialize_pem().as_bytes()).map_err(io_err(&ca_key_pem))?;
         std::fs::write(&ca_pem, ca.pem()).map_err(io_err(&ca_pem))?;
@@ -138,14 +145,11 @@ pub fn make_certs(dir: &Path, nodes: &[(String, Vec<String>)]) -> Result<MadeCer
     for (name, extra) in nodes {
         let mut names = vec![CLUSTER_NAME.to_string(), name.clone()];
         names.extend(extra.iter().cloned());
-        let mut p = CertificateParams::new(names)?;
-        p.distinguished_name.push(DnType::CommonName, name.as_str());
-        p.is_ca = IsCa::NoCa;
-        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        valid(&mut p);
         let key = KeyPair::generate()?;
-        let cert = p.signed_by(&key, &ca, &ca_key)?;
+        let cert = leaf_params(name, names)?.signed_by(&key, &ca, &ca_key)?;
+        if existing {
+            chains_to(&ca_pem, cert.der())?;
+        }
         let (c, k) = (dir.join(format!("{name}.pem")), dir.join(format!("{name}.key")));
         write_private(&k, key.serialize_pem().as_bytes()).map_err(io_err(&k))?;
         std::fs::write(&c, cert.pem()).map_err(io_err(&c))?;
@@ -154,6 +158,69 @@ pub fn make_certs(dir: &Path, nodes: &[(String, Vec<String>)]) -> Result<MadeCer
     Ok(MadeCerts {
         new_ca: !existing,
         certs,
+    })
+}
+
+/// Valid from the start of last year for five years.
+fn validity(p: &mut rcgen::CertificateParams) {
+    let year = 1970
+        + (std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+            / 31_556_952) as i32;
+    p.not_before = rcgen::date_time_ymd(year - 1, 1, 1);
+    p.not_after = rcgen::date_time_ymd(year + 5, 1, 1);
+}
+
+/// The cluster CA's parameters: the same each time, so a CA made again from its key signs
+/// certificates that chain to its `ca.pem`.
+fn ca_params() -> Result<rcgen::CertificateParams, rcgen::Error> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyUsagePurpose};
+    let mut p = CertificateParams::new(Vec::<String>::new())?;
+    p.distinguished_name.push(DnType::CommonName, CA_NAME);
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    validity(&mut p);
+    Ok(p)
+}
+
+/// A node's certificate's parameters: common name `cn`, valid for `names`, for server and
+/// client use.
+fn leaf_params(cn: &str, names: Vec<String>) -> Result<rcgen::CertificateParams, rcgen::Error> {
+    use rcgen::{CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyUsagePurpose};
+    let mut p = CertificateParams::new(names)?;
+    p.distinguished_name.push(DnType::CommonName, cn);
+    p.is_ca = IsCa::NoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    validity(&mut p);
+    Ok(p)
+}
+
+/// Whether `leaf` chains to the CA in `ca_pem`, for [`CLUSTER_NAME`]: a `ca.key` that is not
+/// `ca.pem`'s signs certificates that do not.
+fn chains_to(ca_pem: &Path, leaf: &rustls::pki_types::CertificateDer<'_>) -> Result<(), TlsError> {
+    let general = |e: String| TlsError::Rustls(rustls::Error::General(e));
+    let mut roots = RootCertStore::empty();
+    for c in read_certs(ca_pem)? {
+        roots.add(c)?;
+    }
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider())
+        .build()
+        .map_err(|e| general(e.to_string()))?;
+    let name = ServerName::try_from(CLUSTER_NAME).map_err(|e| general(e.to_string()))?;
+    rustls::client::danger::ServerCertVerifier::verify_server_cert(
+        verifier.as_ref(),
+        leaf,
+        &[],
+        &name,
+        &[],
+        rustls::pki_types::UnixTime::now(),
+    )
+    .map(|_| ())
+    .map_err(|_| TlsError::Pem {
+        path: ca_pem.with_file_name("ca.key"),
+        what: "not the key of ca.pem: the certificates it signs would not chain to it",
     })
 }
 
@@ -197,8 +264,9 @@ mod tests {
         d
     }
 
-    /// A server under one CA, and clients under it and under another: only the first gets a
-    /// byte through, and the others fail their handshakes before the server reads anything.
+    /// A server under one CA, and clients under it, under another, under it but not for the
+    /// cluster's name, and with no certificate: only the first two get a byte through; the
+    /// others are refused before the server reads anything.
     #[test]
     fn only_peers_with_the_clusters_certificates_get_through() {
         let (a, b) = (dir("a"), dir("b"));
@@ -215,6 +283,27 @@ mod tests {
         let key_mode =
             std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(a.join("node.key")).unwrap().permissions());
         assert_eq!(key_mode & 0o777, 0o600);
+        // The CA's key, signing a certificate not for the cluster's name (another workload's).
+        let ca_key = rcgen::KeyPair::from_pem(&std::fs::read_to_string(a.join("ca.key")).unwrap()).unwrap();
+        let ca = ca_params().unwrap().self_signed(&ca_key).unwrap();
+        let rogue_key = rcgen::KeyPair::generate().unwrap();
+        let rogue = leaf_params("web", vec!["web.example".into()])
+            .unwrap()
+            .signed_by(&rogue_key, &ca, &ca_key)
+            .unwrap();
+        std::fs::write(a.join("web.pem"), rogue.pem()).unwrap();
+        std::fs::write(a.join("web.key"), rogue_key.serialize_pem()).unwrap();
+        // Half a CA, or a key that is not the CA's, signs nothing.
+        let half = dir("half");
+        std::fs::create_dir_all(&half).unwrap();
+        std::fs::copy(a.join("ca.pem"), half.join("ca.pem")).unwrap();
+        let e = make_certs(&half, &[("x".into(), vec![])]).unwrap_err().to_string();
+        assert!(e.contains("ca.key") && e.contains("missing"), "{e}");
+        std::fs::copy(b.join("ca.key"), half.join("ca.key")).unwrap();
+        let e = make_certs(&half, &[("x".into(), vec![])]).unwrap_err().to_string();
+        assert!(e.contains("not the key of ca.pem"), "{e}");
+        assert!(!half.join("x.pem").exists());
+        let _ = std::fs::remove_dir_all(&half);
         let load = |d: &Path, n: &str, ca: &Path| {
             ClusterTls::load(
                 &ca.join("ca.pem"),
@@ -234,7 +323,7 @@ mod tests {
             let s = server.clone();
             let accepted = tokio::spawn(async move {
                 let mut outcomes = Vec::new();
-                for _ in 0..4 {
+                for _ in 0..5 {
                     let (tcp, _) = listener.accept().await.unwrap();
                     outcomes.push(match s.accept(tcp, Duration::from_secs(5)).await {
                         Ok(mut t) => {
@@ -250,7 +339,7 @@ mod tests {
                 outcomes
             });
             let limit = Duration::from_secs(5);
-            for (d, n) in [(&a, "router"), (&a, "late"), (&b, "intruder")] {
+            for (d, n) in [(&a, "router"), (&a, "late"), (&b, "intruder"), (&a, "web")] {
                 let c = load(d, n, &a);
                 let tcp = TcpStream::connect(addr).await.unwrap();
                 if let Ok(mut t) = c.connect(tcp, limit).await {
@@ -275,7 +364,11 @@ mod tests {
             let outcomes = accepted.await.unwrap();
             assert_eq!(outcomes[0].as_deref(), Ok(&b"hello"[..]), "{outcomes:?}");
             assert_eq!(outcomes[1].as_deref(), Ok(&b"hello"[..]), "{outcomes:?}");
-            assert!(outcomes[2].is_err() && outcomes[3].is_err(), "{outcomes:?}");
+            assert!(outcomes[2..].iter().all(|o| o.is_err()), "{outcomes:?}");
+            assert!(
+                outcomes[3].as_ref().is_err_and(|e| e.contains(CLUSTER_NAME)),
+                "{outcomes:?}"
+            );
         });
         let _ = std::fs::remove_dir_all(&a);
         let _ = std::fs::remove_dir_all(&b);

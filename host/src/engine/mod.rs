@@ -363,8 +363,8 @@ pub struct Engine {
     computed: u64,
     /// Sequences preempted since the engine started.
     preemptions: u64,
-    /// Requests admitted (first given their pages) since [`take_admitted`](Self::take_admitted)
-    /// last ran, with when: their time in the queue ends there.
+    /// Requests the last step admitted (first gave their pages), with when: their time in the
+    /// queue ends there.
     admitted: Vec<(RequestId, Instant)>,
     scratch: Scratch,
     events: Vec<Event>,
@@ -544,8 +544,8 @@ impl Engine {
         self.preemptions
     }
 
-    /// Requests admitted since the last call, each with when it was given its pages: the end of
-    /// its time in the queue (a readmission after a preemption is not one).
+    /// Requests the last step admitted, each with when it was given its pages: the end of its
+    /// time in the queue (a readmission after a preemption is not one).
     pub fn take_admitted(&mut self) -> Vec<(RequestId, Instant)> {
         std::mem::take(&mut self.admitted)
     }
@@ -1005,6 +1005,8 @@ impl Engine {
 
     /// Runs one step and returns its events.
     pub fn step(&mut self) -> Vec<Event> {
+        // Only this step's admissions are kept: a caller that never takes them holds no more.
+        self.admitted.clear();
         self.admit_waiting();
         self.hold_prefilled();
         self.grow_running();

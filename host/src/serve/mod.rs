@@ -273,6 +273,8 @@ fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
 fn metrics_token(store: &Store, cfg: &ServeConfig) -> Result<(), ServeError> {
     if let Some(token) = cfg.metrics.token()? {
         store.set_metrics_token(&token)?;
+        // A token this server made before no longer opens anything: its file goes.
+        let _ = std::fs::remove_file(metrics_token_path(&cfg.data_dir));
         if let Some(p) = &cfg.metrics.token_file {
             tracing::info!("metrics token from {}", p.display());
         }
