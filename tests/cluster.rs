@@ -16,7 +16,11 @@ const NODE: &str = "[kv]\nmemory_mib = 64\n[limits]\nmax_context = 2048\n";
 #[test]
 fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
     let prefill = Node::start("c-prefill", "prefill", NODE);
-    let decode = Node::start("c-decode", "decode", NODE);
+    let decode = Node::start(
+        "c-decode",
+        "decode",
+        &format!("{NODE}[cluster]\nops_listen = \"127.0.0.1:0\"\n"),
+    );
     let router = Server::start_router("c-router", "", &[&prefill], &[&decode], &[]);
     let one = Server::start("c-all", NODE);
     rt().block_on(async {
@@ -87,6 +91,21 @@ fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
                 .await
                 >= 1.0
         );
+        // The decode node's probes and metrics, over plain HTTP: the metrics need its token.
+        let ops = decode
+            .startup
+            .iter()
+            .find_map(|l| l.split("probes and metrics on ").nth(1))
+            .map(|u| u.split_whitespace().next().unwrap_or(u).trim_end_matches('"').to_string())
+            .expect("the decode node says where its probes are");
+        let c = warden::serve::client::Client::new(&ops, None).expect("a client");
+        for (path, status) in [("/healthz", 200), ("/readyz", 200), ("/metrics", 401), ("/v1/models", 404)] {
+            let r = c.request(Method::GET, path, None, None).await.expect("an answer");
+            assert_eq!(r.status, status, "{path}: {}", r.text());
+        }
+        let token = std::fs::read_to_string(decode.data_dir.join("metrics-token")).expect("its metrics token");
+        let r = c.request(Method::GET, "/metrics", Some(token.trim()), None).await.expect("an answer");
+        assert!(r.status == 200 && r.text().contains("warden_kv_pages_total"), "{}", r.text());
         // A light router: it reads the model file's tokenizer, template and digest, never its
         // weights. One that repacked them peaked at about 250 MB on this 93 MB file (a node
         // holds about 680 MB); this one at about 68 MB: the bound leaves twice that.

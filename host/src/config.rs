@@ -235,6 +235,10 @@ pub struct ClusterConfig {
     /// Where a prefill or decode node listens, for the router and for other nodes. Default
     /// `127.0.0.1:9100`.
     pub listen: SocketAddr,
+    /// Where a prefill or decode node answers `GET /healthz`, `/readyz` and `/metrics` (the
+    /// metrics token) over plain HTTP, for an orchestrator's probes and a scraper. Default:
+    /// none (off).
+    pub ops_listen: Option<SocketAddr>,
     /// The prefill nodes a router dispatches to (`host:port`; a DNS name is resolved at each
     /// connection). Default: none.
     pub prefill: Vec<NodeAddr>,
@@ -274,6 +278,7 @@ impl Default for ClusterConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 9100)),
+            ops_listen: None,
             prefill: Vec::new(),
             decode: Vec::new(),
             connect_timeout_s: 120,

@@ -354,6 +354,8 @@ pub struct Node {
     pub addr: std::net::SocketAddr,
     /// How the test reaches it (plain on loopback, or with a cluster certificate).
     pub transport: warden::cluster::link::Transport,
+    /// Its data dir.
+    pub data_dir: PathBuf,
     /// What it printed after it started.
     pub output: mpsc::Receiver<String>,
     /// What it printed before.
@@ -424,6 +426,7 @@ impl Node {
             child: Some(child),
             addr: addr.parse().expect("a node prints its address"),
             transport,
+            data_dir: dir.join("data"),
             output,
             startup,
         }

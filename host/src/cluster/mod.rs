@@ -25,7 +25,8 @@
 //! Nodes talk plain TCP over loopback only (the configuration refuses other addresses), or
 //! mutual TLS under the cluster's CA on any address ([`tls`]); every link socket has keep-alive
 //! probes and a user timeout, so a cut link fails its requests. Modules: [`link`] (the messages,
-//! their framing and the transport), [`node`] (the prefill and decode processes), [`router`]
+//! their framing and the transport), [`node`] (the prefill and decode processes), [`ops`] (a
+//! node's probes and metrics over HTTP), [`router`]
 //! (the router's engine backend), [`health`] (which nodes the router may send work to); with the
 //! `transfer-faults` feature only, `faults` (what a prefill node can do wrong to a transfer, on
 //! the router's word); in tests only, `lifecycle_model` (the request lifecycle and transfer,
@@ -36,6 +37,7 @@ pub mod faults;
 pub mod health;
 pub mod link;
 pub mod node;
+pub mod ops;
 pub mod router;
 pub mod tls;
 

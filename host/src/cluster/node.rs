@@ -160,6 +160,20 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
         .local_addr()
         .map_err(StartupError::io("the listening socket's address"))?;
     let _ = node.addr.set(addr);
+    // Probes and metrics over HTTP, where configured: ready while the engine runs and until
+    // shutdown begins.
+    let shutting_down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(at) = cfg.cluster.ops_listen {
+        let (n, down) = (node.clone(), shutting_down.clone());
+        let ready = Box::new(move || n.engine.is_alive() && !down.load(std::sync::atomic::Ordering::SeqCst));
+        let ops = Arc::new(super::ops::Ops::new(&cfg, node.metrics.clone(), ready)?);
+        let listener = super::ops::bind(at).await?;
+        let bound = listener
+            .local_addr()
+            .map_err(StartupError::io("the operations socket's address"))?;
+        tracing::info!("{} node: probes and metrics on http://{bound}", node.info.role);
+        tokio::spawn(super::ops::serve(listener, ops));
+    }
     tracing::info!(
         "{} node serving {} on {addr} (pool: {} pages of {} tokens, max context {}; {})",
         node.info.role,
@@ -204,6 +218,7 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
             }
         });
     }
+    shutting_down.store(true, std::sync::atomic::Ordering::SeqCst);
     tracing::info!(
         "shutting down: finishing in-flight requests (up to {} s)",
         cfg.timeouts.shutdown_s
