@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv-e2e with the official OpenAI Python client, which the end-to-end tests drive
-# against the real server, and the jsonschema package they validate structured output with.
+# against the real server, the jsonschema package they validate structured output with, and
+# PyYAML, which reads the Kubernetes manifests `kubectl kustomize` renders (tests/deploy.rs).
 # Idempotent: an existing venv with the pinned packages is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv-e2e
-PIN=("openai==3.60.0" "jsonschema==4.23.0")
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("openai") != "3.60.0" or m.version("jsonschema") != "4.23.0")' 2>/dev/null; then
+PIN=("openai==3.60.0" "jsonschema==4.23.0" "pyyaml==6.0.3")
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("openai") != "3.60.0" or m.version("jsonschema") != "4.23.0" or m.version("pyyaml") != "6.0.3")' 2>/dev/null; then
     exit 0
 fi
 if ! command -v python3 >/dev/null; then
