@@ -91,6 +91,30 @@ fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
                 .await
                 >= 1.0
         );
+        // A request's id reaches both nodes' lines for it.
+        let r = router
+            .client()
+            .with_header("x-request-id", "trace-me-42")
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(router.key()),
+                Some(chat_body(MODEL, ask, 4, false)),
+            )
+            .await
+            .expect("request");
+        assert_eq!(r.status, 200, "{}", r.text());
+        for n in [&prefill, &decode] {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let mut seen = Vec::new();
+            while !seen.iter().any(|l: &String| l.contains("trace-me-42")) {
+                assert!(std::time::Instant::now() < deadline, "no line names the request: {seen:#?}");
+                std::thread::sleep(Duration::from_millis(50));
+                seen.extend(n.output.try_iter());
+            }
+            let line = seen.iter().find(|l| l.contains("trace-me-42")).expect("a line");
+            assert!(line.contains("warden::cluster::request") && line.contains("outcome="), "{line}");
+        }
         // The decode node's probes and metrics, over plain HTTP: the metrics need its token.
         let ops = decode
             .startup

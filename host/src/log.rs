@@ -1,6 +1,8 @@
 //! The process's log: the library reports through `tracing` events and [`init`] installs the
 //! subscriber that writes them, one line each on stderr, as text or as JSON objects, filtered by
-//! `RUST_LOG` (`info` when unset). Events name requests by id and tenants by name; none carries
+//! `RUST_LOG` (`info` when unset). Lines are handed to a writer thread through a bounded queue:
+//! a stderr that blocks (a full pipe, a slow collector) never stalls the thread that logged; past
+//! [`QUEUED_LINES`] waiting lines, new ones are dropped rather than waited for. Events name requests by id and tenants by name; none carries
 //! a prompt, a completion, a key or a plugin's output (those go to the tenant's own plugin log).
 //!
 //! Targets an operator filters on: `warden::access` (one line per HTTP request, see
@@ -45,9 +47,16 @@ pub enum LogError {
     Install(String),
 }
 
+/// Lines the writer thread may have waiting before new ones are dropped.
+pub const QUEUED_LINES: usize = 65_536;
+
+/// Keeps the writer thread: dropping it writes what is queued and ends the thread.
+pub type LogGuard = tracing_appender::non_blocking::WorkerGuard;
+
 /// Installs the process's subscriber: `format` lines on stderr, filtered by `RUST_LOG` (`info`
-/// when it is unset or empty; a directive that does not parse is an error naming it).
-pub fn init(format: LogFormat) -> Result<(), LogError> {
+/// when it is unset or empty; a directive that does not parse is an error naming it). Keep the
+/// guard until the process ends: dropping it flushes the queue.
+pub fn init(format: LogFormat) -> Result<LogGuard, LogError> {
     let filter = match std::env::var("RUST_LOG") {
         Ok(s) if !s.trim().is_empty() => {
             EnvFilter::try_new(&s).map_err(|e| LogError::Filter(s.clone(), e.to_string()))?
@@ -59,13 +68,19 @@ pub fn init(format: LogFormat) -> Result<(), LogError> {
     let filter = ["wasmtime_wasi=off", "wasmtime_wasi_io=off"]
         .into_iter()
         .fold(filter, |f, d| f.add_directive(d.parse().expect("a valid directive")));
+    let (writer, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+        .buffered_lines_limit(QUEUED_LINES)
+        .lossy(true)
+        .thread_name("warden-log")
+        .finish(std::io::stderr());
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(writer)
         .with_ansi(false);
     match format {
         LogFormat::Text => fmt.try_init(),
         LogFormat::Json => fmt.json().flatten_event(true).try_init(),
     }
-    .map_err(|e| LogError::Install(e.to_string()))
+    .map_err(|e| LogError::Install(e.to_string()))?;
+    Ok(guard)
 }

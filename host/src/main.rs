@@ -339,11 +339,17 @@ fn config(path: Option<&Path>) -> anyhow::Result<ServeConfig> {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
-    if let Err(e) = cli.log_format.parse().and_then(warden::log::init) {
-        eprintln!("warden: {e}");
-        return std::process::ExitCode::FAILURE;
-    }
-    match run(cli.command) {
+    let log = match cli.log_format.parse().and_then(warden::log::init) {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("warden: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = run(cli.command);
+    // What the log still has queued goes out before the last word.
+    drop(log);
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("warden: {e:#}");

@@ -27,7 +27,8 @@ use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
 use crate::plugin::KvAccessError;
 use crate::runner::{
-    EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, StartupError, Update, start_engine,
+    EndFlag, EngineHandle, Job, KvQuery, LocalEngine, Opening, PrefillJob, SeqSlot, StartupError, Update,
+    outcome_label, start_engine,
 };
 use crate::tenant::TenantId;
 use crate::transfer::MAX_PAGES_PER_BATCH;
@@ -55,6 +56,49 @@ struct Node {
     addr: std::sync::OnceLock<std::net::SocketAddr>,
     /// Connections refused: counted, and logged at most once a second.
     refusals: Refusals,
+}
+
+/// A node's line for one request, written when its connection's work ends (target
+/// `warden::cluster::request`): the request id the router gave it (the same as in the router's
+/// access line), the tenant by id, how it ended, and its time on this node. No text.
+struct RequestLine {
+    role: Role,
+    request_id: String,
+    tenant: TenantId,
+    started: Instant,
+    outcome: &'static str,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+impl RequestLine {
+    fn new(role: Role, d: &Dispatch) -> Self {
+        Self {
+            role,
+            request_id: d.req.request_id.clone(),
+            tenant: d.req.owner,
+            started: Instant::now(),
+            outcome: "peer_closed",
+            prompt_tokens: d.req.prompt.len(),
+            completion_tokens: 0,
+        }
+    }
+}
+
+impl Drop for RequestLine {
+    fn drop(&mut self) {
+        tracing::info!(
+            target: "warden::cluster::request",
+            role = %self.role,
+            request_id = %self.request_id,
+            tenant = %self.tenant,
+            outcome = self.outcome,
+            prompt_tokens = self.prompt_tokens,
+            completion_tokens = self.completion_tokens,
+            duration_ms = self.started.elapsed().as_secs_f64() * 1e3,
+            "request"
+        );
+    }
 }
 
 /// Handshakes a node runs at once; connections past them are dropped.
@@ -339,6 +383,7 @@ async fn next_upstream(up: &mut Option<Upstream>) -> Option<Result<Packet, link:
 
 /// A decode node's request: admit and open it, fetch its prompt's KV, stream its tokens.
 async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf) {
+    let mut line = RequestLine::new(Role::Decode, &d);
     if let Err(why) = agrees(node, &d) {
         return refuse(&mut w, why.to_string()).await;
     }
@@ -495,8 +540,15 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
                         }
                         continue;
                     }
-                    Some((_, Update::Done { outcome, text, usage })) => Msg::Done { ended: ended(&outcome), text, usage },
-                    Some((_, Update::Rejected(r))) => Msg::Rejected { reason: r.reason },
+                    Some((_, Update::Done { outcome, text, usage })) => {
+                        line.outcome = outcome_label(&outcome);
+                        (line.prompt_tokens, line.completion_tokens) = (usage.prompt_tokens, usage.completion_tokens);
+                        Msg::Done { ended: ended(&outcome), text, usage }
+                    }
+                    Some((_, Update::Rejected(r))) => {
+                        line.outcome = "rejected";
+                        Msg::Rejected { reason: r.reason }
+                    }
                     Some((_, Update::Failed(e))) => Msg::Done {
                         ended: Ended::Failed { code: e.code().into(), message: e.to_string() },
                         text: String::new(),
@@ -633,6 +685,7 @@ fn agrees(node: &Node, d: &Dispatch) -> Result<(), Disagreement> {
 /// A prefill node's request: compute the prompt and send its KV on this connection, until the
 /// decode node's final acknowledgement (or its going away) lets the pages go.
 async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHalf) {
+    let mut line = RequestLine::new(Role::Prefill, &d);
     let refused = |reason: String| Frame::Abort { seq: 0, reason };
     if let Err(why) = agrees(node, &d) {
         let _ = link::send_frame(&mut w, &refused(why.to_string())).await;
@@ -688,7 +741,10 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHal
                     }
                 }
                 // The engine is done with the transfer: acknowledged, or failed (its Abort sent).
-                None => return,
+                None => {
+                    line.outcome = "transfer_ended";
+                    return;
+                }
             },
             p = decode.recv() => match p {
                 Some(Ok(Packet::Frame(f))) => node.engine.transfer_answer(id, f).await,
