@@ -286,8 +286,23 @@ fn the_kubernetes_base_renders_and_agrees_with_what_warden_serve_accepts() {
         let shutdown = config["timeouts"]["shutdown_s"].as_integer().expect("shutdown_s") as u64;
         w.grace_covers(shutdown);
         if role == "router" {
-            // It listens where its port and probes are, and its policies are the ConfigMap's.
-            assert_eq!(port_of(config["listen"].as_str().expect("listen")), w.port("https"));
+            // It listens, on every address, where its port and probes are, and its policies are
+            // the ConfigMap's.
+            let listen = config["listen"].as_str().expect("listen");
+            assert!(
+                listen.starts_with("0.0.0.0:") || listen.starts_with("[::]:"),
+                "{listen}"
+            );
+            assert_eq!(port_of(listen), w.port("https"));
+            // Its startup probe waits longer than it waits for the nodes.
+            let startup = &w.container["startupProbe"];
+            let window = startup["periodSeconds"].as_u64().expect("period")
+                * startup["failureThreshold"].as_u64().expect("threshold");
+            let connect = cluster["connect_timeout_s"].as_integer().expect("connect_timeout_s") as u64;
+            assert!(
+                window > connect,
+                "a startup window of {window} s under connect_timeout_s {connect}"
+            );
             w.probes("https", "HTTPS");
             let (volume, _) = w.mounted(&format!(
                 "{}/default.toml",
@@ -301,11 +316,36 @@ fn the_kubernetes_base_renders_and_agrees_with_what_warden_serve_accepts() {
                 object(&objects, kind, name)["spec"]["selector"]["matchLabels"]
             );
         } else {
-            assert_eq!(port_of(cluster["listen"].as_str().expect("listen")), w.port("cluster"));
-            assert_eq!(
-                port_of(cluster["ops_listen"].as_str().expect("ops_listen")),
-                w.port("ops")
-            );
+            for (key, port) in [("listen", "cluster"), ("ops_listen", "ops")] {
+                let at = cluster[key].as_str().expect("an address");
+                assert!(
+                    at.starts_with("0.0.0.0:") || at.starts_with("[::]:"),
+                    "cluster.{key} = {at}"
+                );
+                assert_eq!(port_of(at), w.port(port), "cluster.{key}");
+            }
+            // Its cluster port lets in the pods that call it: the router, and for a prefill node
+            // the decode nodes.
+            let policy = object(&objects, "NetworkPolicy", name);
+            let callers: Vec<&str> = if role == "prefill" {
+                vec!["warden-router", "warden-decode"]
+            } else {
+                vec!["warden-router"]
+            };
+            let rules = policy["spec"]["ingress"].as_array().expect("ingress");
+            let port = w.port("cluster");
+            let rule = rules
+                .iter()
+                .find(|r| {
+                    r["ports"]
+                        .as_array()
+                        .is_some_and(|p| p.iter().any(|p| p["port"].as_u64() == Some(port)))
+                })
+                .expect("a rule for the cluster port");
+            let allowed = serde_json::to_string(&rule["from"]).expect("json");
+            for c in callers {
+                assert!(allowed.contains(c), "{name}'s policy does not let {c} in: {allowed}");
+            }
             w.probes("ops", "HTTP");
             let set = object(&objects, kind, name);
             let svc = object(

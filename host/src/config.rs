@@ -157,7 +157,7 @@ impl NodeAddr {
         }
         let bad = || BadNodeAddr(s.chars().take(300).collect());
         let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
-        let port: u16 = port.parse().map_err(|_| bad())?;
+        let port: u16 = port.parse().ok().filter(|&p| p != 0).ok_or_else(bad)?;
         let label_ok = |l: &str| {
             !l.is_empty()
                 && l.len() <= 63
@@ -165,7 +165,9 @@ impl NodeAddr {
                 && !l.ends_with('-')
                 && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
         };
-        if host.len() > 253 || !host.split('.').all(label_ok) {
+        // A fully qualified name may end with one dot (it skips the resolver's search list).
+        let labels = host.strip_suffix('.').unwrap_or(host);
+        if labels.len() > 253 || !labels.split('.').all(label_ok) {
             return Err(bad());
         }
         Ok(Self {
@@ -973,7 +975,7 @@ impl ServeConfig {
                         path: path.into(),
                         key,
                         value: a.to_string(),
-                        why: "without mutual TLS (cluster.ca, cluster.cert, cluster.key) nodes talk over loopback only: use a 127.0.0.0/8 or ::1 address, or set them",
+                        why: "without mutual TLS (cluster.ca, cluster.cert, cluster.key) nodes talk over loopback only: use a 127.0.0.0/8 or ::1 address or localhost, or set them",
                     });
                 }
             }
@@ -1157,7 +1159,8 @@ mod tests {
             shown,
             ["warden-prefill-0.warden-prefill.ns.svc.cluster.local:9100", "[::1]:9"]
         );
-        for bad in ["nohost", "a b:9", "x:port", "-x:9", "x:70000", "a..b:9"] {
+        assert!(NodeAddr::parse("warden-decode-0.warden-decode.ns.svc.cluster.local.:9100").is_ok());
+        for bad in ["nohost", "a b:9", "x:port", "-x:9", "x:70000", "a..b:9", "x:0", "x..:9"] {
             let e = parse(&format!("{tls}decode = [{bad:?}]\n")).unwrap_err().to_string();
             assert!(e.contains("host:port"), "{bad}: {e}");
         }

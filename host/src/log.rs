@@ -50,6 +50,13 @@ pub enum LogError {
 /// Lines the writer thread may have waiting before new ones are dropped.
 pub const QUEUED_LINES: usize = 65_536;
 
+static DROPPED: std::sync::OnceLock<tracing_appender::non_blocking::ErrorCounter> = std::sync::OnceLock::new();
+
+/// Lines dropped because the queue was full (0 before [`init`]).
+pub fn dropped_lines() -> usize {
+    DROPPED.get().map_or(0, |c| c.dropped_lines())
+}
+
 /// Keeps the writer thread: dropping it writes what is queued and ends the thread.
 pub type LogGuard = tracing_appender::non_blocking::WorkerGuard;
 
@@ -73,6 +80,7 @@ pub fn init(format: LogFormat) -> Result<LogGuard, LogError> {
         .lossy(true)
         .thread_name("warden-log")
         .finish(std::io::stderr());
+    let _ = DROPPED.set(writer.error_counter());
     let fmt = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(writer)

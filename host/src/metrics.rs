@@ -417,6 +417,13 @@ impl Metrics {
             );
             help(
                 &mut o,
+                "warden_log_dropped_lines_total",
+                "counter",
+                "Log lines dropped because the log's queue was full (a reader of stderr fell behind).",
+            );
+            let _ = writeln!(o, "warden_log_dropped_lines_total {}", crate::log::dropped_lines());
+            help(
+                &mut o,
                 "warden_policy_info",
                 "gauge",
                 "The tenant policy set in force (its version: a digest of the files).",

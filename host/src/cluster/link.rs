@@ -387,7 +387,27 @@ pub type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
 pub struct Transport {
     tls: Option<Arc<ClusterTls>>,
     peer_timeout: Duration,
+    /// Names' addresses as last resolved: see [`resolve`](Self::resolve).
+    names: Arc<std::sync::Mutex<std::collections::HashMap<NodeAddr, Resolved>>>,
 }
+
+/// A name's addresses as last resolved, and whether a lookup of it is under way.
+#[derive(Default)]
+struct Resolved {
+    at: Option<std::time::Instant>,
+    addrs: Vec<SocketAddr>,
+    looking: bool,
+}
+
+/// How long a name's addresses are used before they are looked up again.
+const RESOLVED_FOR: Duration = Duration::from_secs(5);
+
+/// How long a lookup may take before the last addresses are used instead.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The longest a node lets a peer's TLS handshake take (less where the peer timeout is less):
+/// a silent connection does not hold a handshake slot long.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
 
 impl Transport {
     /// The transport `[cluster]` configures: mutual TLS when `ca`, `cert` and `key` are set.
@@ -405,6 +425,7 @@ impl Transport {
         Ok(Self {
             tls,
             peer_timeout: Duration::from_secs(cluster.peer_timeout_s.max(1)),
+            names: Default::default(),
         })
     }
 
@@ -413,6 +434,7 @@ impl Transport {
         Self {
             tls: None,
             peer_timeout: Duration::from_secs(ClusterConfig::default().peer_timeout_s),
+            names: Default::default(),
         }
     }
 
@@ -421,6 +443,7 @@ impl Transport {
         Self {
             tls: Some(Arc::new(tls)),
             peer_timeout,
+            names: Default::default(),
         }
     }
 
@@ -439,7 +462,7 @@ impl Transport {
     pub async fn connect(&self, addr: &NodeAddr) -> std::io::Result<(ReadHalf, WriteHalf)> {
         let limit = self.peer_timeout;
         let tcp = tokio::time::timeout(limit, async {
-            let mut ips: Vec<SocketAddr> = tokio::net::lookup_host((addr.host(), addr.port())).await?.collect();
+            let mut ips = self.resolve(addr).await?;
             if self.tls.is_none() {
                 ips.retain(|a| plain_allowed(*a));
                 if ips.is_empty() {
@@ -468,6 +491,56 @@ impl Transport {
         Ok((r, w))
     }
 
+    /// `addr`'s socket addresses. An IP address is itself; a name is looked up at most once
+    /// every [`RESOLVED_FOR`], one lookup at a time, each within [`LOOKUP_TIMEOUT`]: while one is
+    /// under way, or when one fails, the last addresses stand (a slow or lost DNS answer neither
+    /// stalls connections nor piles up lookups).
+    async fn resolve(&self, addr: &NodeAddr) -> std::io::Result<Vec<SocketAddr>> {
+        if let Ok(ip) = addr.host().parse::<std::net::IpAddr>() {
+            return Ok(vec![SocketAddr::new(ip, addr.port())]);
+        }
+        let last = {
+            let mut names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+            let r = names.entry(addr.clone()).or_default();
+            if r.at.is_some_and(|t| t.elapsed() < RESOLVED_FOR) || r.looking {
+                if r.addrs.is_empty() {
+                    return Err(std::io::Error::other(format!(
+                        "resolving {addr}: a lookup is under way"
+                    )));
+                }
+                return Ok(r.addrs.clone());
+            }
+            r.looking = true;
+            r.addrs.clone()
+        };
+        let found = tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host((addr.host(), addr.port()))).await;
+        let mut names = self.names.lock().unwrap_or_else(|p| p.into_inner());
+        let r = names.entry(addr.clone()).or_default();
+        r.looking = false;
+        match found {
+            Ok(Ok(it)) => {
+                let addrs: Vec<SocketAddr> = it.collect();
+                if !addrs.is_empty() {
+                    r.addrs = addrs.clone();
+                    r.at = Some(std::time::Instant::now());
+                    return Ok(addrs);
+                }
+                if last.is_empty() {
+                    return Err(std::io::Error::other(format!("{addr}: the name has no addresses")));
+                }
+            }
+            Ok(Err(e)) if last.is_empty() => return Err(e),
+            Err(_) if last.is_empty() => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("resolving {addr} took over {} s", LOOKUP_TIMEOUT.as_secs()),
+                ));
+            }
+            _ => {}
+        }
+        Ok(last)
+    }
+
     /// Takes a connection a node accepted from `peer`: over mutual TLS, its handshake (an
     /// error for a peer whose certificate the CA did not sign, or that has none, before
     /// anything of it is read); else only from loopback.
@@ -475,7 +548,8 @@ impl Transport {
         tune(&tcp, self.peer_timeout);
         match &self.tls {
             Some(tls) => {
-                let (r, w) = tokio::io::split(tls.accept(tcp, self.peer_timeout).await?);
+                let limit = self.peer_timeout.min(HANDSHAKE_TIMEOUT);
+                let (r, w) = tokio::io::split(tls.accept(tcp, limit).await?);
                 Ok((Box::new(r), Box::new(w)))
             }
             None if plain_allowed(peer) => {

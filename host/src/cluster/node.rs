@@ -101,8 +101,10 @@ impl Drop for RequestLine {
     }
 }
 
-/// Handshakes a node runs at once; connections past them are dropped.
+/// Handshakes a node runs at once, and of them from one peer address; connections past either
+/// are dropped.
 const MAX_HANDSHAKES: usize = 64;
+const MAX_HANDSHAKES_PER_PEER: usize = 8;
 
 /// Refused connections: each counted in `warden_cluster_refused_connections_total`, and logged
 /// at most once a second (with how many went unlogged), so a port scan or a flood of foreign
@@ -210,7 +212,9 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     if let Some(at) = cfg.cluster.ops_listen {
         let (n, down) = (node.clone(), shutting_down.clone());
         let ready = Box::new(move || n.engine.is_alive() && !down.load(std::sync::atomic::Ordering::SeqCst));
-        let ops = Arc::new(super::ops::Ops::new(&cfg, node.metrics.clone(), ready)?);
+        let n = node.clone();
+        let alive = Box::new(move || n.engine.is_alive());
+        let ops = Arc::new(super::ops::Ops::new(&cfg, node.metrics.clone(), alive, ready)?);
         let listener = super::ops::bind(at).await?;
         let bound = listener
             .local_addr()
@@ -238,6 +242,7 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
     // progress, which anyone who reaches the port can start: past that, a new one is dropped.
     let open = Arc::new(tokio::sync::Semaphore::new(cfg.limits.max_connections));
     let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+    let per_peer = crate::net::PerPeer::new(MAX_HANDSHAKES_PER_PEER);
     loop {
         let permit = tokio::select! {
             p = open.clone().acquire_owned() => p,
@@ -247,12 +252,15 @@ async fn run(node: Arc<Node>, cfg: ServeConfig) -> Result<(), StartupError> {
         let Some((tcp, peer)) = crate::net::accept(&listener, signal.as_mut()).await else {
             break;
         };
-        let (node, handshakes) = (node.clone(), handshakes.clone());
+        let (node, handshakes, per_peer) = (node.clone(), handshakes.clone(), per_peer.clone());
         tokio::spawn(async move {
             let _open = permit;
-            let halves = match handshakes.try_acquire() {
-                Ok(_shaking) => node.transport.accept(tcp, peer).await,
-                Err(_) => Err(std::io::Error::other("too many handshakes in progress")),
+            let halves = match (handshakes.try_acquire(), per_peer.try_take(peer.ip())) {
+                (Ok(_shaking), Some(_slot)) => node.transport.accept(tcp, peer).await,
+                (Err(_), _) => Err(std::io::Error::other("too many handshakes in progress")),
+                (_, None) => Err(std::io::Error::other(
+                    "too many handshakes in progress from this address",
+                )),
             };
             match halves {
                 Ok((r, w)) => connection(node, r, w).await,
@@ -302,10 +310,15 @@ async fn connection(node: Arc<Node>, r: link::ReadHalf, mut w: WriteHalf) {
         }
         _ => return refuse(&mut w, "a connection opens with hello".into()).await,
     }
-    let Some(m) = next_msg(&mut rx).await else {
+    let first = tokio::time::timeout(node.transport.peer_timeout(), next_msg(&mut rx));
+    let Some(m) = first.await.ok().flatten() else {
         return;
     };
     let role = node.info.role;
+    // A node whose engine stopped takes no work: the router's probe takes it out.
+    if !node.engine.is_alive() {
+        return refuse(&mut w, "this node's engine has stopped".into()).await;
+    }
     let answer = match (role, m) {
         (_, Msg::Describe) => Msg::Info(node.info.clone()),
         (_, Msg::Metrics) => Msg::MetricsText {
@@ -385,6 +398,7 @@ async fn next_upstream(up: &mut Option<Upstream>) -> Option<Result<Packet, link:
 async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf) {
     let mut line = RequestLine::new(Role::Decode, &d);
     if let Err(why) = agrees(node, &d) {
+        line.outcome = "refused";
         return refuse(&mut w, why.to_string()).await;
     }
     let owner = d.req.owner;
@@ -392,6 +406,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
     let mut req = match d.req.clone().validate(&node.engine.admission()) {
         Ok(req) => req,
         Err(rej) => {
+            line.outcome = "rejected";
             let _ = link::send(&mut w, &Msg::Rejected { reason: rej.reason }).await;
             return;
         }
@@ -401,6 +416,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
         match compile(node, &d.format).await {
             Ok(c) => req = req.with_constraint(Some(c)),
             Err(e) => {
+                line.outcome = "constraint_failed";
                 let done = Msg::Done {
                     ended: ended(&Outcome::Aborted(AbortReason::Constraint(e))),
                     text: String::new(),
@@ -433,6 +449,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
     let (admitted, answer) = oneshot::channel();
     let (ready, mut opened) = oneshot::channel();
     if node.engine.open(job, Opening { admitted, ready }).is_err() {
+        line.outcome = "queue_full";
         let reason = RejectReason::QueueFull { limit: node.queue };
         let _ = link::send(&mut w, &Msg::Rejected { reason }).await;
         return;
@@ -440,10 +457,12 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
     let id = match answer.await {
         Ok(Ok(id)) => id,
         Ok(Err(rej)) => {
+            line.outcome = "rejected";
             let _ = link::send(&mut w, &Msg::Rejected { reason: rej.reason }).await;
             return;
         }
         Err(_) => {
+            line.outcome = "shutting_down";
             let done = Msg::Done {
                 ended: Ended::Shutdown,
                 text: String::new(),
@@ -549,16 +568,22 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
                         line.outcome = "rejected";
                         Msg::Rejected { reason: r.reason }
                     }
-                    Some((_, Update::Failed(e))) => Msg::Done {
-                        ended: Ended::Failed { code: e.code().into(), message: e.to_string() },
-                        text: String::new(),
-                        usage: Usage::default(),
-                    },
-                    Some((_, Update::ShuttingDown)) | None => Msg::Done {
-                        ended: Ended::Shutdown,
-                        text: String::new(),
-                        usage: Usage::default(),
-                    },
+                    Some((_, Update::Failed(e))) => {
+                        line.outcome = e.code();
+                        Msg::Done {
+                            ended: Ended::Failed { code: e.code().into(), message: e.to_string() },
+                            text: String::new(),
+                            usage: Usage::default(),
+                        }
+                    }
+                    Some((_, Update::ShuttingDown)) | None => {
+                        line.outcome = "shutting_down";
+                        Msg::Done {
+                            ended: Ended::Shutdown,
+                            text: String::new(),
+                            usage: Usage::default(),
+                        }
+                    }
                 };
                 let _ = link::send(&mut w, &msg).await;
                 return;
@@ -688,6 +713,7 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHal
     let mut line = RequestLine::new(Role::Prefill, &d);
     let refused = |reason: String| Frame::Abort { seq: 0, reason };
     if let Err(why) = agrees(node, &d) {
+        line.outcome = "refused";
         let _ = link::send_frame(&mut w, &refused(why.to_string())).await;
         return;
     }
@@ -697,6 +723,7 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHal
     let req = match d.req.validate(&node.engine.admission()) {
         Ok(req) => req,
         Err(rej) => {
+            line.outcome = "rejected";
             let why = format!("the prefill node refused the request: {}", rej.reason);
             let _ = link::send_frame(&mut w, &refused(why)).await;
             return;
@@ -713,6 +740,7 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHal
     let mut fault = super::faults::Injector::new(d.fault);
     let (admitted, answer) = oneshot::channel();
     if node.engine.prefill(job, admitted).is_err() {
+        line.outcome = "queue_full";
         let _ = link::send_frame(&mut w, &refused("the prefill node's queue is full".into())).await;
         return;
     }
@@ -724,6 +752,7 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHal
             return;
         }
         Err(_) => {
+            line.outcome = "shutting_down";
             let _ = link::send_frame(&mut w, &refused("the prefill node is shutting down".into())).await;
             return;
         }
@@ -742,6 +771,7 @@ async fn prefill(node: &Node, d: Dispatch, mut decode: Incoming, mut w: WriteHal
                 }
                 // The engine is done with the transfer: acknowledged, or failed (its Abort sent).
                 None => {
+                    // Acknowledged or failed: warden_transfers_total{outcome} says which.
                     line.outcome = "transfer_ended";
                     return;
                 }

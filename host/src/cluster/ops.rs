@@ -1,6 +1,6 @@
 //! A node's operations endpoint, on `[cluster] ops_listen` (plain HTTP/1.1, off by default), for
-//! an orchestrator's probes and a metrics scraper: `GET /healthz` (the process answers),
-//! `GET /readyz` (its engine runs and it is not shutting down) and `GET /metrics` (its registry,
+//! an orchestrator's probes and a metrics scraper: `GET /healthz` (its engine runs),
+//! `GET /readyz` (it is not shutting down) and `GET /metrics` (its registry,
 //! with the metrics token as `Authorization: Bearer`). It serves nothing else: the cluster's
 //! work crosses the cluster listener only. Connections are bounded, as is the time a request's
 //! head may take.
@@ -22,12 +22,16 @@ use crate::config::ServeConfig;
 use crate::metrics::Metrics;
 use crate::runner::StartupError;
 
-/// Connections the endpoint serves at once.
+/// Connections the endpoint serves at once, and of them from one peer address (a prober's own
+/// address always has room: one peer cannot hold them all).
 const MAX_CONNECTIONS: usize = 64;
+const MAX_PER_PEER: usize = 4;
 
 /// What the endpoint reads.
 pub struct Ops {
     metrics: Arc<Metrics>,
+    /// Whether the node's engine runs (else `/healthz` fails, and an orchestrator restarts it).
+    alive: Box<dyn Fn() -> bool + Send + Sync>,
     /// Whether the node takes work (its engine runs, it is not shutting down).
     ready: Box<dyn Fn() -> bool + Send + Sync>,
     /// SHA-256 of the metrics token.
@@ -45,6 +49,7 @@ impl Ops {
     pub fn new(
         cfg: &ServeConfig,
         metrics: Arc<Metrics>,
+        alive: Box<dyn Fn() -> bool + Send + Sync>,
         ready: Box<dyn Fn() -> bool + Send + Sync>,
     ) -> Result<Self, StartupError> {
         let token = match cfg.metrics.token().map_err(|e| StartupError::Config(e.to_string()))? {
@@ -53,6 +58,7 @@ impl Ops {
         };
         Ok(Self {
             metrics,
+            alive,
             ready,
             token: sha256(token.as_bytes()),
         })
@@ -63,7 +69,8 @@ impl Ops {
             return (StatusCode::METHOD_NOT_ALLOWED, "GET only\n".into());
         }
         match req.uri().path() {
-            "/healthz" => (StatusCode::OK, "ok\n".into()),
+            "/healthz" if (self.alive)() => (StatusCode::OK, "ok\n".into()),
+            "/healthz" => (StatusCode::SERVICE_UNAVAILABLE, "the engine has stopped\n".into()),
             "/readyz" if (self.ready)() => (StatusCode::OK, "ready\n".into()),
             "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, "not ready\n".into()),
             "/metrics" => {
@@ -106,20 +113,24 @@ fn kept_token(data_dir: &Path) -> Result<String, StartupError> {
 /// Serves the endpoint on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, ops: Arc<Ops>) {
     let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let per_peer = crate::net::PerPeer::new(MAX_PER_PEER);
     loop {
         let Ok(permit) = open.clone().acquire_owned().await else {
             return;
         };
-        let (tcp, _) = match listener.accept().await {
+        let (tcp, peer) = match listener.accept().await {
             Ok(a) => a,
             Err(_) => {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
         };
+        let Some(slot) = per_peer.try_take(peer.ip()) else {
+            continue;
+        };
         let ops = ops.clone();
         tokio::spawn(async move {
-            let _open = permit;
+            let _open = (permit, slot);
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let (status, text) = ops.answer(&req);
                 let mut r = Response::new(Full::new(Bytes::from(text)));
@@ -132,9 +143,9 @@ pub async fn serve(listener: TcpListener, ops: Arc<Ops>) {
             });
             let mut h1 = hyper::server::conn::http1::Builder::new();
             h1.timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10))
+                .header_read_timeout(Duration::from_secs(2))
                 .keep_alive(false);
-            let _ = tokio::time::timeout(Duration::from_secs(30), h1.serve_connection(TokioIo::new(tcp), svc)).await;
+            let _ = tokio::time::timeout(Duration::from_secs(10), h1.serve_connection(TokioIo::new(tcp), svc)).await;
         });
     }
 }
