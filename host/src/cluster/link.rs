@@ -513,10 +513,25 @@ impl Transport {
             r.looking = true;
             r.addrs.clone()
         };
+        // Whatever ends this lookup (its answer, its timeout, or the caller giving up on it),
+        // the name may be looked up again.
+        struct Looking<'a>(
+            &'a std::sync::Mutex<std::collections::HashMap<NodeAddr, Resolved>>,
+            &'a NodeAddr,
+        );
+        impl Drop for Looking<'_> {
+            fn drop(&mut self) {
+                let mut names = self.0.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(r) = names.get_mut(self.1) {
+                    r.looking = false;
+                }
+            }
+        }
+        let looking = Looking(&self.names, addr);
         let found = tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host((addr.host(), addr.port()))).await;
+        drop(looking);
         let mut names = self.names.lock().unwrap_or_else(|p| p.into_inner());
         let r = names.entry(addr.clone()).or_default();
-        r.looking = false;
         match found {
             Ok(Ok(it)) => {
                 let addrs: Vec<SocketAddr> = it.collect();

@@ -254,17 +254,28 @@ fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
         println!("created tenant \"default\"; its API key (shown only now): {key}");
     }
     let path = admin_token_path(data_dir);
-    let current = std::fs::read_to_string(&path).ok().map(|s| s.trim().to_string());
-    let valid = match &current {
-        Some(t) => store.is_admin(t)?,
+    keep_token(&path, |t| store.is_admin(t), || store.new_admin_token())?;
+    tracing::info!("admin token in {}", path.display());
+    Ok(())
+}
+
+/// Keeps the token in `path` (mode 0600) valid: a file that is missing, or holds a token `valid`
+/// refuses, gets a new one from `make`.
+fn keep_token(
+    path: &Path,
+    valid: impl FnOnce(&str) -> Result<bool, StoreError>,
+    make: impl FnOnce() -> Result<String, StoreError>,
+) -> Result<(), ServeError> {
+    let current = std::fs::read_to_string(path).ok().map(|s| s.trim().to_string());
+    let ok = match &current {
+        Some(t) => valid(t)?,
         None => false,
     };
-    if !valid {
-        let token = store.new_admin_token()?;
-        tls::write_private(&path, format!("{token}\n").as_bytes())
+    if !ok {
+        let token = make()?;
+        tls::write_private(path, format!("{token}\n").as_bytes())
             .map_err(StartupError::io(format!("writing {}", path.display())))?;
     }
-    tracing::info!("admin token in {}", path.display());
     Ok(())
 }
 
@@ -281,16 +292,7 @@ fn metrics_token(store: &Store, cfg: &ServeConfig) -> Result<(), ServeError> {
         return Ok(());
     }
     let path = metrics_token_path(&cfg.data_dir);
-    let current = std::fs::read_to_string(&path).ok().map(|s| s.trim().to_string());
-    let valid = match &current {
-        Some(t) => store.is_metrics_reader(t)?,
-        None => false,
-    };
-    if !valid {
-        let token = store.new_metrics_token()?;
-        tls::write_private(&path, format!("{token}\n").as_bytes())
-            .map_err(StartupError::io(format!("writing {}", path.display())))?;
-    }
+    keep_token(&path, |t| store.is_metrics_reader(t), || store.new_metrics_token())?;
     tracing::info!("metrics token (GET /metrics only) in {}", path.display());
     Ok(())
 }
