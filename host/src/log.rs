@@ -2,8 +2,9 @@
 //! subscriber that writes them, one line each on stderr, as text or as JSON objects, filtered by
 //! `RUST_LOG` (`info` when unset). Lines are handed to a writer thread through a bounded queue:
 //! a stderr that blocks (a full pipe, a slow collector) never stalls the thread that logged; past
-//! [`QUEUED_LINES`] waiting lines, new ones are dropped rather than waited for. Events name requests by id and tenants by name; none carries
-//! a prompt, a completion, a key or a plugin's output (those go to the tenant's own plugin log).
+//! [`QUEUED_LINES`] waiting lines, new ones are dropped (and counted, [`dropped_lines`]) rather
+//! than waited for. Events name requests by id and tenants by name; none carries a prompt, a
+//! completion, a key or a plugin's output (those go to the tenant's own plugin log).
 //!
 //! Targets an operator filters on: `warden::access` (one line per HTTP request, see
 //! `serve::access`), `warden::isolation` (a refused KV read or write, at ERROR), `warden::plugin`
