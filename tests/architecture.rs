@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 /// The layers, lowest first. A top-level module may import from lower layers only (and within
 /// itself); `warden_kernels` is below them all.
 const LAYERS: &[&[&str]] = &[
-    &["gguf", "tenant", "net", "pem", "heap", "kv", "log"],
-    &["tokenizer", "chat", "model", "transfer"],
+    &["gguf", "tenant", "net", "pem", "heap", "kv", "log", "child"],
+    &["tokenizer", "chat", "model", "transfer", "fair"],
     &["loaded", "engine"],
     &["config", "plugin", "policy", "grammar"],
     &["metrics"],

@@ -1199,6 +1199,72 @@ fn the_compiler_child_is_held_to_its_time_and_memory() {
     });
 }
 
+#[test]
+fn tenants_take_turns_at_the_compiler_within_their_compile_budgets() {
+    // Each compile may take 2 s, and a tenant may compile for 3 s a minute.
+    let s = Server::start(
+        "compileturns",
+        "[plugins]\ncompile_timeout_s = 2\ncompile_seconds_per_minute = 3\nuploads_per_minute = 100\n",
+    );
+    let key = s.key().to_string();
+    rt().block_on(async {
+        let c = s.client();
+        let mallory = s.tenant_with_key("mallory").await;
+        // Mallory queues three uploads that each run into the compile timeout...
+        let slow: Vec<_> = (0..3)
+            .map(|i| {
+                let (c, k) = (c.clone(), mallory.clone());
+                tokio::spawn(async move { upload(&c, &k, &format!("slow{i}"), slow_to_compile(12_000 + i)).await })
+            })
+            .collect();
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        // ...and the other tenant's upload waits for at most the one under way, not all three.
+        let t0 = std::time::Instant::now();
+        let r = upload(&c, &key, "filter", example("regex_filter")).await;
+        let waited = t0.elapsed();
+        assert_eq!(r.status, 201, "{}", r.text());
+        let mut codes = Vec::new();
+        for f in slow {
+            let r = f.await.unwrap();
+            codes.push((r.status, code(&r)));
+        }
+        eprintln!("the victim's upload took {waited:?}; mallory's uploads ended {codes:?}");
+        // Behind all three it would wait more than 5.7 s before its own compile began.
+        assert!(waited < std::time::Duration::from_secs(5), "{waited:?}: {codes:?}");
+        // Mallory's first two timed out and were charged 2 s each: the third found its budget
+        // spent when its turn came.
+        codes.sort();
+        assert_eq!(
+            codes,
+            vec![
+                (400, "component_compile_timeout".to_string()),
+                (400, "component_compile_timeout".to_string()),
+                (429, "compile_budget_exceeded".to_string()),
+            ],
+        );
+        // In debt, an upload is refused at once, with the time until the budget is paid back.
+        let t0 = std::time::Instant::now();
+        let r = upload(&c, &mallory, "again", example("regex_filter")).await;
+        assert_eq!(
+            (r.status, code(&r).as_str()),
+            (429, "compile_budget_exceeded"),
+            "{}",
+            r.text()
+        );
+        assert!(t0.elapsed() < std::time::Duration::from_secs(1));
+        let after: u64 = r
+            .headers
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok())
+            .expect("Retry-After");
+        assert!((1..=60).contains(&after), "{after}");
+        // The other tenant's budget is its own.
+        let r = upload(&c, &key, "filter2", example("json_guard")).await;
+        assert_eq!(r.status, 201, "{}", r.text());
+    });
+}
+
 /// Who calls, in the auth matrix.
 #[derive(Clone, Copy, Debug)]
 enum Who {

@@ -525,8 +525,16 @@ pub struct PluginsConfig {
     /// New plugin versions one tenant may upload per minute (each is compiled; a tenant's
     /// policy may set its own). Default 10.
     pub uploads_per_minute: u64,
-    /// Compilations running at once, over all tenants; more wait their turn. Default 1.
+    /// Compilations running at once, over all tenants. More wait their turn, taken fairly: a
+    /// tenant compiles one component at a time, and a free turn goes to the tenant that waited
+    /// since longest ago, so one tenant's uploads wait behind each other, never in front of
+    /// another tenant's. Default 1.
     pub compiles: usize,
+    /// Seconds of compilation one tenant may use per minute, uploads and pre-initialisations
+    /// together (a tenant's policy may set its own), with a burst of one minute's worth. A
+    /// compile is charged its wall time, a timed-out one the whole timeout; a tenant in debt gets
+    /// 429 `compile_budget_exceeded` with the time until it is paid back. Default 30.
+    pub compile_seconds_per_minute: u64,
     /// Wall time one compilation may take, in seconds; past it the upload is refused with
     /// `component_compile_timeout`. Default 30.
     pub compile_timeout_s: u64,
@@ -552,6 +560,7 @@ impl Default for PluginsConfig {
             tenant_instances: 64,
             uploads_per_minute: 10,
             compiles: 1,
+            compile_seconds_per_minute: 30,
             compile_timeout_s: 30,
             compile_memory_mib: 2048,
         }
@@ -875,7 +884,7 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 26] = [
+        let positive: [(&'static str, usize); 27] = [
             ("cluster.pages_per_batch", self.cluster.pages_per_batch),
             ("cluster.batches_in_flight", self.cluster.batches_in_flight),
             ("cluster.bytes_in_flight_mib", self.cluster.bytes_in_flight_mib),
@@ -891,6 +900,10 @@ impl ServeConfig {
             ("plugins.tenant_instances", self.plugins.tenant_instances as usize),
             ("plugins.uploads_per_minute", self.plugins.uploads_per_minute as usize),
             ("plugins.compiles", self.plugins.compiles),
+            (
+                "plugins.compile_seconds_per_minute",
+                self.plugins.compile_seconds_per_minute as usize,
+            ),
             ("plugins.compile_timeout_s", self.plugins.compile_timeout_s as usize),
             ("plugins.compile_memory_mib", self.plugins.compile_memory_mib as usize),
             ("kv.memory_mib", self.kv.memory_mib),

@@ -1,6 +1,6 @@
 //! Warden: serves LLMs to many tenants from one pool of accelerators, with isolation as its product.
 //!
-//! Layers, lowest first; a module imports only from layers below its own (`tests/layers.rs`
+//! Layers, lowest first; a module imports only from layers below its own (`tests/architecture.rs`
 //! checks it):
 //!
 //! ```text
@@ -10,8 +10,10 @@
 //! metrics
 //! config, plugin, policy         the config file; the Wasm plugin runtime; tenants' policies
 //! loaded, engine                 a model file opened; admission, scheduling, sampling
-//! tokenizer, chat, model, transfer
-//! gguf, tenant, net, heap, kv    model files; tenant names; listening; the heap; the KV pool
+//! tokenizer, chat, model,        the vocabulary; chat templates; the forward pass; KV transfer;
+//!   transfer, fair               capacity tenants share, taken in turns
+//! gguf, tenant, net, heap, kv,   model files; tenant names; listening; the heap; the KV pool;
+//!   child                        confined child processes
 //! warden_kernels                 (its own crate) the compute kernels
 //! ```
 //!
@@ -21,9 +23,11 @@
 pub mod bench;
 pub mod boot;
 pub mod chat;
+pub mod child;
 pub mod cluster;
 pub mod config;
 pub mod engine;
+pub mod fair;
 pub mod gguf;
 pub mod grammar;
 pub mod heap;

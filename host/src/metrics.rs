@@ -123,7 +123,7 @@ struct Inner {
     plugin_requests: BTreeMap<String, u64>,
     plugin_failures: BTreeMap<(String, &'static str), u64>,
     /// Ignored request fields, by label (see [`Metrics::ignored_fields`]).
-    ignored_fields: BTreeMap<String, u64>,
+    ignored_fields: BTreeMap<&'static str, u64>,
     /// By model.
     engines: BTreeMap<String, EngineStats>,
     policy_version: String,
@@ -139,9 +139,32 @@ struct Inner {
     refused_connections: u64,
 }
 
-/// Distinct field names [`Metrics::ignored_fields`] counts by name (one more, `_other`, holds
-/// the rest).
-pub const MAX_IGNORED_FIELD_LABELS: usize = 64;
+/// The ignored fields [`Metrics::ignored_fields`] counts by name: those OpenAI's and vLLM's
+/// request bodies define that Warden does not act on (SDKs and proxies send them). Any other
+/// name is counted as `_other`: a label's value comes from this fixed list, never from a
+/// client's text, so no tenant can fill the registry or take labels from another.
+pub const IGNORED_FIELD_LABELS: &[&str] = &[
+    "audio",
+    "best_of",
+    "function_call",
+    "functions",
+    "metadata",
+    "modalities",
+    "prediction",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "reasoning_effort",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "suffix",
+    "verbosity",
+    "web_search_options",
+    "messages[].annotations",
+    "messages[].audio",
+    "messages[].function_call",
+    "messages[].refusal",
+];
 
 /// The metrics registry.
 #[derive(Debug, Default)]
@@ -196,17 +219,18 @@ impl Metrics {
         self.with(|m| *m.plugin_failures.entry((tenant.into(), code)).or_default() += 1)
     }
 
-    /// A request's fields the server does not know were ignored: `labels` as
-    /// [`field_label`](crate::serve::openai::field_label) makes them, with message indices
-    /// dropped (`messages[].refusal`). The first [`MAX_IGNORED_FIELD_LABELS`] labels seen are
-    /// counted by name, later ones as `_other`: clients choose the names, so they cannot grow
-    /// the registry without bound.
-    pub fn ignored_fields(&self, labels: &[String]) {
+    /// A request's fields the server does not know were ignored: their paths, with message
+    /// indices dropped (`messages[].refusal`). Each is counted under its name when it is one of
+    /// [`IGNORED_FIELD_LABELS`], else as `_other`.
+    pub fn ignored_fields(&self, paths: &[String]) {
         self.with(|m| {
-            for l in labels {
-                let known = m.ignored_fields.contains_key(l) || m.ignored_fields.len() < MAX_IGNORED_FIELD_LABELS;
-                let key = if known { l.clone() } else { "_other".to_string() };
-                *m.ignored_fields.entry(key).or_default() += 1;
+            for p in paths {
+                let label = IGNORED_FIELD_LABELS
+                    .iter()
+                    .find(|&&l| l == p)
+                    .copied()
+                    .unwrap_or("_other");
+                *m.ignored_fields.entry(label).or_default() += 1;
             }
         })
     }
@@ -321,7 +345,7 @@ impl Metrics {
                 &mut o,
                 "warden_ignored_fields_total",
                 "counter",
-                "Request fields the server does not know, ignored, by name (_other past the first 64 names).",
+                "Request fields the server does not know, ignored: by name for the fields of OpenAI's API it does not act on, the rest as _other.",
             );
             for (f, n) in &m.ignored_fields {
                 let _ = writeln!(o, "warden_ignored_fields_total{{field=\"{}\"}} {n}", escape(f));
@@ -668,26 +692,22 @@ mod tests {
     }
 
     #[test]
-    fn ignored_fields_are_counted_by_name_up_to_a_bound() {
+    fn ignored_fields_are_counted_under_fixed_labels_only() {
         let m = Metrics::default();
+        // One client floods the registry with names of its own...
+        let names: Vec<String> = (0..500).map(|i| format!("x{i}")).collect();
+        m.ignored_fields(&names);
+        // ...and another's known fields are still counted by name.
         m.ignored_fields(&["store".into(), "messages[].refusal".into()]);
         m.ignored_fields(&["store".into()]);
-        let names: Vec<String> = (0..2 * MAX_IGNORED_FIELD_LABELS).map(|i| format!("x{i}")).collect();
-        m.ignored_fields(&names);
         let t = m.render();
         assert!(t.contains("warden_ignored_fields_total{field=\"store\"} 2"), "{t}");
         assert!(
             t.contains("warden_ignored_fields_total{field=\"messages[].refusal\"} 1"),
             "{t}"
         );
-        let other = MAX_IGNORED_FIELD_LABELS + 2;
-        assert!(
-            t.contains(&format!("warden_ignored_fields_total{{field=\"_other\"}} {other}")),
-            "{t}"
-        );
-        assert_eq!(
-            t.matches("warden_ignored_fields_total{").count(),
-            MAX_IGNORED_FIELD_LABELS + 1
-        );
+        assert!(t.contains("warden_ignored_fields_total{field=\"_other\"} 500"), "{t}");
+        assert_eq!(t.matches("warden_ignored_fields_total{").count(), 3, "{t}");
+        assert!(!t.contains("x42"), "a client's text became a label:\n{t}");
     }
 }

@@ -1,5 +1,6 @@
 //! What every listening process shares: accepting connections until shutdown, bounding what
-//! one peer address holds at once, and the shutdown signal itself.
+//! one peer address holds at once ([`PerPeer`]) and what all of them hold ([`Conns`]), and the
+//! shutdown signal itself.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -89,9 +90,148 @@ impl Drop for PeerSlot {
     }
 }
 
+/// A listener's open connections: at most `max` in all and `per_peer` from one address. A new
+/// connection never waits for a slot: when all are taken, the oldest connection of the address
+/// holding the most is closed to make room. Slow peers holding every slot (connections that
+/// send nothing) therefore cannot keep out a prober's quick request; they only evict each other.
+#[derive(Debug)]
+pub struct Conns {
+    max: usize,
+    per_peer: usize,
+    state: Mutex<ConnsState>,
+}
+
+#[derive(Debug, Default)]
+struct ConnsState {
+    next: u64,
+    /// By age (ids only grow): each connection's address and what closes it.
+    live: std::collections::BTreeMap<u64, (IpAddr, tokio::sync::oneshot::Sender<()>)>,
+    per_ip: HashMap<IpAddr, usize>,
+}
+
+/// One open connection's slot, given back when dropped. Serve the connection until
+/// [`evicted`](ConnSlot::evicted) resolves, then drop it.
+#[derive(Debug)]
+pub struct ConnSlot {
+    of: Arc<Conns>,
+    id: u64,
+    ip: IpAddr,
+    close: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl ConnSlot {
+    /// Resolves when the connection must close to make room for a newer one.
+    pub async fn evicted(&mut self) {
+        let _ = (&mut self.close).await;
+    }
+}
+
+impl Conns {
+    /// A table of `max` connections, `per_peer` from one address.
+    pub fn new(max: usize, per_peer: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max: max.max(1),
+            per_peer: per_peer.max(1),
+            state: Mutex::new(ConnsState::default()),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ConnsState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A slot for a connection from `ip`, closing the oldest connection of the address holding
+    /// the most when all are taken; `None` when `ip` holds `per_peer` already.
+    pub fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<ConnSlot> {
+        let mut s = self.lock();
+        if s.per_ip.get(&ip).copied().unwrap_or(0) >= self.per_peer {
+            return None;
+        }
+        if s.live.len() >= self.max {
+            let heaviest = s.per_ip.iter().max_by_key(|&(_, &n)| n).map(|(&ip, _)| ip);
+            let oldest = s
+                .live
+                .iter()
+                .find(|(_, (i, _))| Some(*i) == heaviest)
+                .map(|(&id, _)| id);
+            if let Some(id) = oldest
+                && let Some((victim, close)) = s.live.remove(&id)
+            {
+                let _ = close.send(());
+                s.forget(victim);
+            }
+        }
+        let id = s.next;
+        s.next += 1;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        s.live.insert(id, (ip, tx));
+        *s.per_ip.entry(ip).or_insert(0) += 1;
+        Some(ConnSlot {
+            of: self.clone(),
+            id,
+            ip,
+            close: rx,
+        })
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.lock().live.len()
+    }
+}
+
+impl ConnsState {
+    fn forget(&mut self, ip: IpAddr) {
+        if let Some(n) = self.per_ip.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&ip);
+            }
+        }
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        let mut s = self.of.lock();
+        // An evicted connection's count went with its eviction.
+        if s.live.remove(&self.id).is_some() {
+            s.forget(self.ip);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_full_table_makes_room_by_closing_the_heaviest_peers_oldest() {
+        let c = Conns::new(4, 3);
+        let ip = |n: u8| IpAddr::from([10, 0, 0, n]);
+        let mut slow: Vec<ConnSlot> = (0..3).map(|_| c.admit(ip(1)).unwrap()).collect();
+        assert!(c.admit(ip(1)).is_none(), "a fourth slot for one peer");
+        let other = c.admit(ip(2)).unwrap();
+        assert_eq!(c.open(), 4);
+        // Full: a prober gets in, and the first of the peer holding three is closed.
+        let probe = c.admit(ip(3)).expect("a prober never waits");
+        assert_eq!(c.open(), 4);
+        tokio::time::timeout(Duration::from_secs(1), slow[0].evicted())
+            .await
+            .expect("the oldest of the heaviest peer was closed");
+        for s in &mut slow[1..] {
+            assert!(
+                tokio::time::timeout(Duration::from_millis(20), s.evicted())
+                    .await
+                    .is_err(),
+                "only one was closed"
+            );
+        }
+        drop(slow);
+        drop((other, probe));
+        assert_eq!(c.open(), 0);
+        assert!(c.lock().per_ip.is_empty(), "nothing kept for peers gone");
+    }
 
     #[test]
     fn a_peer_holds_at_most_its_slots_and_gets_them_back() {

@@ -20,10 +20,10 @@ use tokio::net::TcpListener;
 
 use crate::config::ServeConfig;
 use crate::metrics::Metrics;
+use crate::net::Conns;
 use crate::runner::StartupError;
 
-/// Connections the endpoint serves at once, and of them from one peer address (a prober's own
-/// address always has room: one peer cannot hold them all).
+/// Connections the endpoint serves at once, and of them from one peer address.
 const MAX_CONNECTIONS: usize = 64;
 const MAX_PER_PEER: usize = 4;
 
@@ -110,14 +110,12 @@ fn kept_token(data_dir: &Path) -> Result<String, StartupError> {
     Ok(token)
 }
 
-/// Serves the endpoint on `listener` until the task is dropped.
+/// Serves the endpoint on `listener` until the task is dropped. A connection never waits for a
+/// slot: with all taken, the oldest of the peer holding the most is closed ([`Conns`]), so a
+/// probe is answered at once however many slow peers hold connections.
 pub async fn serve(listener: TcpListener, ops: Arc<Ops>) {
-    let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let per_peer = crate::net::PerPeer::new(MAX_PER_PEER);
+    let conns = Conns::new(MAX_CONNECTIONS, MAX_PER_PEER);
     loop {
-        let Ok(permit) = open.clone().acquire_owned().await else {
-            return;
-        };
         let (tcp, peer) = match listener.accept().await {
             Ok(a) => a,
             Err(_) => {
@@ -125,12 +123,11 @@ pub async fn serve(listener: TcpListener, ops: Arc<Ops>) {
                 continue;
             }
         };
-        let Some(slot) = per_peer.try_take(peer.ip()) else {
+        let Some(mut slot) = conns.admit(peer.ip()) else {
             continue;
         };
         let ops = ops.clone();
         tokio::spawn(async move {
-            let _open = (permit, slot);
             let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
                 let (status, text) = ops.answer(&req);
                 let mut r = Response::new(Full::new(Bytes::from(text)));
@@ -145,7 +142,11 @@ pub async fn serve(listener: TcpListener, ops: Arc<Ops>) {
             h1.timer(TokioTimer::new())
                 .header_read_timeout(Duration::from_secs(2))
                 .keep_alive(false);
-            let _ = tokio::time::timeout(Duration::from_secs(10), h1.serve_connection(TokioIo::new(tcp), svc)).await;
+            let serve = tokio::time::timeout(Duration::from_secs(10), h1.serve_connection(TokioIo::new(tcp), svc));
+            tokio::select! {
+                _ = serve => {}
+                () = slot.evicted() => {}
+            }
         });
     }
 }

@@ -2,21 +2,20 @@
 //! causes, so it is bounded and charged to that tenant's upload).
 //!
 //! [`compile_isolated`] runs the server's own binary as `warden compile-plugin` in a child
-//! process: the component's bytes go in on stdin, the compiled artefact comes back on stdout.
-//! The child runs at a lower priority, on one compiler thread, under an address-space limit
-//! (`RLIMIT_AS`) and a CPU-time limit (`RLIMIT_CPU`), and the parent kills it at its wall-time
-//! limit. A component that is slow or large to compile costs at most those; a compiler that
-//! crashes on it takes down only the child. The parent then loads the artefact into its own
-//! runtime, which checks the component's imports and its per-component pool limits as for any
-//! compile.
+//! process confined as [`crate::child`] says (a lower priority, an address-space and a CPU-time
+//! limit, killed at its wall-time limit), on one compiler thread: the component's bytes go in
+//! on stdin, the compiled artefact comes back on stdout. A component that is slow or large to
+//! compile costs at most those; a compiler that crashes on it takes down only the child. The
+//! parent then loads the artefact into its own runtime, which checks the component's imports
+//! and its per-component pool limits as for any compile.
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
 use super::{Plugin, PluginFailure, Runtime};
+use crate::child::{self, ChildError, Confined, Limit};
+use crate::fair::{Turn, Turns};
+use crate::tenant::TenantId;
 
 /// The bounds of one compilation.
 #[derive(Debug, Clone, Copy)]
@@ -77,34 +76,6 @@ pub fn precompile_main() -> i32 {
     }
 }
 
-/// Sets the child's limits before it runs the compiler.
-fn confine(cmd: &mut tokio::process::Command, limits: CompileLimits) {
-    let cpu = limits.timeout.as_secs() + 1;
-    let memory = limits.memory_bytes;
-    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
-    // functions (setrlimit, setpriority) on values copied in; it allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            let set = |resource, value: u64| {
-                let lim = libc::rlimit {
-                    rlim_cur: value as libc::rlim_t,
-                    rlim_max: value as libc::rlim_t,
-                };
-                if libc::setrlimit(resource, &lim) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            };
-            set(libc::RLIMIT_AS, memory)?;
-            set(libc::RLIMIT_CPU, cpu)?;
-            set(libc::RLIMIT_CORE, 0)?;
-            // Below the server's own threads: compiling waits while serving has work.
-            libc::setpriority(libc::PRIO_PROCESS, 0, 10);
-            Ok(())
-        });
-    }
-}
-
 /// Compiles `bytes` in a child process of `exe` (the server's binary) under `limits`, and
 /// loads the artefact into `runtime`.
 pub async fn compile_isolated(
@@ -113,74 +84,44 @@ pub async fn compile_isolated(
     bytes: &[u8],
     limits: CompileLimits,
 ) -> Result<Plugin, PluginFailure> {
-    let failed = |what: &str, e: std::io::Error| PluginFailure::Invalid(format!("the compiler process: {what}: {e}"));
-    let mut cmd = tokio::process::Command::new(exe);
-    cmd.arg(SUBCOMMAND)
-        .env_clear()
-        .env("RAYON_NUM_THREADS", "1")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    confine(&mut cmd, limits);
-    let mut child = cmd.spawn().map_err(|e| failed("starting", e))?;
-    let (Some(mut stdin), Some(stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
-    else {
-        return Err(PluginFailure::Invalid("the compiler process has no pipes".into()));
+    let confined = Confined {
+        memory_bytes: limits.memory_bytes,
+        timeout: limits.timeout,
+        stdout_cap: (bytes.len().saturating_mul(ARTEFACT_RATIO) + (64 << 20)) as u64,
     };
-    let cap = (bytes.len().saturating_mul(ARTEFACT_RATIO) + (64 << 20)) as u64;
-    let input = bytes.to_vec();
-    let run = async move {
-        let write = async move {
-            // A child that exits early closes its end; its status says why.
-            let _ = stdin.write_all(&input).await;
-            drop(stdin);
-        };
-        let mut out = Vec::new();
-        let mut err = Vec::new();
-        let (mut stdout, mut stderr) = (stdout.take(cap + 1), stderr.take(64 << 10));
-        let read = stdout.read_to_end(&mut out);
-        let read_err = stderr.read_to_end(&mut err);
-        let ((), r, _) = tokio::join!(write, read, read_err);
-        r.map_err(|e| failed("reading its output", e))?;
-        if out.len() as u64 > cap {
-            // More machine code than the component could justify: stop the child now (it
-            // would block on the full pipe) and hold none of it.
-            let _ = child.kill().await;
-            return Err(PluginFailure::CompileMemory(limits.memory_bytes));
-        }
-        let status = child.wait().await.map_err(|e| failed("waiting", e))?;
-        Ok::<_, PluginFailure>((status, out, err))
+    let done = match child::run(exe, &[SUBCOMMAND], &[("RAYON_NUM_THREADS", "1")], bytes, confined).await {
+        Ok(d) => d,
+        Err(ChildError::TimedOut(_)) => return Err(PluginFailure::CompileTimeout(limits.timeout)),
+        // More machine code than the component could justify.
+        Err(ChildError::TooMuchOutput(_)) => return Err(PluginFailure::CompileMemory(limits.memory_bytes)),
+        Err(e) => return Err(PluginFailure::Invalid(format!("the compiler process: {e}"))),
     };
-    let (status, out, err) = match tokio::time::timeout(limits.timeout, run).await {
-        Ok(r) => r?,
-        // Dropping the future kills the child (kill_on_drop).
-        Err(_) => return Err(PluginFailure::CompileTimeout(limits.timeout)),
-    };
-    let err = String::from_utf8_lossy(&err);
-    if !status.success() {
-        use std::os::unix::process::ExitStatusExt;
-        return Err(match (status.code(), status.signal()) {
-            (Some(INVALID), _) => PluginFailure::Invalid(err.trim().to_string()),
-            (_, Some(libc::SIGXCPU)) => PluginFailure::CompileTimeout(limits.timeout),
-            _ if err.contains("memory allocation of") || status.signal() == Some(libc::SIGABRT) => {
-                PluginFailure::CompileMemory(limits.memory_bytes)
-            }
-            _ => PluginFailure::Invalid(format!("the compiler process failed ({status}): {}", err.trim())),
+    if !done.status.success() {
+        return Err(match (done.status.code(), done.over_limits()) {
+            (Some(INVALID), _) => PluginFailure::Invalid(done.stderr.trim().to_string()),
+            (_, Some(Limit::Time)) => PluginFailure::CompileTimeout(limits.timeout),
+            (_, Some(Limit::Memory)) => PluginFailure::CompileMemory(limits.memory_bytes),
+            _ => PluginFailure::Invalid(format!(
+                "the compiler process failed ({}): {}",
+                done.status,
+                done.stderr.trim()
+            )),
         });
     }
-    // SAFETY: `out` is what `precompile` returned in a child running this same binary with this
-    // runtime's configuration, read from a pipe only that child writes; wasmtime checks the
+    // SAFETY: `stdout` is what `precompile` returned in a child running this same binary with
+    // this runtime's configuration, read from a pipe only that child writes; wasmtime checks the
     // version and settings it records as well.
-    unsafe { runtime.load_artefact(&out) }
+    unsafe { runtime.load_artefact(&done.stdout) }
 }
 
-/// The server's compiler: [`compile_isolated`] in child processes of `exe`, at most `turns` at
-/// once (more wait their turn), each under `limits`, loading into `runtime`.
+/// The server's compiler: [`compile_isolated`] in child processes of `exe`, each under
+/// `limits`, loading into `runtime`. Compiling is shared capacity: at most `turns` compile at
+/// once, taken fairly across tenants ([`Turns`]), one at a time per tenant, so a tenant's
+/// uploads wait behind each other, never in front of another tenant's.
 pub struct Compiler {
     exe: std::path::PathBuf,
     runtime: std::sync::Arc<Runtime>,
-    turns: tokio::sync::Semaphore,
+    turns: Turns,
     limits: CompileLimits,
 }
 
@@ -190,7 +131,7 @@ impl Compiler {
         Self {
             exe: exe.to_path_buf(),
             runtime,
-            turns: tokio::sync::Semaphore::new(turns),
+            turns: Turns::new(turns, 1),
             limits,
         }
     }
@@ -200,14 +141,19 @@ impl Compiler {
         &self.runtime
     }
 
-    /// Compiles `bytes` in a child process, once its turn comes: seconds of CPU for a large
-    /// component, which no component can stretch past its bounds.
-    pub async fn compile(&self, bytes: &[u8]) -> Result<Plugin, PluginFailure> {
-        let _turn = self
-            .turns
-            .acquire()
-            .await
-            .map_err(|e| PluginFailure::Invalid(format!("compiling: {e}")))?;
+    /// The limits each compilation runs under.
+    pub fn limits(&self) -> CompileLimits {
+        self.limits
+    }
+
+    /// A turn at the compiler for `tenant`, once its turn comes.
+    pub async fn turn(&self, tenant: TenantId) -> Turn {
+        self.turns.take(tenant).await
+    }
+
+    /// Compiles `bytes` in a child process in `turn` (the tenant's turn at the compiler): seconds
+    /// of CPU for a large component, which no component can stretch past its bounds.
+    pub async fn compile(&self, _turn: &Turn, bytes: &[u8]) -> Result<Plugin, PluginFailure> {
         compile_isolated(&self.exe, &self.runtime, bytes, self.limits).await
     }
 }

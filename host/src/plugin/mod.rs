@@ -121,6 +121,9 @@ pub enum PluginFailure {
     /// Every instance slot is in use; retry later.
     #[error("every plugin instance slot is in use")]
     Busy,
+    /// The tenant has spent its compile budget; a compile fits again after this long.
+    #[error("the tenant's plugin compile budget is spent; a compile fits again in {0:?}")]
+    CompileBudget(Duration),
 }
 
 impl PluginFailure {
@@ -141,6 +144,7 @@ impl PluginFailure {
             PluginFailure::Invalid(_) => "plugin_invalid",
             PluginFailure::BadConstraint(_) => "plugin_constraint_invalid",
             PluginFailure::Busy => "plugin_busy",
+            PluginFailure::CompileBudget(_) => "compile_budget_exceeded",
         }
     }
 }

@@ -120,6 +120,7 @@ struct PluginsFile {
     request_time_ms: Option<u64>,
     instances: Option<u64>,
     uploads_per_minute: Option<u64>,
+    compile_seconds_per_minute: Option<u64>,
     max_component_mib: Option<u64>,
 }
 
@@ -167,6 +168,8 @@ pub struct Policy {
     pub plugin_instances: Option<u64>,
     /// Plugin uploads (of new versions) per minute.
     pub plugin_uploads_per_minute: Option<u64>,
+    /// Seconds of plugin compilation (uploads and pre-initialisations) per minute.
+    pub plugin_compile_seconds_per_minute: Option<u64>,
     /// Largest plugin component, MiB.
     pub plugin_max_component_mib: Option<u64>,
 }
@@ -194,6 +197,7 @@ impl Default for Policy {
             plugin_request_time_ms: None,
             plugin_instances: None,
             plugin_uploads_per_minute: None,
+            plugin_compile_seconds_per_minute: None,
             plugin_max_component_mib: None,
         }
     }
@@ -260,6 +264,8 @@ impl Policy {
             self.plugin_request_time_ms = p.request_time_ms.or(self.plugin_request_time_ms);
             self.plugin_instances = p.instances.or(self.plugin_instances);
             self.plugin_uploads_per_minute = p.uploads_per_minute.or(self.plugin_uploads_per_minute);
+            self.plugin_compile_seconds_per_minute =
+                p.compile_seconds_per_minute.or(self.plugin_compile_seconds_per_minute);
             self.plugin_max_component_mib = p.max_component_mib.or(self.plugin_max_component_mib);
         }
         self
@@ -631,6 +637,7 @@ fn check(path: &Path, text: &str, p: &Policy, bounds: Bounds, is_default: bool) 
         ("request_time_ms", p.plugin_request_time_ms, 3_600_000),
         ("instances", p.plugin_instances, 1_000_000),
         ("uploads_per_minute", p.plugin_uploads_per_minute, 1_000_000),
+        ("compile_seconds_per_minute", p.plugin_compile_seconds_per_minute, 3600),
         ("max_component_mib", p.plugin_max_component_mib, 1024),
     ] {
         if let Some(v) = v

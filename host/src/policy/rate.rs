@@ -75,6 +75,22 @@ impl Gcra {
         (left.as_nanos() / self.interval.as_nanos().max(1)) as u64
     }
 
+    /// Charges `cost` units used at `now` whether or not they fit: work already done is paid
+    /// for, and the limiter stays in debt (refusing [`take`](Self::take) and answering
+    /// [`ready_in`](Self::ready_in)) until time has paid it back. The debt is bounded: at most
+    /// `cost` past a full burst.
+    pub fn charge(&mut self, cost: u64, now: Instant) {
+        let need = self.interval.saturating_mul(cost.min(u32::MAX as u64) as u32);
+        self.tat = self.tat.max(now) + need;
+    }
+
+    /// How long until a unit fits (`None`: one fits now).
+    pub fn ready_in(&self, now: Instant) -> Option<Duration> {
+        let ahead = self.tat.saturating_duration_since(now);
+        let past = (ahead + self.interval).checked_sub(self.window)?;
+        (!past.is_zero()).then_some(past)
+    }
+
     /// Gives back `units` taken earlier and not used.
     pub fn refund(&mut self, units: u64, now: Instant) {
         let back = self.interval.saturating_mul(units.min(u32::MAX as u64) as u32);
@@ -99,6 +115,22 @@ mod tests {
         }
         g.take(1, t0 + Duration::from_secs(1)).unwrap();
         assert!(g.take(1, t0 + Duration::from_secs(1)).is_err());
+    }
+
+    #[test]
+    fn charges_run_into_debt_and_time_pays_it_back() {
+        let t0 = Instant::now();
+        // 60 units a minute: one a second.
+        let mut g = Gcra::per_minute(60, t0);
+        assert_eq!(g.ready_in(t0), None);
+        g.charge(50, t0);
+        assert_eq!(g.ready_in(t0), None);
+        // 90 used of a 60-unit burst: in debt for 30 s, then one unit more.
+        g.charge(40, t0);
+        assert_eq!(g.ready_in(t0), Some(Duration::from_secs(31)));
+        assert!(g.take(1, t0 + Duration::from_secs(30)).is_err());
+        assert_eq!(g.ready_in(t0 + Duration::from_secs(31)), None);
+        g.take(1, t0 + Duration::from_secs(31)).unwrap();
     }
 
     #[test]

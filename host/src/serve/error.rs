@@ -146,6 +146,7 @@ impl From<&PluginFailure> for ApiError {
                 StatusCode::BAD_REQUEST
             }
             PluginFailure::Busy => StatusCode::SERVICE_UNAVAILABLE,
+            PluginFailure::CompileBudget(_) => StatusCode::TOO_MANY_REQUESTS,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, f.code(), f.to_string())
@@ -184,6 +185,12 @@ impl From<PluginError> for ApiError {
             PluginError::UploadRate { retry_after, .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "upload_rate_limit",
+                None,
+                Some(retry_after),
+            ),
+            PluginError::CompileBudget { retry_after, .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "compile_budget_exceeded",
                 None,
                 Some(retry_after),
             ),

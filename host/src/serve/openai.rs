@@ -179,7 +179,7 @@ fn known_fields(
     Ok(())
 }
 
-/// A field's path as a header value or a metric label may carry it: ASCII letters, digits and
+/// A field's path as a header value may carry it: ASCII letters, digits and
 /// `_.-[]` (anything else becomes `_`), at most 64 characters.
 pub fn field_label(path: &str) -> String {
     let s: String = path

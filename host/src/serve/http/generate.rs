@@ -176,18 +176,15 @@ fn name_ignored(
     if ignored.is_empty() {
         return r;
     }
-    let labels: Vec<String> = ignored
+    let paths: Vec<String> = ignored
         .iter()
-        .map(|p| {
-            // Indices dropped, so that a long conversation does not make a label per message.
-            let p = match (p.find('['), p.find(']')) {
-                (Some(a), Some(b)) if a < b => format!("{}{}", &p[..=a], &p[b..]),
-                _ => p.clone(),
-            };
-            field_label(&p)
+        .map(|p| match (p.find('['), p.find(']')) {
+            // Indices dropped: `messages[].refusal` is counted as one field.
+            (Some(a), Some(b)) if a < b => format!("{}{}", &p[..=a], &p[b..]),
+            _ => p.clone(),
         })
         .collect();
-    state.metrics.ignored_fields(&labels);
+    state.metrics.ignored_fields(&paths);
     let mut resp = r.unwrap_or_else(|e| {
         state.metrics.http_error(e.code);
         error_response(&e)

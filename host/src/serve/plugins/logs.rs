@@ -7,7 +7,7 @@
 //! as one line; a file past 16 MiB is moved aside to `.log.1` (replacing the older one).
 
 use crate::tenant::TenantId;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -29,6 +29,9 @@ struct Bucket {
 pub struct TenantLogs {
     dir: PathBuf,
     buckets: Mutex<HashMap<TenantId, Bucket>>,
+    /// Tenants deleted: a request of theirs still running writes nothing (ids are never
+    /// reused).
+    gone: Mutex<HashSet<TenantId>>,
 }
 
 /// Where one batch of lines came from.
@@ -49,7 +52,17 @@ impl TenantLogs {
         Self {
             dir: dir.into(),
             buckets: Mutex::new(HashMap::new()),
+            gone: Mutex::new(HashSet::new()),
         }
+    }
+
+    /// Deletes tenant `tenant`'s log files, and writes none for it again (it was deleted).
+    pub fn forget(&self, tenant: TenantId) {
+        self.gone.lock().unwrap_or_else(|p| p.into_inner()).insert(tenant);
+        self.buckets.lock().unwrap_or_else(|p| p.into_inner()).remove(&tenant);
+        let path = self.path(tenant);
+        let _ = std::fs::remove_file(path.with_extension("log.1"));
+        let _ = std::fs::remove_file(&path);
     }
 
     fn path(&self, tenant: TenantId) -> PathBuf {
@@ -58,7 +71,13 @@ impl TenantLogs {
 
     /// Appends `lines` (from one instance) to the tenant's log, within its rate.
     pub fn write(&self, src: &Source<'_>, lines: Vec<String>) {
-        if lines.is_empty() {
+        if lines.is_empty()
+            || self
+                .gone
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&src.tenant)
+        {
             return;
         }
         let (admitted, dropped) = {
@@ -162,6 +181,13 @@ mod tests {
             other[0].ends_with(" a@0123456789ab req-1 info: other tenant"),
             "{other:?}"
         );
+        // A deleted tenant's files go, and a request of its still running writes no new one.
+        let kept = logs.path(tenant(1));
+        std::fs::copy(&kept, kept.with_extension("log.1")).unwrap();
+        logs.forget(tenant(1));
+        logs.write(&src(tenant(1), "a"), vec!["info: after".into()]);
+        assert!(!kept.exists() && !kept.with_extension("log.1").exists());
+        assert_eq!(logs.tail(tenant(2), "a", 10).len(), 1, "another tenant's log stays");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -8,6 +8,7 @@
 //! share nothing.
 
 pub mod artefacts;
+pub mod compiles;
 pub mod local;
 pub mod logs;
 pub mod pipeline;
@@ -32,6 +33,7 @@ use crate::tenant::TenantId;
 use crate::tenant::valid_tenant_name;
 use crate::tokenizer::Tokenizer;
 use artefacts::Artefacts;
+use compiles::{CompileRefused, Compiles};
 use logs::TenantLogs;
 use registry::{DefaultPlugin, Deleted, PluginError, PluginList, PluginView, Uploaded};
 pub use shares::Share;
@@ -93,8 +95,9 @@ pub struct Plugins {
     logs: Arc<TenantLogs>,
     /// Plugin instances each tenant's requests hold now.
     shares: Shares,
-    /// Compiles components in child processes of the `warden` binary.
-    compiler: Arc<Compiler>,
+    /// Compiles components in child processes of the `warden` binary, fairly and within each
+    /// tenant's budget.
+    compiles: Arc<Compiles>,
     /// Each plugin's active version initialised with its configuration.
     snapshots: Arc<Snapshots>,
     /// Each tenant's uploads of new versions (and pre-initialisations), per minute.
@@ -122,11 +125,12 @@ impl Plugins {
             memory_bytes: cfg.compile_memory_mib << 20,
         };
         let compiler = Arc::new(Compiler::new(compiler, Arc::new(runtime), cfg.compiles, limits));
+        let compiles = Arc::new(Compiles::new(compiler));
         let logs = Arc::new(TenantLogs::new(&data_dir.join("plugin-logs")));
         let shares = Shares::default();
         let snapshots = Arc::new(Snapshots::new(
             shares.clone(),
-            compiler.clone(),
+            compiles.clone(),
             artefacts.clone(),
             logs.clone(),
             tokenizer.clone(),
@@ -141,7 +145,7 @@ impl Plugins {
             tokenizer,
             logs,
             shares,
-            compiler,
+            compiles,
             snapshots,
             uploads: Mutex::new(HashMap::new()),
         })
@@ -253,10 +257,27 @@ impl Plugins {
         self.artefacts.remove(tenant, sha);
     }
 
-    /// Compiles in a child process under the configured time and memory limits, at most
-    /// `compiles` at once (more wait their turn).
-    async fn compile(&self, bytes: Vec<u8>) -> Result<Plugin, PluginFailure> {
-        self.compiler.compile(&bytes).await
+    /// Compiles `bytes` for `t` in a child process under the configured time and memory
+    /// limits, once its turn at the compiler comes and within its compile budget (its policy's,
+    /// else the server's). Refused by the compiler, the plugin fails as `failed` says.
+    async fn compile(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        bytes: &[u8],
+        failed: fn(PluginFailure) -> PluginError,
+    ) -> Result<Plugin, PluginError> {
+        self.compiles
+            .compile(t.id, self.compile_seconds(policy), bytes)
+            .await
+            .map_err(|e| refused(t, e, failed))
+    }
+
+    /// Seconds of compilation a tenant under `policy` may use per minute.
+    fn compile_seconds(&self, policy: &crate::policy::Policy) -> u64 {
+        policy
+            .plugin_compile_seconds_per_minute
+            .unwrap_or(self.cfg.compile_seconds_per_minute)
     }
 
     /// Queues pre-initialising plugin `name`'s `plugin` (version `version`, component `bytes`,
@@ -289,9 +310,14 @@ impl Plugins {
             component: bytes.map_or_else(|| Component::Stored(self.store.clone()), Component::Bytes),
             limits,
             share: self.instance_share(policy),
+            compile_seconds: self.compile_seconds(policy),
         };
-        self.snapshots
-            .start(job, || paid || self.take_upload(t, policy).is_ok());
+        // A tenant in debt for its compiles gets no build (nor spends an upload on one).
+        let afford = || {
+            self.compiles.check(t.id, self.compile_seconds(policy)).is_ok()
+                && (paid || self.take_upload(t, policy).is_ok())
+        };
+        self.snapshots.start(job, afford);
     }
 
     /// Takes one of tenant `t`'s uploads per minute (its policy's, else the server's), or says
@@ -387,8 +413,12 @@ impl Plugins {
             .is_some_and(|r| r.versions.iter().any(|v| v.sha256 == version.sha256));
         let mut compiled = None;
         if !known {
+            // A tenant in debt for its compiles spends none of its uploads.
+            self.compiles
+                .check(t.id, self.compile_seconds(policy))
+                .map_err(|e| refused(t, e, PluginError::Rejected))?;
             self.take_upload(t, policy)?;
-            let plugin = self.compile(bytes.clone()).await.map_err(PluginError::Rejected)?;
+            let plugin = self.compile(t, policy, &bytes, PluginError::Rejected).await?;
             // The smoke call holds one of the tenant's instances, as a request would.
             let share = self.take_instances(t, policy, 1)?;
             let smoked = self.smoke(&plugin, &config).await;
@@ -556,7 +586,7 @@ impl Plugins {
         let mut checked = None;
         if rec.active.is_some() {
             let _share = self.take_instances(t, policy, 1)?;
-            let (version, plugin) = self.active(t, name).await?;
+            let (version, plugin) = self.active(t, policy, name).await?;
             self.smoke(&plugin, config).await.map_err(|e| match e {
                 PluginFailure::Busy | PluginFailure::OverLimits(_) => PluginError::Failed(e),
                 e => PluginError::ConfigRejected {
@@ -588,8 +618,8 @@ impl Plugins {
     }
 
     /// Drops what is kept of tenant `id`'s plugins outside the store: compiled and
-    /// pre-initialised components, in memory and on disk, and builds waiting (the tenant was
-    /// deleted).
+    /// pre-initialised components, in memory and on disk, builds waiting, its compile budget
+    /// and its plugin log files (the tenant was deleted).
     pub fn forget_tenant(&self, id: TenantId) {
         self.compiled
             .lock()
@@ -597,6 +627,8 @@ impl Plugins {
             .retain(|(t, _), _| *t != id);
         self.snapshots.forget_tenant(id);
         self.artefacts.remove_tenant(id);
+        self.compiles.forget(id);
+        self.logs.forget(id);
     }
 
     /// Makes `name` the tenant's default plugin: requests that name none run it.
@@ -642,7 +674,7 @@ impl Plugins {
         let Some(version) = rec.active.clone() else {
             return Err(PluginError::Inactive(name));
         };
-        let mut plugin = self.version(t, &name, &version).await?;
+        let mut plugin = self.version(t, policy, &name, &version).await?;
         match self
             .snapshots
             .get(t.id, &name, &version, &rec.config, &self.limits_for(policy))
@@ -659,22 +691,33 @@ impl Plugins {
     }
 
     /// Plugin `name`'s active version and its compile (not pre-initialised).
-    async fn active(&self, t: &Tenant, name: &str) -> Result<(String, Plugin), PluginError> {
+    async fn active(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        name: &str,
+    ) -> Result<(String, Plugin), PluginError> {
         let rec = self.record(t, name)?;
         let Some(version) = rec.active else {
             return Err(PluginError::Inactive(name.into()));
         };
-        let plugin = self.version(t, name, &version).await?;
+        let plugin = self.version(t, policy, name, &version).await?;
         Ok((version, plugin))
     }
 
     /// The compile of `t`'s `version` of plugin `name`: from memory, else from disk, else
-    /// compiled again.
-    async fn version(&self, t: &Tenant, name: &str, version: &str) -> Result<Plugin, PluginError> {
+    /// compiled again (as `policy` allows).
+    async fn version(
+        &self,
+        t: &Tenant,
+        policy: &crate::policy::Policy,
+        name: &str,
+        version: &str,
+    ) -> Result<Plugin, PluginError> {
         if let Some(p) = self.cached(t.id, version) {
             return Ok(p);
         }
-        let plugin = match self.artefacts.load(self.compiler.runtime(), t.id, version) {
+        let plugin = match self.artefacts.load(self.compiles.compiler().runtime(), t.id, version) {
             Some(p) => p,
             None => {
                 let bytes = self
@@ -682,13 +725,29 @@ impl Plugins {
                     .plugins()
                     .blob(t.id, version)?
                     .ok_or_else(|| StoreError::Corrupt(format!("plugin {name} {version}")))?;
-                let p = self.compile(bytes.to_vec()).await.map_err(PluginError::Failed)?;
+                let p = self.compile(t, policy, &bytes, PluginError::Failed).await?;
                 self.artefacts.save(t.id, version, &p);
                 p
             }
         };
         self.remember(t.id, version, &plugin);
         Ok(plugin)
+    }
+}
+
+/// What a refused compile of tenant `t`'s is to its caller: over its budget, or failed as
+/// `failed` says.
+fn refused(t: &Tenant, e: CompileRefused, failed: fn(PluginFailure) -> PluginError) -> PluginError {
+    match e {
+        CompileRefused::Budget {
+            seconds_per_minute,
+            retry_after,
+        } => PluginError::CompileBudget {
+            tenant: t.name.clone(),
+            seconds_per_minute,
+            retry_after: retry_after.as_secs().max(1),
+        },
+        CompileRefused::Failed(f) => failed(f),
     }
 }
 

@@ -151,6 +151,18 @@ pub enum PluginError {
         /// Seconds until the next upload fits.
         retry_after: u64,
     },
+    /// The tenant has spent its compile budget (uploads and pre-initialisations together).
+    #[error(
+        "tenant {tenant:?} may compile plugins for {seconds_per_minute} s a minute and has used that; retry in {retry_after} s"
+    )]
+    CompileBudget {
+        /// The tenant's name.
+        tenant: String,
+        /// Its budget.
+        seconds_per_minute: u64,
+        /// Seconds until a compile fits again.
+        retry_after: u64,
+    },
     /// The tenant's requests hold its whole share of plugin instances.
     #[error(
         "tenant {tenant:?}'s requests hold {held} plugin instances and this one needs {needed}; its share is {share}"

@@ -12,7 +12,8 @@
 //!   earlier one);
 //! - `init` runs under the tenant's limits in one of the tenant's own instances (waiting for one
 //!   while its requests hold them all), never one another tenant needs;
-//! - its two compiles go through the server's bounded compiler;
+//! - its two compiles take the tenant's turns at the server's compiler and are charged to its
+//!   compile budget, as its uploads' are ([`Compiles`]); a tenant in debt gets no build;
 //! - each build queued counts as one of the tenant's uploads (the caller charges it).
 //!
 //! One snapshot per plugin is kept, in memory (at most [`KEPT`] plugins' at once; the rest are
@@ -25,9 +26,10 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::artefacts::Artefacts;
+use super::compiles::{CompileRefused, Compiles};
 use super::logs::{Source, TenantLogs};
 use super::shares::Shares;
-use crate::plugin::compile::Compiler;
+use crate::fair::Turns;
 use crate::plugin::snapshot::{Snapshot, pre_initialise};
 use crate::plugin::{Plugin, PluginFailure, PluginLimits};
 use crate::serve::store::Store;
@@ -85,6 +87,8 @@ pub struct Job {
     pub limits: PluginLimits,
     /// The tenant's share of plugin instances (`init` runs in one of them).
     pub share: usize,
+    /// The tenant's compile budget, seconds per minute.
+    pub compile_seconds: u64,
 }
 
 impl Job {
@@ -119,7 +123,7 @@ struct Generations {
 /// The server's pre-initialised plugins.
 pub struct Snapshots {
     shares: Shares,
-    compiler: Arc<Compiler>,
+    compiles: Arc<Compiles>,
     artefacts: Arc<Artefacts>,
     logs: Arc<TenantLogs>,
     tokenizer: Arc<Tokenizer>,
@@ -133,8 +137,8 @@ pub struct Snapshots {
     generations: Mutex<Generations>,
     /// Tenants with a build under way or waiting.
     building: Mutex<HashMap<TenantId, Queue>>,
-    /// One build at a time, server-wide.
-    turn: tokio::sync::Semaphore,
+    /// One build at a time, server-wide, the tenants taking turns.
+    turns: Turns,
 }
 
 /// Removes a tenant's queue when its builder ends, however it ends.
@@ -147,11 +151,11 @@ impl Drop for Finished<'_> {
 }
 
 impl Snapshots {
-    /// Snapshots built in the tenants' `shares` of instances, compiled with `compiler`, kept in
-    /// `artefacts`, reported in `logs`.
+    /// Snapshots built in the tenants' `shares` of instances, compiled through `compiles`, kept
+    /// in `artefacts`, reported in `logs`.
     pub fn new(
         shares: Shares,
-        compiler: Arc<Compiler>,
+        compiles: Arc<Compiles>,
         artefacts: Arc<Artefacts>,
         logs: Arc<TenantLogs>,
         tokenizer: Arc<Tokenizer>,
@@ -159,7 +163,7 @@ impl Snapshots {
     ) -> Self {
         Self {
             shares,
-            compiler,
+            compiles,
             artefacts,
             logs,
             tokenizer,
@@ -168,7 +172,7 @@ impl Snapshots {
             entries: Mutex::new(HashMap::new()),
             generations: Mutex::new(Generations::default()),
             building: Mutex::new(HashMap::new()),
-            turn: tokio::sync::Semaphore::new(1),
+            turns: Turns::new(1, 1),
         }
     }
 
@@ -242,7 +246,13 @@ impl Snapshots {
         }
         let plugin = self
             .artefacts
-            .load_snapshot(self.compiler.runtime(), tenant, name, version, &self.disk_key(&made))?
+            .load_snapshot(
+                self.compiles.compiler().runtime(),
+                tenant,
+                name,
+                version,
+                &self.disk_key(&made),
+            )?
             .into_pre_initialised(config);
         let entry = Entry {
             made,
@@ -327,7 +337,7 @@ impl Snapshots {
         let mut next = Some(first);
         while let Some(q) = next.take() {
             {
-                let Ok(_turn) = self.turn.acquire().await else { return };
+                let _turn = self.turns.take(tenant).await;
                 self.build(&q).await;
             }
             let mut building = self.building();
@@ -367,8 +377,14 @@ impl Snapshots {
             },
         };
         let compile = |b: Vec<u8>| {
-            let compiler = self.compiler.clone();
-            async move { compiler.compile(&b).await }
+            let compiles = self.compiles.clone();
+            let (tenant, seconds) = (job.tenant, job.compile_seconds);
+            async move {
+                compiles.compile(tenant, seconds, &b).await.map_err(|e| match e {
+                    CompileRefused::Budget { retry_after, .. } => PluginFailure::CompileBudget(retry_after),
+                    CompileRefused::Failed(f) => f,
+                })
+            }
         };
         let r = pre_initialise(
             &bytes,
@@ -396,6 +412,7 @@ impl Snapshots {
                 | PluginFailure::Timeout(_)
                 | PluginFailure::RequestTime(_)
                 | PluginFailure::CompileTimeout(_)
+                | PluginFailure::CompileBudget(_)
                 | PluginFailure::CompileMemory(_)),
             ) => {
                 let line = format!("warn: pre-initialising failed for now ({}): {e}", e.code());
