@@ -1277,3 +1277,128 @@ fn a_rotated_certificate_is_served_without_dropping_open_connections() {
         assert!(said.iter().any(|l| l.contains("TLS certificate reloaded")), "{said:?}");
     });
 }
+
+/// Resident memory of process `pid`, MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        >> 10
+}
+
+/// Children of `pid` running `warden check-grammar`.
+fn checking_children(pid: u32) -> usize {
+    let Ok(dir) = std::fs::read_dir("/proc") else { return 0 };
+    dir.filter_map(|e| e.ok())
+        .filter(|e| {
+            let p = e.path();
+            let parent = std::fs::read_to_string(p.join("stat")).ok().and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .and_then(|r| r.split_whitespace().nth(1))
+                    .map(str::to_string)
+            });
+            let cmd = std::fs::read(p.join("cmdline")).unwrap_or_default();
+            parent.as_deref() == Some(pid.to_string().as_str())
+                && String::from_utf8_lossy(&cmd).contains("check-grammar")
+        })
+        .count()
+}
+
+#[test]
+fn schema_compiles_are_stopped_at_their_limits_kept_per_tenant_and_taken_in_turns() {
+    // One compile at a time, over all tenants, each stopped at 600 ms.
+    let s = Server::start("schemas", "[limits]\nschema_compile_ms = 600\nschema_compiles = 1\n");
+    let key = s.key().to_string();
+    let pid = s.pid();
+    let with_schema = |schema: serde_json::Value| {
+        json!({
+            "model": MODEL, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "A number, please."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        })
+        .to_string()
+        .into_bytes()
+    };
+    // Forty divisors of four digits: each compiles into a 9,973-state automaton, seconds of
+    // work in all, in a 1.6 KB schema.
+    let slow = |salt: u64| {
+        let props: serde_json::Map<String, serde_json::Value> = (0..40)
+            .map(|i| {
+                (
+                    format!("p{i}"),
+                    json!({"type": "integer", "multipleOf": 9973 - 2 * i - 100 * salt}),
+                )
+            })
+            .collect();
+        json!({"type": "object", "properties": props, "required": ["p0"]})
+    };
+    rt().block_on(async {
+        let c = s.client();
+        let mallory = s.tenant_with_key("mallory").await;
+        let post = |k: String, body: Vec<u8>| {
+            let c = c.clone();
+            async move {
+                let t0 = Instant::now();
+                let r = c
+                    .request(Method::POST, "/v1/chat/completions", Some(&k), Some(body))
+                    .await
+                    .expect("request");
+                (r, t0.elapsed())
+            }
+        };
+        // A divisor whose automaton alone is seconds and hundreds of MiB is refused by name,
+        // before anything compiles.
+        let (r, took) = post(
+            key.clone(),
+            with_schema(json!({"type": "integer", "multipleOf": 999983})),
+        )
+        .await;
+        assert_eq!(r.status, 400, "{}", r.text());
+        let e = &r.json().unwrap()["error"];
+        assert_eq!(
+            (e["code"].as_str(), e["param"].as_str()),
+            (Some("invalid_parameter"), Some("response_format"))
+        );
+        assert!(r.text().contains("multipleOf 999983"), "{}", r.text());
+        assert!(took < Duration::from_millis(500), "{took:?}");
+        // A compile that runs past its time is stopped: the work ends (no checking process is
+        // left) and its memory goes with it.
+        let before = rss_mib(pid);
+        let (r, took) = post(mallory.clone(), with_schema(slow(0))).await;
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert!(r.text().contains("took longer than 600 ms"), "{}", r.text());
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(checking_children(pid), 0, "a stopped compile left its process");
+        let after = rss_mib(pid);
+        assert!(after < before + 32, "the server grew from {before} to {after} MiB");
+        // The same schema again is answered from what the tenant compiled before, at once.
+        let (r, took) = post(mallory.clone(), with_schema(slow(0))).await;
+        assert!(r.text().contains("took longer than 600 ms"), "{}", r.text());
+        assert!(took < Duration::from_millis(200), "{took:?}");
+        // Mallory sends four more at once; the other tenant's schema waits for at most the one
+        // of hers under way, not all four.
+        let flood: Vec<_> = (1..5)
+            .map(|i| tokio::spawn(post(mallory.clone(), with_schema(slow(i)))))
+            .collect();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let number =
+            json!({"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5}}, "required": ["n"]});
+        let (r, took) = post(key.clone(), with_schema(number)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let mut mallorys = Vec::new();
+        for f in flood {
+            let (r, t) = f.await.unwrap();
+            assert_eq!(r.status, 400, "{}", r.text());
+            mallorys.push(t);
+        }
+        eprintln!("the other tenant's structured request took {took:?}; mallory's: {mallorys:?}");
+        // Behind all four it would wait at least 2.4 s.
+        assert!(took < Duration::from_millis(1800), "{took:?}");
+        assert_eq!(checking_children(pid), 0);
+    });
+}

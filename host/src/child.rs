@@ -2,8 +2,8 @@
 //! a plugin, checking that a schema compiles): the only way such work can be stopped when its
 //! time runs out, with its memory given back.
 //!
-//! [`run`] starts the child confined before it runs anything of the tenant's: an address-space
-//! limit (`RLIMIT_AS`), a CPU-time limit (`RLIMIT_CPU`), no core dumps and a lower priority
+//! [`run`] starts the child confined before it runs anything of the tenant's: a memory limit
+//! (`RLIMIT_AS` or `RLIMIT_DATA`), a CPU-time limit (`RLIMIT_CPU`), no core dumps and a lower priority
 //! than the server's own threads. The input goes in on stdin; stdout (up to a cap) and stderr
 //! come back. The child is killed at its wall-time limit, when its output passes the cap, and
 //! when the caller stops waiting (the future is dropped). A child that crashes takes down only
@@ -15,11 +15,22 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// Which of a child's memory its bound holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// Its whole address space, bytes (`RLIMIT_AS`): for a child whose threads and mappings are
+    /// part of what it may use.
+    AddressSpace(u64),
+    /// Its data: heap and private writable mappings, bytes (`RLIMIT_DATA`): what a
+    /// single-threaded child allocates, not the binary it runs.
+    Data(u64),
+}
+
 /// The bounds of one child.
 #[derive(Debug, Clone, Copy)]
 pub struct Confined {
-    /// Address space, bytes.
-    pub memory_bytes: u64,
+    /// Memory.
+    pub memory: Memory,
     /// Wall time; the CPU-time limit is this rounded up to seconds, plus one.
     pub timeout: Duration,
     /// Most stdout bytes read back; past it the child is killed.
@@ -87,7 +98,10 @@ pub enum ChildError {
 /// Sets the child's limits before it runs.
 fn confine(cmd: &mut tokio::process::Command, limits: Confined) {
     let cpu = limits.timeout.as_secs() + 1;
-    let memory = limits.memory_bytes;
+    let (which, memory) = match limits.memory {
+        Memory::AddressSpace(b) => (libc::RLIMIT_AS, b),
+        Memory::Data(b) => (libc::RLIMIT_DATA, b),
+    };
     // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
     // functions (setrlimit, setpriority) on values copied in; it allocates nothing.
     unsafe {
@@ -102,7 +116,7 @@ fn confine(cmd: &mut tokio::process::Command, limits: Confined) {
                 }
                 Ok(())
             };
-            set(libc::RLIMIT_AS, memory)?;
+            set(which, memory)?;
             set(libc::RLIMIT_CPU, cpu)?;
             set(libc::RLIMIT_CORE, 0)?;
             // Below the server's own threads: the child's work waits while serving has work.

@@ -420,9 +420,20 @@ pub struct LimitsConfig {
     /// Largest `response_format` JSON schema, in bytes; larger gets 400 before compiling.
     /// Default 64 KiB.
     pub max_schema_bytes: usize,
-    /// Longest a `response_format` may take to compile, in milliseconds; longer gets 400.
-    /// Default 2000.
+    /// Longest a `response_format` (or the grammar of `tools`) may take to compile, in
+    /// milliseconds: the compile is checked in a child process that is stopped at this limit,
+    /// and the request gets 400. Default 2000.
     pub schema_compile_ms: u64,
+    /// Most memory one compile may take, in MiB (the checking child's heap); more gets 400.
+    /// Default 256.
+    pub schema_compile_mib: u64,
+    /// Compiles running at once over all tenants. More wait their turn, taken fairly: one at a
+    /// time per tenant, so a tenant's compiles wait behind each other, never in front of
+    /// another tenant's. Default 2.
+    pub schema_compiles: usize,
+    /// Memory kept for compiled formats, in MiB, so a tenant's repeated format compiles once;
+    /// when full, the tenant holding the most gives up its least recently used. Default 64.
+    pub schema_cache_mib: usize,
 }
 
 /// What [`LimitsConfig::unknown_fields`] does with a field the server does not know.
@@ -453,6 +464,9 @@ impl Default for LimitsConfig {
             unknown_fields: UnknownFields::Ignore,
             max_schema_bytes: 64 << 10,
             schema_compile_ms: 2000,
+            schema_compile_mib: 256,
+            schema_compiles: 2,
+            schema_cache_mib: 64,
         }
     }
 }
@@ -884,7 +898,7 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 27] = [
+        let positive: [(&'static str, usize); 30] = [
             ("cluster.pages_per_batch", self.cluster.pages_per_batch),
             ("cluster.batches_in_flight", self.cluster.batches_in_flight),
             ("cluster.bytes_in_flight_mib", self.cluster.bytes_in_flight_mib),
@@ -915,6 +929,9 @@ impl ServeConfig {
             ("limits.body_bytes", self.limits.body_bytes),
             ("limits.json_depth", self.limits.json_depth),
             ("limits.max_n", self.limits.max_n),
+            ("limits.schema_compile_mib", self.limits.schema_compile_mib as usize),
+            ("limits.schema_compiles", self.limits.schema_compiles),
+            ("limits.schema_cache_mib", self.limits.schema_cache_mib),
         ];
         for (key, v) in positive {
             if v == 0 {

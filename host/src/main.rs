@@ -141,6 +141,11 @@ enum Command {
     /// runs this in a child process under resource limits for every upload.
     #[command(name = "compile-plugin", hide = true)]
     CompilePlugin,
+    /// Check that a structured-output format read from stdin compiles, printing what memory it
+    /// took: the server runs this in a child process under resource limits for every format a
+    /// tenant sends, so a compile that would not end can be stopped.
+    #[command(name = "check-grammar", hide = true)]
+    CheckGrammar,
     /// Manage tenants (directly, or through a running server's admin API).
     Tenant {
         #[command(subcommand)]
@@ -432,6 +437,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                     let limits = warden::grammar::GrammarLimits {
                         max_schema_bytes: usize::MAX,
                         compile_ms: u64::MAX,
+                        memory_bytes: u64::MAX,
                     };
                     let g = warden::grammar::Grammars::new(l.tokenizer.clone(), limits);
                     g.compile(&warden::grammar::Format::JsonSchema(schema))
@@ -565,6 +571,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         }
         // Its exit status is its protocol with the server.
         Command::CompilePlugin => std::process::exit(warden::plugin::compile::precompile_main()),
+        Command::CheckGrammar => std::process::exit(warden::grammar::check::check_main()),
         Command::Plugin {
             op:
                 PluginCmd::Test {

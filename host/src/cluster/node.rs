@@ -21,7 +21,7 @@ use crate::config::Role;
 use crate::config::ServeConfig;
 use crate::engine::constraint::{Constraint, ConstraintError};
 use crate::engine::request::{AbortReason, Outcome, RejectReason, RequestId, Usage};
-use crate::grammar::{Format, GrammarLimits, Grammars};
+use crate::grammar::{Format, GrammarLimits, Grammars, TenantGrammars};
 use crate::kv::KvPool;
 use crate::loaded::LoadedModel;
 use crate::metrics::Metrics;
@@ -43,8 +43,9 @@ const TRANSFER_IDLE: Duration = Duration::from_secs(120);
 
 struct Node {
     info: NodeInfo,
-    /// The model's vocabulary for output constraints, which a dispatch carries as their source.
-    grammars: Arc<Grammars>,
+    /// The model's vocabulary for output constraints, which a dispatch carries as their source:
+    /// compiled per tenant, as on the router.
+    grammars: Arc<TenantGrammars>,
     metrics: Arc<Metrics>,
     engine: LocalEngine,
     /// Bytes of one full page's K and V: the unit of a batch's size limit.
@@ -161,6 +162,7 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
     let limits = GrammarLimits {
         max_schema_bytes: cfg.limits.max_schema_bytes,
         compile_ms: cfg.limits.schema_compile_ms,
+        memory_bytes: cfg.limits.schema_compile_mib << 20,
     };
     let grammars = Arc::new(Grammars::new(loaded.tokenizer.clone(), limits));
     if role == Role::Decode {
@@ -168,6 +170,14 @@ pub fn serve_node(cfg: ServeConfig, role: Role) -> Result<(), StartupError> {
         let warm = grammars.clone();
         std::thread::spawn(move || warm.warm());
     }
+    // This binary checks formats in child processes.
+    let exe = std::env::current_exe().map_err(StartupError::io("finding the warden binary"))?;
+    let grammars = Arc::new(TenantGrammars::new(
+        grammars,
+        &exe,
+        cfg.limits.schema_compiles,
+        cfg.limits.schema_cache_mib << 20,
+    ));
     let metrics = Arc::new(Metrics::default());
     let handle = LocalEngine::start(engine, served.limits.queue, metrics.model(&served.name))
         .map_err(StartupError::io("starting the engine thread"))?;
@@ -347,6 +357,7 @@ async fn connection(node: Arc<Node>, r: link::ReadHalf, mut w: WriteHalf) {
         },
         (_, Msg::Forget { owner }) => {
             node.engine.forget_tenant(owner).await;
+            node.grammars.forget(owner);
             Msg::Applied { error: None }
         }
         (role, m) => {
@@ -413,7 +424,7 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
     };
     // Its output constraint, compiled against this node's vocabulary as the router compiled it.
     if d.format != Format::Text {
-        match compile(node, &d.format).await {
+        match compile(node, owner, &d.format).await {
             Ok(c) => req = req.with_constraint(Some(c)),
             Err(e) => {
                 line.outcome = "constraint_failed";
@@ -597,21 +608,17 @@ async fn decode(node: &Node, d: Dispatch, mut router: Incoming, mut w: WriteHalf
     }
 }
 
-/// Compiles a dispatch's output `format` off the runtime, within the configured time (the
-/// vocabulary's trie, built once, is not counted in it): the constraint, or why not.
-async fn compile(node: &Node, format: &Format) -> Result<Constraint, ConstraintError> {
-    let grammars = node.grammars.clone();
-    let warm = grammars.clone();
+/// Compiles a dispatch's output `format` for its tenant `owner` (as the router does: in the
+/// tenant's turn, checked in a child process within the configured time and memory, kept for
+/// the tenant's next request; the vocabulary's trie, built once, is not counted): the
+/// constraint, or why not.
+async fn compile(node: &Node, owner: TenantId, format: &Format) -> Result<Constraint, ConstraintError> {
+    let warm = node.grammars.grammars().clone();
     let _ = tokio::task::spawn_blocking(move || warm.warm()).await;
-    let limit = grammars.limits().compile_ms;
-    let f = format.clone();
-    let compile = tokio::task::spawn_blocking(move || grammars.compile(&f));
-    let why = match tokio::time::timeout(Duration::from_millis(limit), compile).await {
-        Ok(Ok(Ok(Some(c)))) => return Ok(c),
-        Ok(Ok(Ok(None))) => "the output format constrains nothing".to_string(),
-        Ok(Ok(Err(e))) => format!("compiling the output format on the decode node: {e}"),
-        Ok(Err(_)) => "compiling the output format on the decode node failed".to_string(),
-        Err(_) => format!("the output format took longer than {limit} ms to compile on the decode node"),
+    let why = match node.grammars.compile(owner, format).await {
+        Ok(Some(c)) => return Ok(c),
+        Ok(None) => "the output format constrains nothing".to_string(),
+        Err(e) => format!("compiling the output format on the decode node: {e}"),
     };
     Err(ConstraintError::Failed(why))
 }

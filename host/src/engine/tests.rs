@@ -1189,6 +1189,7 @@ fn a_steering_constraint_and_the_requests_format_both_hold() {
         GrammarLimits {
             max_schema_bytes: 4096,
             compile_ms: 2000,
+            memory_bytes: 256 << 20,
         },
     );
     let json = grammars.compile(&Format::JsonObject).unwrap();

@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::{Plugin, PluginFailure, Runtime};
-use crate::child::{self, ChildError, Confined, Limit};
+use crate::child::{self, ChildError, Confined, Limit, Memory};
 use crate::fair::{Turn, Turns};
 use crate::tenant::TenantId;
 
@@ -85,7 +85,7 @@ pub async fn compile_isolated(
     limits: CompileLimits,
 ) -> Result<Plugin, PluginFailure> {
     let confined = Confined {
-        memory_bytes: limits.memory_bytes,
+        memory: Memory::AddressSpace(limits.memory_bytes),
         timeout: limits.timeout,
         stdout_cap: (bytes.len().saturating_mul(ARTEFACT_RATIO) + (64 << 20)) as u64,
     };

@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
 use crate::config::{ServeConfig, ServedModel};
-use crate::grammar::{GrammarLimits, Grammars};
+use crate::grammar::{GrammarLimits, Grammars, TenantGrammars};
 use crate::loaded::ModelText;
 use crate::metrics::Metrics;
 use crate::net::{accept, shutdown_signal};
@@ -197,7 +197,10 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
     let grammar_limits = GrammarLimits {
         max_schema_bytes: cfg.limits.max_schema_bytes,
         compile_ms: cfg.limits.schema_compile_ms,
+        memory_bytes: cfg.limits.schema_compile_mib << 20,
     };
+    // This binary checks tenants' formats in child processes.
+    let exe = plugins::compiler()?;
     let served = models
         .into_iter()
         .enumerate()
@@ -208,6 +211,12 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
             // refuse a bad one before it is dispatched).
             let warm = grammars.clone();
             std::thread::spawn(move || warm.warm());
+            let grammars = Arc::new(TenantGrammars::new(
+                grammars,
+                &exe,
+                cfg.limits.schema_compiles,
+                cfg.limits.schema_cache_mib << 20,
+            ));
             Arc::new(Served {
                 grammars,
                 admission: m.engine.admission(),

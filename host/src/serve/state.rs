@@ -11,7 +11,7 @@ use super::store::Store;
 use crate::chat::ChatTemplate;
 use crate::config::ServeConfig;
 use crate::engine::request::AdmissionLimits;
-use crate::grammar::Grammars;
+use crate::grammar::TenantGrammars;
 use crate::metrics::Metrics;
 use crate::runner::EngineHandle;
 use crate::tokenizer::Tokenizer;
@@ -26,8 +26,8 @@ pub struct Served {
     pub tokenizer: Arc<Tokenizer>,
     /// Its chat template.
     pub chat: Option<Arc<ChatTemplate>>,
-    /// Its compiler of `response_format`s.
-    pub grammars: Arc<Grammars>,
+    /// Its compiler of tenants' `response_format`s and tool grammars.
+    pub grammars: Arc<TenantGrammars>,
     /// Its engine (its own thread and KV pool, or on a router the nodes that serve it).
     pub engine: Arc<dyn EngineHandle>,
     /// Admission limits (its engine's).

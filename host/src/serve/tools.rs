@@ -150,7 +150,13 @@ impl Tools {
             }
             match &f.parameters {
                 None => f.parameters = Some(json!({"type": "object", "properties": {}})),
-                Some(Value::Object(_)) => {}
+                Some(p @ Value::Object(_)) => {
+                    // Compiled into the grammar of required calls: held to the schema bounds.
+                    if let Err(e) = crate::grammar::bounds::check(p) {
+                        let at = format!("tools[{i}].function.parameters");
+                        return Err(ApiError::field(&at, format!("{at}: {e}")));
+                    }
+                }
                 Some(_) => {
                     let at = format!("tools[{i}].function.parameters");
                     return Err(ApiError::field(&at, format!("{at} must be a JSON schema object")));
@@ -771,6 +777,7 @@ mod tests {
             GrammarLimits {
                 max_schema_bytes: 65536,
                 compile_ms: 2000,
+                memory_bytes: 256 << 20,
             },
         );
         let compile = |t: &Tools| g.compile(&t.format().unwrap()).unwrap().unwrap();

@@ -54,6 +54,9 @@ pub(super) async fn route(
             for e in state.engines() {
                 e.forget_tenant(id).await;
             }
+            for m in &state.models {
+                m.grammars.forget(id);
+            }
             ok(json!({"deleted": name}))
         }
         (["tenants", _], _) => Err(not_allowed()),

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use http_body_util::BodyExt;
 use hyper::header::{CONTENT_TYPE, HeaderValue};
@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 
 use super::reply::{Body, error_response, json_response, model_not_found};
 use crate::engine::request::ValidRequest;
-use crate::grammar::Format;
+use crate::grammar::{Format, GrammarError};
 use crate::plugin::KvAccess;
 use crate::policy::Policy;
 use crate::runner::{Busy, EndFlag, EngineKv, Job, SeqSlot, Update};
@@ -27,6 +27,7 @@ use crate::serve::state::{Served, State};
 use crate::serve::store::Tenant;
 use crate::serve::stream::{Api, Responder, SseBody};
 use crate::serve::tools::{CallReader, Tools, render};
+use crate::tenant::TenantId;
 
 fn now() -> u64 {
     SystemTime::now()
@@ -224,7 +225,7 @@ pub(super) async fn chat(
             echo: None,
         };
         let req = limit(state, &t, &a, plan, prompt)?.with_request_id(access.id());
-        let req = constrain(&a, &format, req).await?;
+        let req = constrain(&a, t.id, &format, req).await?;
         generate(state, &t, req, format, shape, Api::Chat, reply, id, hooks, a, access).await
     }
     .await;
@@ -262,7 +263,7 @@ pub(super) async fn completions(
         let (prompt, plan, hooks) = prepare(state, &t, &a, asked, plan, r.common.plugin.as_deref(), access).await?;
         let (shape, format) = (plan.shape, plan.format.clone());
         let req = limit(state, &t, &a, plan, prompt)?.with_request_id(access.id());
-        let req = constrain(&a, &format, req).await?;
+        let req = constrain(&a, t.id, &format, req).await?;
         let reply = Reply { calls: None, echo };
         generate(
             state,
@@ -283,11 +284,18 @@ pub(super) async fn completions(
     name_ignored(state, &ignored, counted(state, &t, model.as_deref(), r))
 }
 
-/// Puts `req`'s output under its `format`, compiled against the model's vocabulary off the
-/// runtime: a schema the compiler refuses, or that takes longer than the limit, is a 400 naming
-/// `response_format` (or `tools`, whose schemas make the grammar of required calls). Every
-/// choice gets its own copy (see [`ValidRequest::choice`]).
-async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<ValidRequest, ApiError> {
+/// Puts `req`'s output under its `format`, compiled for its tenant against the model's
+/// vocabulary (see [`crate::grammar::TenantGrammars`]: in the tenant's turn, checked in a child
+/// process stopped at the time and memory limits, kept for the tenant's next request): a format
+/// the compiler refuses, or that runs past a limit, is a 400 naming `response_format` (or
+/// `tools`, whose schemas make the grammar of required calls). Every choice gets its own copy
+/// (see [`ValidRequest::choice`]).
+async fn constrain(
+    a: &Admitted,
+    tenant: TenantId,
+    format: &Format,
+    req: ValidRequest,
+) -> Result<ValidRequest, ApiError> {
     let field = match format {
         Format::Text => return Ok(req),
         Format::Grammar(_) => "tools",
@@ -295,36 +303,20 @@ async fn constrain(a: &Admitted, format: &Format, req: ValidRequest) -> Result<V
     };
     let grammars = a.model.grammars.clone();
     // The vocabulary's trie (built once, at start) is not the request's to wait for.
-    let warm = grammars.clone();
+    let warm = grammars.grammars().clone();
     off_runtime(move || {
         warm.warm();
         Ok(())
     })
     .await?;
-    let limit = grammars.limits().compile_ms;
-    let format = format.clone();
-    // The compile holds the request's slot of its tenant's concurrency until it ends, even past
-    // the time limit: a tenant cannot pile up compiles by timing them out.
-    let hold = a.grant.clone();
-    let compile = tokio::task::spawn_blocking(move || {
-        let c = grammars.compile(&format);
-        drop(hold);
-        c
-    });
-    match tokio::time::timeout(Duration::from_millis(limit), compile).await {
-        Ok(Ok(Ok(c))) => Ok(req.with_constraint(c)),
-        Ok(Ok(Err(e))) => Err(ApiError::field(field, format!("{field}: {e}"))),
-        Ok(Err(_)) => Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            format!("compiling {field} failed"),
+    match grammars.compile(tenant, format).await {
+        Ok(c) => Ok(req.with_constraint(c)),
+        Err(e @ GrammarError::Unavailable(_)) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "structured_output_unavailable",
+            format!("{field}: {e}"),
         )),
-        // The compile goes on until llguidance's own fuel limits stop it, holding the tenant's
-        // slot; the request does not wait.
-        Err(_) => Err(ApiError::field(
-            field,
-            format!("{field} took longer than {limit} ms to compile; simplify the schema"),
-        )),
+        Err(e) => Err(ApiError::field(field, format!("{field}: {e}"))),
     }
 }
 

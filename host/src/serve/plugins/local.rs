@@ -186,6 +186,7 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
                 GrammarLimits {
                     max_schema_bytes: usize::MAX,
                     compile_ms: u64::MAX,
+                    memory_bytes: u64::MAX,
                 },
             );
             let field = if matches!(plan.format, Format::Grammar(_)) {

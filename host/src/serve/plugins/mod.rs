@@ -64,8 +64,8 @@ pub struct Resolved {
 /// Why the plugin service could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum SetupError {
-    /// The running binary, which compiles plugins, cannot be found.
-    #[error("finding the warden binary, which compiles plugins")]
+    /// The running binary, which compiles plugins and checks formats, cannot be found.
+    #[error("finding the warden binary, which compiles plugins and checks formats")]
     Compiler(#[source] std::io::Error),
     /// The wasmtime runtime refused its configuration.
     #[error("starting the plugin runtime")]
@@ -78,7 +78,8 @@ pub enum SetupError {
     Cache(PathBuf, #[source] std::io::Error),
 }
 
-/// The `warden` binary running now, which compiles plugins in a child process.
+/// The `warden` binary running now, which compiles plugins and checks tenants' formats in child
+/// processes.
 pub fn compiler() -> Result<PathBuf, SetupError> {
     std::env::current_exe().map_err(SetupError::Compiler)
 }
