@@ -1201,10 +1201,12 @@ fn the_compiler_child_is_held_to_its_time_and_memory() {
 
 #[test]
 fn tenants_take_turns_at_the_compiler_within_their_compile_budgets() {
-    // Each compile may take 2 s, and a tenant may compile for 3 s a minute.
-    let s = Server::start(
+    // Each compile may take 4 s; mallory may compile for 6 s a minute (its policy), the other
+    // tenant for the server's 60.
+    let s = Server::start_with_policies(
         "compileturns",
-        "[plugins]\ncompile_timeout_s = 2\ncompile_seconds_per_minute = 3\nuploads_per_minute = 100\n",
+        "[plugins]\ncompile_timeout_s = 4\ncompile_seconds_per_minute = 60\nuploads_per_minute = 100\n",
+        &[("tenants/mallory.toml", "[plugins]\ncompile_seconds_per_minute = 6\n")],
     );
     let key = s.key().to_string();
     rt().block_on(async {
@@ -1214,7 +1216,7 @@ fn tenants_take_turns_at_the_compiler_within_their_compile_budgets() {
         let slow: Vec<_> = (0..3)
             .map(|i| {
                 let (c, k) = (c.clone(), mallory.clone());
-                tokio::spawn(async move { upload(&c, &k, &format!("slow{i}"), slow_to_compile(12_000 + i)).await })
+                tokio::spawn(async move { upload(&c, &k, &format!("slow{i}"), slow_to_compile(20_000 + i)).await })
             })
             .collect();
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -1229,9 +1231,9 @@ fn tenants_take_turns_at_the_compiler_within_their_compile_budgets() {
             codes.push((r.status, code(&r)));
         }
         eprintln!("the victim's upload took {waited:?}; mallory's uploads ended {codes:?}");
-        // Behind all three it would wait more than 5.7 s before its own compile began.
-        assert!(waited < std::time::Duration::from_secs(5), "{waited:?}: {codes:?}");
-        // Mallory's first two timed out and were charged 2 s each: the third found its budget
+        // Behind all three it would wait more than 11.7 s before its own compile began.
+        assert!(waited < std::time::Duration::from_secs(10), "{waited:?}: {codes:?}");
+        // Mallory's first two timed out and were charged 4 s each: the third found its budget
         // spent when its turn came.
         codes.sort();
         assert_eq!(

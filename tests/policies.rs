@@ -144,6 +144,13 @@ fn every_limit_is_refused_before_its_work_with_its_code() {
             assert!(Instant::now() < deadline, "the slot never came back: {}", r.text());
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+        // Each choice is a sequence in flight: two choices never fit a limit of one.
+        let two = json!({"model": MODEL, "messages": [{"role": "user", "content": q}], "max_tokens": 2, "n": 2});
+        let r = c
+            .request(Method::POST, "/v1/chat/completions", Some(&keys["conc"]), Some(two.to_string().into_bytes()))
+            .await
+            .expect("request");
+        assert_eq!((r.status, code(&r).as_str()), (400, "n_over_concurrency"), "{}", r.text());
 
         // Static limits: 400 or 403, naming the limit.
         let r = chat(&c, &keys["strict"], q, Some(9)).await;

@@ -524,6 +524,10 @@ pub struct PluginsConfig {
     /// Wall time of all of one request's calls together (every choice's instance), in
     /// milliseconds. Default 10,000.
     pub request_time_ms: u64,
+    /// Instances running a plugin's `init` at once when it runs per request (a plugin that
+    /// cannot be pre-initialised), over all tenants: more wait their turn, taken fairly, one at a
+    /// time per tenant. Default 1.
+    pub init_runs: usize,
     /// Fuel for a plugin's `init` (its set-up: reading the vocabulary, compiling rules), which
     /// runs once per (version, configuration) where the plugin can be pre-initialised, else
     /// before each request (then within the request's time). A tenant whose policy sets its
@@ -569,6 +573,7 @@ impl Default for PluginsConfig {
             fuel_per_call: 50_000_000,
             call_timeout_ms: 100,
             request_time_ms: 10_000,
+            init_runs: 1,
             init_fuel: 500_000_000,
             init_timeout_ms: 1000,
             tenant_instances: 64,
@@ -898,7 +903,7 @@ impl ServeConfig {
             value: value.to_string(),
             why,
         };
-        let positive: [(&'static str, usize); 30] = [
+        let positive: [(&'static str, usize); 31] = [
             ("cluster.pages_per_batch", self.cluster.pages_per_batch),
             ("cluster.batches_in_flight", self.cluster.batches_in_flight),
             ("cluster.bytes_in_flight_mib", self.cluster.bytes_in_flight_mib),
@@ -911,6 +916,7 @@ impl ServeConfig {
             ("plugins.call_timeout_ms", self.plugins.call_timeout_ms as usize),
             ("plugins.request_time_ms", self.plugins.request_time_ms as usize),
             ("plugins.init_timeout_ms", self.plugins.init_timeout_ms as usize),
+            ("plugins.init_runs", self.plugins.init_runs),
             ("plugins.tenant_instances", self.plugins.tenant_instances as usize),
             ("plugins.uploads_per_minute", self.plugins.uploads_per_minute as usize),
             ("plugins.compiles", self.plugins.compiles),

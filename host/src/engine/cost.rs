@@ -6,6 +6,11 @@
 //! `logits` the sequences whose last row goes through the vocabulary projection. The
 //! coefficients are a least-squares fit, with a small ridge term, over the last [`WINDOW`] steps,
 //! so they follow the machine's load; none is below zero.
+//!
+//! The same fit prices work for the fair scheduler ([`CostModel::charge`]): a token costs one,
+//! plus the positions it attends over [`CostModel::attend_per_token`], the number of positions
+//! whose attention costs as much as a token's other work. A token at position 5,000 is charged
+//! what it costs, not what one at position 50 does.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -15,6 +20,14 @@ pub const WINDOW: usize = 64;
 
 /// Steps observed before the model predicts anything.
 const MIN_SAMPLES: usize = 8;
+
+/// [`CostModel::attend_per_token`] before the fit says: about what a small model on a CPU
+/// measures (attending 1,000 positions costs about as much as a token's matmuls).
+const DEFAULT_ATTEND_PER_TOKEN: f64 = 1000.0;
+
+/// The range [`CostModel::attend_per_token`] is held to, whatever a noisy fit says: a token
+/// costs at most one more for every 64 positions it attends.
+pub const ATTEND_PER_TOKEN_RANGE: (f64, f64) = (64.0, 1e6);
 
 /// Ridge term, relative to the observations' scale: keeps a coefficient the window says little
 /// about near zero instead of letting it swing.
@@ -70,6 +83,10 @@ pub struct CostModel {
     seen: VecDeque<([f64; 4], f64)>,
     /// Milliseconds per unit of each feature, once fitted.
     coef: Option<[f64; 4]>,
+    /// [`attend_per_token`](CostModel::attend_per_token) fixed, whatever the fit (tests whose
+    /// stand-in model's steps take no time to measure).
+    #[cfg(test)]
+    pub(super) fixed_attend_per_token: Option<f64>,
 }
 
 impl CostModel {
@@ -82,6 +99,31 @@ impl CostModel {
         if self.seen.len() >= MIN_SAMPLES {
             self.coef = fit(&self.seen);
         }
+    }
+
+    /// Attended positions that cost as much as one token's other work, as fitted (the default
+    /// until then).
+    pub fn attend_per_token(&self) -> f64 {
+        #[cfg(test)]
+        if let Some(k) = self.fixed_attend_per_token {
+            return k;
+        }
+        let Some(c) = self.coef else {
+            return DEFAULT_ATTEND_PER_TOKEN;
+        };
+        // ms a token (features scale tokens by 100) over ms a position (by 100,000).
+        let (per_token, per_position) = (c[1] / 100.0, c[2] / 1e5);
+        let (lo, hi) = ATTEND_PER_TOKEN_RANGE;
+        if per_position <= 0.0 {
+            return hi;
+        }
+        (per_token / per_position).clamp(lo, hi)
+    }
+
+    /// What `work` costs, in tokens: one each, plus the positions they attend over
+    /// [`attend_per_token`](Self::attend_per_token). The fair scheduler charges tenants this.
+    pub fn charge(&self, work: Work) -> f64 {
+        work.tokens as f64 + work.attended as f64 / self.attend_per_token()
     }
 
     /// How long a step doing `work` should take; `None` until enough steps have been seen.
@@ -177,6 +219,26 @@ mod tests {
                 "{w:?}: predicted {got} ms, truth {want} ms"
             );
         }
+    }
+
+    #[test]
+    fn a_token_is_charged_by_the_context_it_attends() {
+        let mut m = CostModel::default();
+        // Before any fit: the default exchange rate.
+        assert_eq!(m.charge(Work::chunk(0, 1, false)), 1.0 + 1.0 / DEFAULT_ATTEND_PER_TOKEN);
+        // 0.5 ms a token and 2 µs an attended position: 250 positions cost a token.
+        let truth = |w: Work| 4.0 + 0.5 * w.tokens as f64 + 0.002 * w.attended as f64;
+        let mut x = 99u64;
+        for _ in 0..WINDOW {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let w = Work::chunk((x >> 33) as usize % 4000, 1 + (x >> 20) as usize % 200, false);
+            m.observe(w, Duration::from_secs_f64(truth(w) / 1e3));
+        }
+        assert!((m.attend_per_token() - 250.0).abs() < 25.0, "{}", m.attend_per_token());
+        // A decode at position 5,000 costs about 21 tokens; one at 50, about 1.2.
+        let far = m.charge(Work::chunk(5000, 1, true));
+        let near = m.charge(Work::chunk(50, 1, true));
+        assert!((far / near - 21.0 / 1.2).abs() < 2.0, "{far} vs {near}");
     }
 
     #[test]

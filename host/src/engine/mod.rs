@@ -1,12 +1,13 @@
 //! The engine: admission, continuous batching with chunked prefill, sampling and retirement.
 //!
 //! One progress model (as vLLM v1): each running sequence has `tokens` (prompt then output) and
-//! `computed`, how many of them have KV in its pages. A step gives every sequence whose tokens are
-//! all computed but the last (a decode) one token, then fills the rest of the step with prefill
-//! chunks, the least served tenant's first, up to a token cap and a target duration that a cost
-//! model fitted from recent steps predicts (`cost`). A tenant arriving with nothing decoding may
-//! get a step for its prefill alone (see `schedule`). Sequences join and leave between any
-//! two steps. Every way a scheduled request ends — finished, cancelled, failed — goes through
+//! `computed`, how many of them have KV in its pages. A step gives sequences whose tokens are all
+//! computed but the last (a decode) one token and others prefill chunks: the least served
+//! tenant's work leads, up to a token cap and a target duration that a cost model fitted from
+//! recent steps predicts (`cost`), and the other tenants' joins while the step stays within twice
+//! the lead's (see `schedule`). Tenants are charged what their tokens cost, by the context they
+//! attend. Sequences join and leave between any two steps; running slots and KV pages are shared
+//! fairly at admission ([`Engine::admit_waiting`]). Every way a scheduled request ends — finished, cancelled, failed — goes through
 //! `Engine::retire`, which closes its KV state (pages return to the pool once unreferenced) and
 //! emits exactly one [`Event::Done`]. Rejected requests never get here: [`Engine::submit`] returns
 //! them before anything is allocated.
@@ -259,6 +260,8 @@ struct Seq {
     text: TextStream,
     /// Its tokens' verdicts, when something outside steers it (see [`steer`]).
     steer: Option<Arc<Steer>>,
+    /// The step it last computed in (0: never).
+    last: u64,
 }
 
 impl Seq {
@@ -363,6 +366,8 @@ pub struct Engine {
     computed: u64,
     /// Sequences preempted since the engine started.
     preemptions: u64,
+    /// Steps run since the engine started.
+    steps: u64,
     /// Requests the last step admitted (first gave their pages), with when: their time in the
     /// queue ends there.
     admitted: Vec<(RequestId, Instant)>,
@@ -436,6 +441,7 @@ impl Engine {
             cost: CostModel::default(),
             computed: 0,
             preemptions: 0,
+            steps: 0,
             admitted: Vec::new(),
             scratch: Scratch::default(),
             events: Vec::new(),
@@ -640,6 +646,7 @@ impl Engine {
             sampler: Sampler::new(r.sampling, constraint),
             text: TextStream::new(r.stop),
             steer,
+            last: 0,
         });
         Ok(id)
     }
@@ -756,8 +763,17 @@ impl Engine {
     /// across tenants the least served first (by virtual tokens, see [`schedule::next_to_admit`]),
     /// within a tenant in arrival order. A request whose owner is at its KV budget, or that
     /// follows a prefill of its owner, waits without blocking the others.
+    ///
+    /// Running slots and KV pages are shared fairly, not first come: a request whose tenant holds
+    /// less than its share (by weight) takes a slot back from the tenant holding the most
+    /// ([`slot_victim`](Self::slot_victim)), and pages from the tenant holding the most pages
+    /// ([`page_victim`](Self::page_victim)), preempting that tenant's sequences as a running
+    /// sequence's growth does (they compute their tokens again when readmitted, and go on where
+    /// they were).
     fn admit_waiting(&mut self) {
         let mut passed: HashSet<RequestId> = HashSet::new();
+        // Tenants that neither find a free slot nor are owed one this pass.
+        let mut no_slot: HashSet<TenantId> = HashSet::new();
         // Prompt tokens admitted in this pass, per tenant (over its weight): counted in the
         // order at once, so one tenant does not take every free slot before a step runs.
         let mut admitted: HashMap<TenantId, f64> = HashMap::new();
@@ -771,13 +787,24 @@ impl Engine {
             let seq = self.waiting.remove(i).expect("index in range");
             self.running.push(seq);
         }
-        while self.running.len() < self.cfg.max_running {
-            let Some(i) = self.next_to_admit(&passed, &admitted) else {
-                break;
-            };
+        while let Some(i) = self.next_to_admit(&passed, &no_slot, &admitted) {
             let s = &self.waiting[i];
             if !s.awaits_kv() && self.follows_a_prefill(s) {
                 passed.insert(s.id);
+                continue;
+            }
+            if self.running.len() >= self.cfg.max_running {
+                match self.slot_victim(s.owner) {
+                    // Not readmitted in this pass: what a preemption frees goes to the request
+                    // it was made for (and nothing moves back and forth).
+                    Some(j) => {
+                        passed.insert(self.running[j].id);
+                        self.preempt(j);
+                    }
+                    None => {
+                        no_slot.insert(s.owner);
+                    }
+                }
                 continue;
             }
             let pages = self.pool.pages_for(s.opening_tokens());
@@ -807,11 +834,12 @@ impl Engine {
                 Ok(cached) => {
                     // What it computes again after a preemption is charged to no one.
                     let computes = if s.preempted == 0 {
-                        s.prompt_len.saturating_sub(cached)
+                        self.cost
+                            .charge(Work::chunk(cached, s.prompt_len.saturating_sub(cached), false))
                     } else {
-                        0
+                        0.0
                     };
-                    *admitted.entry(s.owner).or_insert(0.0) += computes as f64 / self.weight(s.owner);
+                    *admitted.entry(s.owner).or_insert(0.0) += computes / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     let awaited_kv = seq.awaits_kv();
                     seq.phase = Phase::Open;
@@ -841,8 +869,15 @@ impl Engine {
                 Err(KvError::PoolExhausted { wanted, .. }) if wanted <= self.pool.available_pages() => {
                     passed.insert(s.id);
                 }
-                // Wait for running sequences to finish and free pages.
-                Err(KvError::PoolExhausted { .. }) => break,
+                // Pages taken back from the tenant holding the most, if this one is owed them;
+                // else wait for running sequences to finish and free pages.
+                Err(KvError::PoolExhausted { .. }) => match self.page_victim(s.owner, pages) {
+                    Some(j) => {
+                        passed.insert(self.running[j].id);
+                        self.preempt(j);
+                    }
+                    None => break,
+                },
                 Err(e) => {
                     let seq = self.waiting.remove(i).expect("index in range");
                     self.retire(seq, Outcome::Aborted(AbortReason::Kv(e)));
@@ -851,15 +886,82 @@ impl Engine {
         }
     }
 
-    /// The waiting request to admit next, skipping `passed` (see [`schedule::next_to_admit`]).
-    fn next_to_admit(&self, passed: &HashSet<RequestId>, admitted: &HashMap<TenantId, f64>) -> Option<usize> {
+    /// The waiting request to admit next, skipping `passed` and the requests of `no_slot`'s
+    /// tenants (see [`schedule::next_to_admit`]).
+    fn next_to_admit(
+        &self,
+        passed: &HashSet<RequestId>,
+        no_slot: &HashSet<TenantId>,
+        admitted: &HashMap<TenantId, f64>,
+    ) -> Option<usize> {
         let waiting = self
             .waiting
             .iter()
-            .map(|s| (!passed.contains(&s.id)).then_some(s.owner));
+            .map(|s| (!passed.contains(&s.id) && !no_slot.contains(&s.owner)).then_some(s.owner));
         let running = self.running_per_owner();
         let counter = |o: TenantId| self.served(o) + admitted.get(&o).copied().unwrap_or(0.0);
         schedule::next_to_admit(waiting, &counter, &|o| running.get(&o).copied().unwrap_or(0))
+    }
+
+    /// The running sequence to preempt so that a request of `owner` gets a slot, when every slot
+    /// is taken: of the tenants served at least as much as `owner` (by virtual tokens), the one
+    /// holding the most slots
+    /// per weight, if it holds more per weight than `owner` would with one more (so no slot ever
+    /// moves back and forth). Its sequence whose preemption loses the least goes
+    /// ([`cheapest`](Self::cheapest)).
+    fn slot_victim(&self, owner: TenantId) -> Option<usize> {
+        let running = self.running_per_owner();
+        let share = |o: TenantId, n: usize| n as f64 / self.weight(o);
+        let after = share(owner, running.get(&owner).copied().unwrap_or(0) + 1);
+        let (&most, &n) = running
+            .iter()
+            .filter(|&(&o, _)| o != owner && self.served(o) >= self.served(owner))
+            .max_by(|a, b| share(*a.0, *a.1).total_cmp(&share(*b.0, *b.1)).then(a.0.cmp(b.0)))?;
+        if share(most, n) <= after {
+            return None;
+        }
+        self.cheapest(most, |_| true)
+    }
+
+    /// The running sequence to preempt so that a request of `owner` needing `pages` gets them:
+    /// of the tenants served at least as much as `owner`, the one holding the most pages per weight, if it
+    /// holds more per weight than `owner` would with them and keeps its guaranteed floor without
+    /// the sequence. Its sequence whose preemption loses the least goes.
+    fn page_victim(&self, owner: TenantId, pages: usize) -> Option<usize> {
+        let share = |o: TenantId, n: usize| n as f64 / self.weight(o);
+        let after = share(owner, self.pool.pages_held(owner) + pages);
+        let mut holders: Vec<TenantId> = self
+            .running
+            .iter()
+            .map(|s| s.owner)
+            .filter(|&o| o != owner && self.served(o) >= self.served(owner))
+            .collect();
+        holders.sort();
+        holders.dedup();
+        let most = holders
+            .into_iter()
+            .map(|o| (o, self.pool.pages_held(o)))
+            .max_by(|a, b| share(a.0, a.1).total_cmp(&share(b.0, b.1)).then(a.0.cmp(&b.0)))?;
+        if share(most.0, most.1) <= after {
+            return None;
+        }
+        let floor = self.pool.owner_floor(most.0);
+        self.cheapest(most.0, |r| {
+            let its = self.pool.pages_of(r.id.seq()).unwrap_or(0);
+            its > 0 && most.1.saturating_sub(its) >= floor
+        })
+    }
+
+    /// Of `owner`'s running sequences that `may` allow and that are not computing again what an
+    /// earlier preemption took, the one whose preemption loses the least: the fewest positions
+    /// computed, then the newest.
+    fn cheapest(&self, owner: TenantId, may: impl Fn(&Seq) -> bool) -> Option<usize> {
+        (0..self.running.len())
+            .filter(|&j| {
+                let r = &self.running[j];
+                r.owner == owner && !r.recomputing() && may(r)
+            })
+            .min_by_key(|&j| (self.running[j].computed, std::cmp::Reverse(self.running[j].id)))
     }
 
     /// Gives each running sequence the pages its next positions need (a decode's next position
@@ -981,6 +1083,7 @@ impl Engine {
                     computed: s.computed,
                     target: s.chunk_target(),
                     samples: s.samples_at(s.chunk_target()),
+                    last: s.last,
                 }
             })
             .collect();
@@ -1007,6 +1110,7 @@ impl Engine {
     pub fn step(&mut self) -> Vec<Event> {
         // Only this step's admissions are kept: a caller that never takes them holds no more.
         self.admitted.clear();
+        self.steps += 1;
         self.admit_waiting();
         self.hold_prefilled();
         self.grow_running();
@@ -1020,7 +1124,10 @@ impl Engine {
                 .ensure(s.id.seq(), upto)
                 .and_then(|()| self.pool.commit_slots(s.id.seq(), upto))
             {
-                Ok(()) => step.push((i, n)),
+                Ok(()) => {
+                    self.running[i].last = self.steps;
+                    step.push((i, n));
+                }
                 Err(KvError::Isolation(v)) => ends[i] = Some(Outcome::Aborted(AbortReason::Isolation(v))),
                 Err(e) => ends[i] = Some(Outcome::Aborted(AbortReason::Kv(e))),
             }
@@ -1074,9 +1181,12 @@ impl Engine {
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
                 let (owner, from) = (self.running[i].owner, self.running[i].computed);
-                // Computing again what a preemption took is charged to no one's share.
-                let new = (from + n).saturating_sub(from.max(self.running[i].high_water));
-                *self.served.entry(owner).or_insert(0.0) += new as f64 / self.weight(owner);
+                // Computing again what a preemption took is charged to no one's share; the rest
+                // is charged what it costs (a token by the context it attends).
+                let start = from.max(self.running[i].high_water);
+                let new = (from + n).saturating_sub(start);
+                let charge = self.cost.charge(Work::chunk(start, new, false));
+                *self.served.entry(owner).or_insert(0.0) += charge / self.weight(owner);
                 let caches = self.prefix_cache_for(owner);
                 let s = &mut self.running[i];
                 match r {

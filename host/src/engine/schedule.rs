@@ -2,17 +2,20 @@
 //! to compute, its tenant's virtual counter and the step's limits, which sequences compute how
 //! many tokens in the next step. Pure, so fairness and chunking are tested here without a model.
 //!
-//! Normally (as Sarathi-Serve) a step is one token for every decoding sequence, then prefill
-//! chunks, the least served tenant's first (then in admission order), while the step fits its
-//! limits ([`Planner::max_batch_tokens`], and the step target as the cost model predicts it),
-//! and at least [`MIN_PREFILL_TOKENS`] so decodes never stall prefills entirely.
-//!
-//! A first-token step: when the least served tenant has nothing decoding (its requests are all
-//! waiting for their first token) and the other tenants' decodes do not fit in the step beside
-//! its prefill, the step is its prefill alone, and the decodes wait one step. Its time to first
-//! token is then the step in flight plus its own prefill, as on an idle engine, however many
-//! streams others keep open. Serving it raises its counter above theirs, so the next step is
-//! theirs: a tenant's decodes wait only while the VTC lets less served tenants catch up.
+//! Tenants take the step in turn by their virtual counters (the VTC of "Fairness in Serving
+//! Large Language Models", OSDI 2024, charging each token by its cost: see
+//! [`CostModel::charge`]). The least served tenant *leads* the step: its decodes (every one
+//! when it runs alone; under contention as many as fit the step target, at least one, those
+//! that waited longest first), then its prefill chunks, cut to what fits the step target
+//! (Sarathi-Serve's token budget from a latency target), never below [`MIN_PREFILL_TOKENS`].
+//! The other tenants' work joins in their order while the step's predicted duration stays
+//! within twice the lead's own: decodes first (those that waited longest first), then prefill
+//! chunks cut to fit. So what others add to a step costs the lead at most as much again as its
+//! own work: a tenant decodes at no less than half its idle speed beside any other, however
+//! long the other's contexts or however many its streams. A tenant arriving with its first
+//! prompt starts at the lowest counter of the active ones and, with fewer sequences, leads
+//! the next step: its time to first token is the step in flight plus its own prefill steps.
+//! Serving a tenant raises its counter, so the lead moves on.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -20,7 +23,7 @@ use std::time::Duration;
 use super::cost::{CostModel, Work};
 use crate::tenant::TenantId;
 
-/// Prefill tokens a step carries even when its decodes take the whole budget.
+/// Prefill tokens the lead's prefill gets in a step even when nothing more fits its target.
 pub const MIN_PREFILL_TOKENS: usize = 16;
 
 /// What the planner sees of a running sequence.
@@ -34,6 +37,9 @@ pub struct SeqView {
     pub target: usize,
     /// Whether reaching `target` ends in a token to sample (false for a prefill node's half).
     pub samples: bool,
+    /// The step it last computed in (0: never); of a tenant's decodes, those that waited
+    /// longest go first.
+    pub last: u64,
 }
 
 impl SeqView {
@@ -56,8 +62,15 @@ pub struct Planner<'a> {
     pub step_target: Option<Duration>,
     /// How long steps take, as fitted.
     pub cost: &'a CostModel,
-    /// A tenant's virtual counter: tokens computed for it over its weight.
+    /// A tenant's virtual counter: what was computed for it (in [`CostModel::charge`]'s units)
+    /// over its weight.
     pub served: &'a dyn Fn(TenantId) -> f64,
+}
+
+/// A step being planned: what it holds and what it would do.
+struct Step {
+    plan: Vec<(usize, usize)>,
+    work: Work,
 }
 
 impl Planner<'_> {
@@ -68,54 +81,81 @@ impl Planner<'_> {
         for s in running {
             *per_owner.entry(s.owner).or_insert(0) += 1;
         }
-        let tenant_key = |o: TenantId| (OrdF64((self.served)(o)), per_owner[&o]);
-        let (decodes, mut prefills): (Vec<usize>, Vec<usize>) = (0..running.len()).partition(|&i| running[i].decodes());
         // Least served first; on a tie (a tenant just lifted to the others' counter), the tenant
-        // with fewer sequences.
-        prefills.sort_by_key(|&i| (tenant_key(running[i].owner), i));
-        let cap = self.max_batch_tokens;
-        let mut plan = Vec::new();
-        let mut work = Work::default();
-        let lead = prefills.first().map(|&i| running[i].owner);
-        let first_token = lead.filter(|&l| decodes.iter().all(|&i| tenant_key(l) < tenant_key(running[i].owner)));
-        // Prefill tokens the step still owes the floor.
-        let mut floor = MIN_PREFILL_TOKENS;
-        if let Some(lead) = first_token {
-            let own = prefills.iter().copied().filter(|&i| running[i].owner == lead);
-            self.add_prefills(running, own, &mut plan, &mut work, &mut floor);
-            let with_decodes = decodes.iter().fold(work, |w, &i| w.plus(running[i].chunk(1)));
-            if !decodes.is_empty() && !self.fits(with_decodes) {
-                return plan;
+        // with fewer sequences, then the lower id.
+        let mut tenants: Vec<TenantId> = per_owner.keys().copied().collect();
+        tenants.sort_by_key(|&o| (OrdF64((self.served)(o)), per_owner[&o], o));
+        let Some(&lead) = tenants.first() else {
+            return Vec::new();
+        };
+        let alone = tenants.len() == 1;
+        // Each tenant's decodes, those that waited longest first; its prefills in order.
+        let decodes_of = |o: TenantId| {
+            let mut d: Vec<usize> = (0..running.len())
+                .filter(|&i| running[i].owner == o && running[i].decodes())
+                .collect();
+            d.sort_by_key(|&i| (running[i].last, i));
+            d
+        };
+        let prefills_of =
+            |o: TenantId| (0..running.len()).filter(move |&i| running[i].owner == o && !running[i].decodes());
+        let mut step = Step {
+            plan: Vec::new(),
+            work: Work::default(),
+        };
+        // The lead's decodes: all of them alone, else those that fit the target (one at least).
+        for i in decodes_of(lead) {
+            let with = step.work.plus(running[i].chunk(1));
+            if with.tokens > self.max_batch_tokens || (!alone && !step.plan.is_empty() && !self.fits(with)) {
+                break;
             }
-            prefills.retain(|&i| running[i].owner != lead);
+            step.plan.push((i, 1));
+            step.work = with;
         }
-        for &i in decodes.iter().take(cap - work.tokens) {
-            plan.push((i, 1));
-            work = work.plus(running[i].chunk(1));
-        }
-        self.add_prefills(running, prefills, &mut plan, &mut work, &mut floor);
-        plan
-    }
-
-    /// Adds the prefill chunks of `order`'s sequences to `plan` while they fit beside `work`,
-    /// until one gets nothing; each counts against the `floor` the step still owes.
-    fn add_prefills(
-        &self,
-        running: &[SeqView],
-        order: impl IntoIterator<Item = usize>,
-        plan: &mut Vec<(usize, usize)>,
-        work: &mut Work,
-        floor: &mut usize,
-    ) {
-        for i in order {
-            let n = self.prefill_chunk(&running[i], *work, *floor);
+        // The lead's prefills, within the target, owed the floor.
+        let mut floor = MIN_PREFILL_TOKENS;
+        for i in prefills_of(lead) {
+            let n = self.prefill_chunk(&running[i], step.work, floor, &|w| self.fits(w));
             if n == 0 {
                 break;
             }
-            plan.push((i, n));
-            *work = work.plus(running[i].chunk(n));
-            *floor = floor.saturating_sub(n);
+            step.plan.push((i, n));
+            step.work = step.work.plus(running[i].chunk(n));
+            floor = floor.saturating_sub(n);
         }
+        if alone {
+            return step.plan;
+        }
+        // The others' work, within twice the lead's.
+        let bound = self.cost.predict(step.work).map(|t| t * 2);
+        let within = |w: Work| {
+            w.tokens <= self.max_batch_tokens
+                && match (bound, self.cost.predict(w)) {
+                    (Some(b), Some(t)) => t <= b,
+                    _ => true,
+                }
+        };
+        let others = &tenants[1..];
+        for &o in others {
+            for i in decodes_of(o) {
+                let with = step.work.plus(running[i].chunk(1));
+                if within(with) {
+                    step.plan.push((i, 1));
+                    step.work = with;
+                }
+            }
+        }
+        for &o in others {
+            for i in prefills_of(o) {
+                let n = self.prefill_chunk(&running[i], step.work, 0, &within);
+                if n == 0 {
+                    break;
+                }
+                step.plan.push((i, n));
+                step.work = step.work.plus(running[i].chunk(n));
+            }
+        }
+        step.plan
     }
 
     /// Whether a step doing `work` stays within the step's limits: `max_batch_tokens`, and the
@@ -128,15 +168,15 @@ impl Planner<'_> {
             }
     }
 
-    /// The next prefill chunk of `s` beside `work`: the largest that fits, or `floor` tokens if
-    /// that is more (within `max_batch_tokens` and what it has left).
-    fn prefill_chunk(&self, s: &SeqView, work: Work, floor: usize) -> usize {
-        let most = (s.target - s.computed).min(self.max_batch_tokens - work.tokens);
+    /// The next prefill chunk of `s` beside `work`: the largest that `fits`, or `floor` tokens
+    /// if that is more (within `max_batch_tokens` and what it has left).
+    fn prefill_chunk(&self, s: &SeqView, work: Work, floor: usize, fits: &dyn Fn(Work) -> bool) -> usize {
+        let most = (s.target - s.computed).min(self.max_batch_tokens.saturating_sub(work.tokens));
         let (mut lo, mut hi) = (0, most);
         // The cost only grows with the chunk: binary search for the last size that fits.
         while lo < hi {
             let mid = (lo + hi).div_ceil(2);
-            if self.fits(work.plus(s.chunk(mid))) {
+            if fits(work.plus(s.chunk(mid))) {
                 lo = mid;
             } else {
                 hi = mid - 1;
@@ -192,7 +232,27 @@ mod tests {
             computed,
             target,
             samples: true,
+            last: 0,
         }
+    }
+
+    /// A cost model fitted to steps of `truth` (milliseconds for a step's work).
+    fn fitted(truth: impl Fn(Work) -> f64) -> CostModel {
+        let mut cost = CostModel::default();
+        let mut x = 7u64;
+        for _ in 0..super::super::cost::WINDOW {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let (pos, n) = ((x >> 33) as usize % 8000, 1 + (x >> 20) as usize % 64);
+            let w = Work::chunk(pos, n, true).plus(Work::chunk(pos / 3, 1, true));
+            cost.observe(w, Duration::from_secs_f64(truth(w) / 1e3));
+        }
+        cost
+    }
+
+    /// 5 ms a step, 0.05 ms a token, 1 µs an attended position, 0.1 ms a logit row: a small
+    /// model whose long contexts cost more than its matmuls.
+    fn small_model(w: Work) -> f64 {
+        5.0 + 0.05 * w.tokens as f64 + 0.001 * w.attended as f64 + 0.1 * w.logits as f64
     }
 
     fn plan(running: &[SeqView], cap: usize, served: &dyn Fn(TenantId) -> f64) -> Vec<(usize, usize)> {
@@ -218,6 +278,65 @@ mod tests {
         let running = [seq(1, 0, 80), seq(2, 0, 80)];
         let served = |t: TenantId| if t == tenant(1) { 50.0 } else { 10.0 };
         assert_eq!(plan(&running, 100, &served), vec![(1, 80), (0, 20)]);
+    }
+
+    #[test]
+    fn a_light_tenant_decodes_at_no_less_than_half_its_speed_beside_long_contexts() {
+        let cost = fitted(small_model);
+        // Tenant 1 decodes one sequence at position 700; tenant 2 sixteen at 4,000 and more.
+        let mut running = vec![seq(1, 700, 701)];
+        running.extend((0..16).map(|i| seq(2, 4000 + i, 4001 + i)));
+        let plan_with = |served: &dyn Fn(TenantId) -> f64| {
+            Planner {
+                max_batch_tokens: 512,
+                step_target: Some(Duration::from_millis(40)),
+                cost: &cost,
+                served,
+            }
+            .plan(&running)
+        };
+        let work = |p: &[(usize, usize)]| p.iter().fold(Work::default(), |w, &(i, n)| w.plus(running[i].chunk(n)));
+        let alone = cost.predict(running[0].chunk(1)).unwrap();
+        // Leading (the counters tie, and it runs fewer sequences): its step takes at most twice
+        // its own decode, and the other tenant's decodes join as far as that allows.
+        let p = plan_with(&|_| 0.0);
+        assert_eq!(p[0], (0, 1), "{p:?}");
+        assert!(p.len() > 1, "{p:?}");
+        let took = cost.predict(work(&p)).unwrap();
+        assert!(took <= alone * 2, "{took:?} for a {alone:?} decode: {p:?}");
+        // Led by the other tenant (tenant 1 the more served), whose decodes fill the target:
+        // tenant 1's decode still joins.
+        let p = plan_with(&|t| if t == tenant(1) { 100.0 } else { 0.0 });
+        assert!(p.contains(&(0, 1)), "{p:?}");
+        assert!((2..8).all(|k| p.iter().any(|&(i, _)| i == k)), "{p:?}");
+    }
+
+    #[test]
+    fn a_tenants_decodes_take_turns_when_not_all_fit() {
+        let cost = fitted(small_model);
+        // Tenant 1 leads every step (the counters tie, and it runs fewer sequences); about four
+        // of tenant 2's sixteen fit beside it.
+        let mut running = vec![seq(1, 10, 11)];
+        running.extend((0..16).map(|i| seq(2, 1000 + i, 1001 + i)));
+        let mut served_steps = vec![0u64; running.len()];
+        for step in 1..=40u64 {
+            let p = Planner {
+                max_batch_tokens: 512,
+                step_target: Some(Duration::from_millis(40)),
+                cost: &cost,
+                served: &|_| 0.0,
+            }
+            .plan(&running);
+            for &(i, _) in &p {
+                running[i].last = step;
+                served_steps[i] += 1;
+            }
+        }
+        // Every one of tenant 2's streams moved, none far more than another.
+        assert_eq!(served_steps[0], 40);
+        let twos = &served_steps[1..];
+        let (lo, hi) = (*twos.iter().min().unwrap(), *twos.iter().max().unwrap());
+        assert!(lo > 0 && hi - lo <= 1 && hi < 40, "{served_steps:?}");
     }
 
     #[test]
@@ -298,6 +417,7 @@ mod tests {
                     computed,
                     target: computed + if decoding { 1 } else { left },
                     samples,
+                    last: 0,
                 })
                 .collect();
             let served = |t: TenantId| f64::from(counters[(t.get() - 1) as usize]);

@@ -279,12 +279,15 @@ proptest! {
     }
 }
 
-/// The fairness bound, in virtual tokens (tokens over weight): what one tenant may be served
-/// more than another while both have requests waiting. While the less served one waits, the
-/// more served one gains only through sequences admitted before (their pages were reserved, so
-/// together at most the pool's tokens: 40 pages, see [`config`]) and through one step's batch
-/// (`max_batch_tokens`, 32) beyond that; a weight is at least 1. Runs here stay under 70; with
-/// admission in arrival order instead of least served first, they pass 190.
+/// The fairness bound, in virtual tokens (what was computed for a tenant over its weight; the
+/// test charges each token one, as a model whose attention costs nothing would be): what one
+/// tenant may be served more than another while both have requests waiting. While the less
+/// served one waits, the more served one gains only through sequences admitted before (their
+/// pages were reserved, so together at most the pool's tokens: 40 pages, see [`config`]) and
+/// through one step's batch (`max_batch_tokens`, 32) beyond that; a weight is at least 1. Runs
+/// here stay under 100 (400 cases); with admission in arrival order instead of least served
+/// first they reach 160, and with neither that order nor slots and pages taken back from the
+/// more served (before these), 190.
 const FAIRNESS_BOUND: f64 = (40 * PAGE + 32) as f64;
 
 proptest! {
@@ -299,6 +302,8 @@ proptest! {
     #[test]
     fn no_waiting_tenant_falls_behind_past_the_fairness_bound(ops in prop::collection::vec(op(), 1..160)) {
         let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+        // The stand-in's steps take no time to measure: a token costs one, whatever it attends.
+        e.cost.fixed_attend_per_token = Some(f64::INFINITY);
         let uncapped = |weight| TenantSettings { weight, ..TenantSettings::default() };
         for o in 1..=3 {
             e.set_tenant(tenant(o), uncapped(1));
@@ -543,4 +548,95 @@ fn a_sequence_its_tenant_needs_for_its_floor_is_not_preempted() {
         "tenant 1's sequences outgrow the pool: some yield"
     );
     assert!(!preempted.contains(&floor), "tenant 2's floor was taken: {preempted:?}");
+}
+
+/// Running slots are shared: a tenant that holds every slot gives one back to a tenant that
+/// arrives with none (its sequence that lost least is preempted, and ends as it would have),
+/// instead of the newcomer waiting until one of them ends.
+#[test]
+fn a_less_served_tenant_takes_a_slot_back_from_one_holding_them_all() {
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    // Eight slots, all tenant 1's, on short prompts that leave the pool half free.
+    let ones: Vec<(RequestId, Vec<u32>)> = (0..8u32)
+        .map(|k| {
+            let prompt = prompt_of(4, k);
+            (open_ended(&mut e, 1, &prompt), prompt)
+        })
+        .collect();
+    let mut early: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut step = |e: &mut Engine| {
+        for ev in e.step() {
+            if let Event::Token { id, token, .. } = ev {
+                early.entry(id).or_default().push(token);
+            }
+        }
+    };
+    for _ in 0..3 {
+        step(&mut e);
+    }
+    assert_eq!(e.queue_lengths(), (0, 8));
+    let two = submit(&mut e, 2, 6, 4, 9).expect("admitted");
+    step(&mut e);
+    assert!(
+        e.running.iter().any(|s| s.id == two),
+        "tenant 2 got a slot at the next step"
+    );
+    assert_eq!(e.preemptions(), 1, "one of tenant 1's gave its slot back");
+    let (tokens, ended) = drain(&mut e);
+    assert!(matches!(ended[&two].0, Outcome::Finished(_)), "{:?}", ended[&two]);
+    for (id, prompt) in &ones {
+        let all = [early.get(id).cloned().unwrap_or_default(), tokens[id].clone()].concat();
+        assert_eq!(all, expected(prompt, 60, true), "{id} ends as it would alone");
+    }
+    let c = e.kv_counters();
+    assert_eq!((c.pages_used, c.pages_reserved), (0, 0), "{c:?}");
+}
+
+/// KV pages are shared: a tenant whose sequences fill the pool gives pages back to a tenant
+/// holding none (its sequences preempted as for growth), so the newcomer starts at once.
+#[test]
+fn a_less_served_tenant_takes_pages_back_from_one_holding_the_pool() {
+    let mut cfg = config();
+    cfg.max_running = 16;
+    let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), cfg).expect("engine starts");
+    // Tenant 1's long prompts (eight pages each) take the pool's 40 pages: four run, holding
+    // a page of headroom each, and the fifth waits.
+    let ones: Vec<(RequestId, Vec<u32>)> = (0..5u32)
+        .map(|k| {
+            let prompt = prompt_of(30, k);
+            (open_ended(&mut e, 1, &prompt), prompt)
+        })
+        .collect();
+    let mut early: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut step = |e: &mut Engine| {
+        for ev in e.step() {
+            if let Event::Token { id, token, .. } = ev {
+                early.entry(id).or_default().push(token);
+            }
+        }
+    };
+    for _ in 0..6 {
+        step(&mut e);
+    }
+    assert!(
+        e.pool().pages_held(tenant(1)) >= 32,
+        "{}",
+        e.pool().pages_held(tenant(1))
+    );
+    let before = e.preemptions();
+    let two = submit(&mut e, 2, 20, 8, 9).expect("admitted");
+    step(&mut e);
+    assert!(
+        e.running.iter().any(|s| s.id == two),
+        "tenant 2 got its pages at the next step"
+    );
+    assert!(e.preemptions() > before, "tenant 1 gave pages back");
+    let (tokens, ended) = drain(&mut e);
+    assert!(matches!(ended[&two].0, Outcome::Finished(_)), "{:?}", ended[&two]);
+    for (id, prompt) in &ones {
+        let all = [early.get(id).cloned().unwrap_or_default(), tokens[id].clone()].concat();
+        assert_eq!(all, expected(prompt, 34, true), "{id} ends as it would alone");
+    }
+    let c = e.kv_counters();
+    assert_eq!((c.pages_used, c.pages_reserved, c.tag_mismatches), (0, 0, 0), "{c:?}");
 }

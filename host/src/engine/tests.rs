@@ -986,10 +986,11 @@ fn a_flooding_tenant_does_not_delay_anothers_first_token() {
 }
 
 #[test]
-fn a_new_tenants_prefill_does_not_wait_behind_anothers_decodes() {
-    // A keeps 24 streams decoding; with 48 tokens a step, B's 40-token prompt beside A's 24
-    // decodes would take two steps. B is the least served and has nothing decoding, so its
-    // prefill gets a step of its own, and A's decodes the next.
+fn a_new_tenants_prefill_leads_the_next_step_beside_anothers_decodes() {
+    // A keeps 24 streams decoding; with 48 tokens a step, B's 40-token prompt and all of A's 24
+    // decodes do not fit one step. B arrives at A's counter with fewer sequences, so its prefill
+    // leads the next step and A's decodes join only as far as the step allows; B's first token
+    // comes from that step, and A's decodes all run the step after.
     let mut e = engine(48);
     let mut runs = Runs::default();
     let a: Vec<RequestId> = long_prompts(24, 8, 3)
@@ -1010,10 +1011,18 @@ fn a_new_tenants_prefill_does_not_wait_behind_anothers_decodes() {
     let ev = e.step();
     runs.absorb(ev);
     assert!(runs.tokens.contains_key(&b), "B's first token took more than one step");
-    assert_eq!(a_tokens(&runs), before, "A's decodes shared B's first-token step");
+    let shared = a_tokens(&runs) - before;
+    assert!(
+        shared <= 8,
+        "B's prefill led the step, and A's decodes filled what was left: {shared}"
+    );
     let ev = e.step();
     runs.absorb(ev);
-    assert_eq!(a_tokens(&runs), before + 24, "A's decodes did not run the step after");
+    assert_eq!(
+        a_tokens(&runs),
+        before + shared + 24,
+        "A's decodes did not all run the step after"
+    );
     runs.drain(&mut e);
     assert_quiescent(&mut e, &[1, 2]);
 }

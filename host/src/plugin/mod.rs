@@ -399,6 +399,12 @@ impl Plugin {
         matches!(self.init, Init::Done(_))
     }
 
+    /// Whether each instance runs `init` when it is made (a 0.2.0 plugin not pre-initialised):
+    /// up to [`PluginLimits::init_fuel`] of work per instance.
+    pub fn runs_init(&self) -> bool {
+        matches!((&self.pre, &self.init), (Pre::V2(_), Init::PerInstance))
+    }
+
     /// The same component, as one [`snapshot::pre_initialise`] made with `config`: its
     /// instances skip `init`. For such a component loaded back from its artefact.
     pub fn into_pre_initialised(mut self, config: &str) -> Plugin {

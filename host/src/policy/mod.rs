@@ -136,7 +136,7 @@ pub struct Policy {
     pub tokens_per_day: Limit,
     /// Tokens per UTC calendar month.
     pub tokens_per_month: Limit,
-    /// Requests in flight at once.
+    /// Sequences in flight at once: each choice (`n`) of a request counts as one.
     pub concurrent_requests: Limit,
     /// Prompt plus completion tokens of one request (the server's own limit applies too).
     pub max_context: Limit,
@@ -174,6 +174,11 @@ pub struct Policy {
     pub plugin_max_component_mib: Option<u64>,
 }
 
+/// The default `concurrent_requests`: what one tenant may hold in flight, running or waiting,
+/// unless its policy says otherwise (twice the engine's default running slots, so a tenant alone
+/// keeps every slot busy, and a sixteenth of its default queue's worth of waiting).
+pub const DEFAULT_CONCURRENT_SEQUENCES: u64 = 128;
+
 impl Default for Policy {
     fn default() -> Self {
         Self {
@@ -181,7 +186,7 @@ impl Default for Policy {
             tokens_per_minute: Limit::Unlimited,
             tokens_per_day: Limit::Unlimited,
             tokens_per_month: Limit::Unlimited,
-            concurrent_requests: Limit::Unlimited,
+            concurrent_requests: Limit::At(DEFAULT_CONCURRENT_SEQUENCES),
             max_context: Limit::Unlimited,
             max_tokens: Limit::Unlimited,
             allowed_models: vec!["*".into()],

@@ -66,13 +66,30 @@ fn limiter(slot: &mut Option<(u64, Gcra)>, limit: Option<u64>, now: Instant) -> 
 /// fits its policy (no retry time).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum QuotaError {
-    /// `concurrent_requests` requests are in flight.
-    #[error("tenant {tenant:?} has {max} requests in flight, its policy's concurrent_requests; retry when one ends")]
+    /// The tenant's sequences in flight (each choice of a request is one) and this request's
+    /// would be more than `concurrent_requests`.
+    #[error(
+        "tenant {tenant:?} has {in_flight} sequences in flight (each choice of a request is one) and this request needs {n}; its policy's concurrent_requests is {max}; retry when one ends"
+    )]
     Concurrency {
         /// The tenant.
         tenant: String,
         /// Its limit.
         max: u64,
+        /// Its sequences in flight.
+        in_flight: u64,
+        /// This request's choices.
+        n: u64,
+    },
+    /// The request alone has more choices than `concurrent_requests` allows in flight.
+    #[error("the request asks for {n} choices, more than tenant {tenant:?}'s concurrent_requests of {max}")]
+    ChoicesOverConcurrency {
+        /// The tenant.
+        tenant: String,
+        /// Its limit.
+        max: u64,
+        /// This request's choices.
+        n: u64,
     },
     /// Over `requests_per_minute`.
     #[error("tenant {tenant:?} is over its policy's requests_per_minute of {max}")]
@@ -140,6 +157,7 @@ impl QuotaError {
     pub fn code(&self) -> &'static str {
         match self {
             QuotaError::Concurrency { .. } => "concurrency_limit",
+            QuotaError::ChoicesOverConcurrency { .. } => "n_over_concurrency",
             QuotaError::RequestRate { .. } => "rate_limit_requests",
             QuotaError::TokenQuota {
                 period: "tokens_per_day",
@@ -162,7 +180,7 @@ impl QuotaError {
             QuotaError::RequestRate { retry, .. }
             | QuotaError::TokenQuota { retry, .. }
             | QuotaError::TokenRate { retry, .. } => Some(*retry),
-            QuotaError::RequestOverLimit { .. } => None,
+            QuotaError::RequestOverLimit { .. } | QuotaError::ChoicesOverConcurrency { .. } => None,
         }
     }
 }
@@ -242,19 +260,30 @@ impl Quotas {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Admits a request of tenant `t` under `policy`, or refuses it (429) on its concurrency
-    /// or its requests per minute. Nothing of the request has run yet.
-    pub fn admit(self: &Arc<Self>, t: &Tenant, policy: &Policy) -> Result<Grant, QuotaError> {
+    /// Admits a request of tenant `t` with `n` choices under `policy`, or refuses it (429) on
+    /// its concurrency (each choice is a sequence in flight) or its requests per minute. Nothing
+    /// of the request has run yet.
+    pub fn admit(self: &Arc<Self>, t: &Tenant, policy: &Policy, n: u64) -> Result<Grant, QuotaError> {
         let now = Instant::now();
+        let n = n.max(1);
         let mut live = self.live();
         let l = live.entry(t.id).or_default();
-        if let Some(max) = policy.concurrent_requests.get()
-            && l.in_flight >= max
-        {
-            return Err(QuotaError::Concurrency {
-                tenant: t.name.clone(),
-                max,
-            });
+        if let Some(max) = policy.concurrent_requests.get() {
+            if n > max {
+                return Err(QuotaError::ChoicesOverConcurrency {
+                    tenant: t.name.clone(),
+                    max,
+                    n,
+                });
+            }
+            if l.in_flight + n > max {
+                return Err(QuotaError::Concurrency {
+                    tenant: t.name.clone(),
+                    max,
+                    in_flight: l.in_flight,
+                    n,
+                });
+            }
         }
         if let Some(g) = limiter(&mut l.rpm, policy.requests_per_minute.get(), now)
             && let Err(Denied::RetryAfter(d)) = g.take(1, now)
@@ -265,10 +294,11 @@ impl Quotas {
                 retry: d,
             });
         }
-        l.in_flight += 1;
+        l.in_flight += n;
         Ok(Grant {
             quotas: self.clone(),
             tenant: t.clone(),
+            sequences: n,
             reserved: AtomicU64::new(0),
             used: Mutex::new(None),
         })
@@ -281,6 +311,8 @@ impl Quotas {
 pub struct Grant {
     quotas: Arc<Quotas>,
     tenant: Tenant,
+    /// Its sequences in flight: one per choice.
+    sequences: u64,
     reserved: AtomicU64,
     /// What its choices used, once one has ended (a request refused before it ran used none).
     used: Mutex<Option<Used>>,
@@ -418,7 +450,7 @@ impl Drop for Grant {
             q.usage.record(self.tenant.id, &self.tenant.name, used);
         }
         if let Some(l) = live.get_mut(&self.tenant.id) {
-            l.in_flight = l.in_flight.saturating_sub(1);
+            l.in_flight = l.in_flight.saturating_sub(self.sequences);
             l.reserved = l.reserved.saturating_sub(reserved);
             if let Some((_, g)) = &mut l.tpm {
                 let spent = used.map_or(0, |u| u.tokens());

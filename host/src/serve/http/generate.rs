@@ -64,9 +64,10 @@ struct Admitted {
     lim: RequestLimits,
 }
 
-/// What the tenant's policy allows a request before anything of it runs: the model (403), its
-/// concurrency and requests per minute (429).
-fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>) -> Result<Admitted, ApiError> {
+/// What the tenant's policy allows a request of `n` choices (as asked: a bad `n` is refused
+/// with the rest of the request's fields) before anything of it runs: the model (403), its
+/// concurrency, where each choice counts, and requests per minute (429).
+fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>, n: Option<i64>) -> Result<Admitted, ApiError> {
     let model = served.id.as_str();
     let set = state.quotas.set();
     let policy = set.of(&t.name).clone();
@@ -80,7 +81,8 @@ fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>) -> Result<Admitted
             ),
         ));
     }
-    let grant = Arc::new(state.quotas.admit(t, &policy)?);
+    let n = n.map_or(1, |n| n.clamp(1, served.request_limits.max_n as i64) as u64);
+    let grant = Arc::new(state.quotas.admit(t, &policy, n)?);
     let mut lim = served.request_limits;
     if let Some(m) = policy.max_tokens.get() {
         // A request that names no max_tokens gets the policy's, if that is lower.
@@ -213,7 +215,7 @@ pub(super) async fn chat(
             .ok_or_else(|| model_not_found(&r.common.model))?;
         model = Some(served.id.clone());
         access.model(&served.id);
-        let a = admit(state, &t, served.clone())?;
+        let a = admit(state, &t, served.clone(), r.common.n)?;
         let asked = Asked::Chat(r.chat_messages()?);
         let plan = r.plan(&a.lim)?;
         let id = random_id("chatcmpl-");
@@ -248,7 +250,7 @@ pub(super) async fn completions(
             .ok_or_else(|| model_not_found(&r.common.model))?;
         model = Some(served.id.clone());
         access.model(&served.id);
-        let a = admit(state, &t, served.clone())?;
+        let a = admit(state, &t, served.clone(), r.common.n)?;
         let asked = r.asked()?;
         let plan = r.common.plan(&a.lim, r.logprobs()?)?;
         // The prompt as the client sent it (a plugin may rewrite what the model sees).

@@ -24,6 +24,7 @@ use std::time::Duration;
 use super::store::records::{Deployment, PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
+use crate::fair::Turns;
 use crate::plugin::compile::{CompileLimits, Compiler};
 use crate::plugin::{
     Finish, Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, neutral_sampling,
@@ -59,6 +60,34 @@ pub struct Resolved {
     pub config: String,
     /// Compiled, ready to instantiate: pre-initialised with `config` once that is ready.
     pub plugin: Plugin,
+    /// Its tenant.
+    pub tenant: TenantId,
+    /// The server's turns at running `init` in a request's instance (see
+    /// [`Resolved::instantiate`]).
+    inits: Turns,
+}
+
+impl Resolved {
+    /// A fresh instance for one request (see [`Plugin::instantiate`]). When the plugin is not
+    /// pre-initialised, its `init` (up to a budget ten calls large) runs in every instance: the
+    /// instance is then made in its tenant's turn at the server's `init` runs (`[plugins]
+    /// init_runs` at once, fairly across tenants, one at a time per tenant), so no tenant can
+    /// make the host run `init` for every request it sends at once.
+    pub async fn instantiate(
+        &self,
+        limits: PluginLimits,
+        tokenizer: Arc<Tokenizer>,
+        seed: u64,
+        time: Arc<RequestTime>,
+    ) -> Result<crate::plugin::Instance, PluginFailure> {
+        let _turn = match self.plugin.runs_init() {
+            true => Some(self.inits.take(self.tenant).await),
+            false => None,
+        };
+        self.plugin
+            .instantiate(limits, tokenizer, seed, time, &self.config)
+            .await
+    }
 }
 
 /// Why the plugin service could not start.
@@ -103,6 +132,8 @@ pub struct Plugins {
     snapshots: Arc<Snapshots>,
     /// Each tenant's uploads of new versions (and pre-initialisations), per minute.
     uploads: Mutex<HashMap<TenantId, Gcra>>,
+    /// Turns at running `init` in a request's instance.
+    inits: Turns,
 }
 
 impl Plugins {
@@ -127,6 +158,7 @@ impl Plugins {
         };
         let compiler = Arc::new(Compiler::new(compiler, Arc::new(runtime), cfg.compiles, limits));
         let compiles = Arc::new(Compiles::new(compiler));
+        let inits = Turns::new(cfg.init_runs, 1);
         let logs = Arc::new(TenantLogs::new(&data_dir.join("plugin-logs")));
         let shares = Shares::default();
         let snapshots = Arc::new(Snapshots::new(
@@ -149,6 +181,7 @@ impl Plugins {
             compiles,
             snapshots,
             uploads: Mutex::new(HashMap::new()),
+            inits,
         })
     }
 
@@ -688,6 +721,8 @@ impl Plugins {
             version,
             config: rec.config,
             plugin,
+            tenant: t.id,
+            inits: self.inits.clone(),
         })
     }
 

@@ -116,8 +116,7 @@ impl Hooks {
         reporter.metrics.plugin_request(&reporter.tenant);
         let time = RequestTime::new(limits.request_time);
         let first = resolved
-            .plugin
-            .instantiate(limits, tokenizer.clone(), seed, time.clone(), &resolved.config)
+            .instantiate(limits, tokenizer.clone(), seed, time.clone())
             .await
             .map_err(|f| reporter.error(&f))?;
         Ok(Self {
@@ -181,14 +180,7 @@ impl Hooks {
             let mut instance = match next.take() {
                 Some(first) => first,
                 None => resolved
-                    .plugin
-                    .instantiate(
-                        limits,
-                        tokenizer.clone(),
-                        seed.wrapping_add(i as u64),
-                        time.clone(),
-                        &resolved.config,
-                    )
+                    .instantiate(limits, tokenizer.clone(), seed.wrapping_add(i as u64), time.clone())
                     .await
                     .map_err(|f| reporter.error(&f))?,
             };
