@@ -16,7 +16,9 @@
 //! in a static and, if a static from an earlier request were still there, uses that instead
 //! (appending `[kept handle N]` or `[reused handle N: ...]`).
 //!
-//! `print-in-init` writes to stdout in `init`.
+//! `print-in-init` writes to stdout in `init`; `print-and-spin:N` does too (so `init` cannot be
+//! pre-initialised and runs for every request), then spins N million times (as near its fuel
+//! limit as N puts it).
 //!
 //! Anything else passes the request on. Like a real attacker, it behaves in the server's smoke
 //! call (metadata `endpoint` = `upload-check`), which its configuration must pass: the attacks
@@ -57,6 +59,14 @@ impl Plugin for Adversary {
         // Writes to stdout while it is initialised: a snapshot of it must not keep the stream.
         if config == "print-in-init" {
             println!("initialising");
+        }
+        if let Some(n) = config.strip_prefix("print-and-spin:") {
+            println!("initialising");
+            let n: u64 = n.trim().parse().unwrap_or(0);
+            let mut x = 0u64;
+            for _ in 0..n * 1_000_000 {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
         }
         Ok(())
     }

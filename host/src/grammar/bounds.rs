@@ -10,7 +10,7 @@
 
 use serde_json::Value;
 
-use super::GrammarError;
+use super::error::GrammarError;
 
 /// The largest `multipleOf` coefficient compiled.
 pub const MAX_MULTIPLE_OF: u64 = 10_000;

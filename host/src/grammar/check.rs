@@ -15,7 +15,8 @@ use std::time::Duration;
 use llguidance::ParserFactory;
 use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities};
 
-use super::{Format, GrammarError, GrammarLimits, parser_limits, top_level};
+use super::error::GrammarError;
+use super::format::{Format, GrammarLimits, parser_limits, top_level};
 use crate::child::{self, ChildError, Confined, Limit, Memory};
 
 /// The subcommand of the server's binary that checks a format (see [`check_main`]).

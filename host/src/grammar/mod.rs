@@ -23,91 +23,24 @@
 
 pub mod bounds;
 pub mod check;
+mod error;
+mod format;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use llguidance::api::{ParserLimits, TopLevelGrammar};
+pub use error::GrammarError;
+pub(crate) use format::compact;
+pub use format::{Format, GrammarLimits};
+use format::{parser_limits, top_level};
 use llguidance::toktrie::{ApproximateTokEnv, InferenceCapabilities, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
-use serde_json::{Value, json};
 
 use crate::engine::constraint::Constraint;
 use crate::fair::{FairCache, Turns};
 use crate::tenant::TenantId;
 use crate::tokenizer::Tokenizer;
-
-/// What a request asks its output to be. It crosses a cluster's link as the router checked it:
-/// the decode node compiles it again against its own vocabulary (the same file's).
-#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(tag = "type", content = "source", rename_all = "snake_case")]
-pub enum Format {
-    /// Any text.
-    #[default]
-    Text,
-    /// A JSON object.
-    JsonObject,
-    /// JSON that a schema accepts.
-    JsonSchema(Value),
-    /// Text a Lark grammar (llguidance's dialect, with `%json` schemas) accepts: the server's
-    /// own grammars, such as the one that makes a request's tool calls hold.
-    Grammar(String),
-}
-
-/// Bounds on compiling a request's format.
-#[derive(Debug, Clone, Copy)]
-pub struct GrammarLimits {
-    /// Largest schema, in bytes of JSON.
-    pub max_schema_bytes: usize,
-    /// Longest a compile may take, in milliseconds.
-    pub compile_ms: u64,
-    /// Most memory a compile may take (its child's heap), in bytes.
-    pub memory_bytes: u64,
-}
-
-/// Why a format was not compiled.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum GrammarError {
-    /// The schema (or the grammar made from the tools' schemas) is larger than the limit.
-    #[error("the {what} is {size} bytes, more than the limit of {limit}")]
-    TooLarge {
-        /// What was too large.
-        what: &'static str,
-        /// Its size.
-        size: usize,
-        /// The limit.
-        limit: usize,
-    },
-    /// A keyword whose compile cost its size does not bound, over its limit.
-    #[error("{keyword} {value} is too large to compile: {limit}")]
-    Keyword {
-        /// The keyword.
-        keyword: &'static str,
-        /// Its value, as given.
-        value: String,
-        /// What it may be.
-        limit: String,
-    },
-    /// llguidance refused it (an unsupported keyword, an inconsistent schema, a limit hit).
-    #[error("the schema cannot be used: {0}")]
-    Invalid(String),
-    /// Compiling it took longer than the limit, and was stopped.
-    #[error("compiling it took longer than {ms} ms and was stopped; simplify it")]
-    TimedOut {
-        /// The limit.
-        ms: u64,
-    },
-    /// Compiling it needed more memory than the limit, and was stopped.
-    #[error("compiling it needed more than {mib} MiB and was stopped; simplify it")]
-    TooMuchMemory {
-        /// The limit.
-        mib: u64,
-    },
-    /// The vocabulary could not be made into a token trie.
-    #[error("structured output is unavailable for this model: {0}")]
-    Unavailable(String),
-}
 
 /// One model's compiler of formats into constraints.
 pub struct Grammars {
@@ -161,47 +94,6 @@ impl Grammars {
             Some(e) => Err(GrammarError::Invalid(e)),
             None => Ok(Some(Constraint::new(matcher))),
         }
-    }
-}
-
-/// `format` as llguidance's grammar (`None` for [`Format::Text`]), if it is within
-/// `max_schema_bytes` and [`bounds`].
-fn top_level(format: &Format, max_schema_bytes: usize) -> Result<Option<TopLevelGrammar>, GrammarError> {
-    let limit = max_schema_bytes;
-    Ok(Some(match format {
-        Format::Text => return Ok(None),
-        Format::JsonObject => TopLevelGrammar::from_json_schema(compact(json!({"type": "object"}))),
-        Format::JsonSchema(s) => {
-            let size = serde_json::to_vec(s).map(|v| v.len()).unwrap_or(usize::MAX);
-            if size > limit {
-                return Err(GrammarError::TooLarge {
-                    what: "schema",
-                    size,
-                    limit,
-                });
-            }
-            bounds::check(s)?;
-            TopLevelGrammar::from_json_schema(compact(s.clone()))
-        }
-        Format::Grammar(g) => {
-            if g.len() > limit {
-                return Err(GrammarError::TooLarge {
-                    what: "grammar",
-                    size: g.len(),
-                    limit,
-                });
-            }
-            TopLevelGrammar::from_lark(g.clone())
-        }
-    }))
-}
-
-/// The parser limits every compile and every mask runs under: llguidance's defaults, with
-/// errors that name the grammar's problem, never the tokens so far.
-fn parser_limits() -> ParserLimits {
-    ParserLimits {
-        verbose_errors: false,
-        ..ParserLimits::default()
     }
 }
 
@@ -329,19 +221,6 @@ impl TenantGrammars {
     }
 }
 
-/// `schema` with compact JSON (no whitespace between items) unless it sets its own layout.
-pub(crate) fn compact(mut schema: Value) -> Value {
-    if let Value::Object(map) = &mut schema
-        && !map.contains_key("x-guidance")
-    {
-        map.insert(
-            "x-guidance".into(),
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
-        );
-    }
-    schema
-}
-
 /// llguidance's view of the vocabulary: each token's bytes; a control token (no bytes of its
 /// own) as the special-token marker and its name, which grammars cannot produce as text.
 fn build_factory(tk: &Tokenizer) -> Result<ParserFactory, GrammarError> {
@@ -384,6 +263,7 @@ fn build_factory(tk: &Tokenizer) -> Result<ParserFactory, GrammarError> {
 mod tests {
     use super::*;
     use crate::testutil::constraint_allows as allows;
+    use serde_json::json;
 
     fn grammars() -> Grammars {
         Grammars::new(
