@@ -24,7 +24,7 @@ use std::time::Duration;
 use super::store::records::{Deployment, PluginRecord, version_of};
 use super::store::{Store, StoreError, Tenant};
 use crate::config::PluginsConfig;
-use crate::fair::Turns;
+use crate::fair::{FairCache, Turns};
 use crate::plugin::compile::{CompileLimits, Compiler};
 use crate::plugin::{
     Finish, Input, Message, Plugin, PluginFailure, PluginLimits, Request, RequestTime, Runtime, neutral_sampling,
@@ -41,7 +41,8 @@ pub use shares::Share;
 use shares::Shares;
 use snapshots::{Component, Job, Snapshots};
 
-/// Compiled plugins kept in memory; beyond this, one is dropped per compile.
+/// Compiled plugins kept in memory; beyond this, the tenant keeping the most gives up its least
+/// recently used (it is read back from disk when needed).
 const COMPILED_CACHE: usize = 256;
 /// Activations remembered for rollback.
 const HISTORY: usize = 16;
@@ -118,7 +119,7 @@ pub struct Plugins {
     store: Store,
     cfg: PluginsConfig,
     artefacts: Arc<Artefacts>,
-    compiled: Mutex<HashMap<(TenantId, String), Plugin>>,
+    compiled: Mutex<FairCache<String, Plugin>>,
     /// Serializes read-modify-write of records.
     write: Mutex<()>,
     tokenizer: Arc<Tokenizer>,
@@ -173,7 +174,7 @@ impl Plugins {
             store,
             cfg,
             artefacts,
-            compiled: Mutex::new(HashMap::new()),
+            compiled: Mutex::new(FairCache::new(COMPILED_CACHE)),
             write: Mutex::new(()),
             tokenizer,
             logs,
@@ -270,24 +271,20 @@ impl Plugins {
         Ok(self.store.plugins().default(t.id)?.as_deref() == Some(name))
     }
 
+    fn compiled(&self) -> std::sync::MutexGuard<'_, FairCache<String, Plugin>> {
+        self.compiled.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn cached(&self, tenant: TenantId, sha: &str) -> Option<Plugin> {
-        let g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-        g.get(&(tenant, sha.to_string())).cloned()
+        self.compiled().get(tenant, &sha.to_string())
     }
 
     fn remember(&self, tenant: TenantId, sha: &str, p: &Plugin) {
-        let mut g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-        if g.len() >= COMPILED_CACHE
-            && let Some(k) = g.keys().next().cloned()
-        {
-            g.remove(&k);
-        }
-        g.insert((tenant, sha.to_string()), p.clone());
+        self.compiled().insert(tenant, sha.to_string(), p.clone(), 1);
     }
 
     fn forget(&self, tenant: TenantId, sha: &str) {
-        let mut g = self.compiled.lock().unwrap_or_else(|p| p.into_inner());
-        g.remove(&(tenant, sha.to_string()));
+        self.compiled().remove(tenant, &sha.to_string());
         self.artefacts.remove(tenant, sha);
     }
 
@@ -655,10 +652,7 @@ impl Plugins {
     /// pre-initialised components, in memory and on disk, builds waiting, its compile budget
     /// and its plugin log files (the tenant was deleted).
     pub fn forget_tenant(&self, id: TenantId) {
-        self.compiled
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|(t, _), _| *t != id);
+        self.compiled().forget(id);
         self.snapshots.forget_tenant(id);
         self.artefacts.remove_tenant(id);
         self.compiles.forget(id);

@@ -29,7 +29,7 @@ use super::artefacts::Artefacts;
 use super::compiles::{CompileRefused, Compiles};
 use super::logs::{Source, TenantLogs};
 use super::shares::Shares;
-use crate::fair::Turns;
+use crate::fair::{FairCache, Turns};
 use crate::plugin::snapshot::{Snapshot, pre_initialise};
 use crate::plugin::{Plugin, PluginFailure, PluginLimits};
 use crate::serve::store::Store;
@@ -40,7 +40,8 @@ use crate::tokenizer::Tokenizer;
 const SHARE_TRIES: usize = 100;
 const SHARE_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// Plugins whose snapshot (or the knowledge that there is none) is kept in memory.
+/// Plugins whose snapshot (or the knowledge that there is none) is kept in memory; past it, the
+/// tenant keeping the most gives up its least recently used.
 pub const KEPT: usize = 256;
 
 /// A plugin: its tenant and name.
@@ -56,6 +57,7 @@ struct Made {
 }
 
 /// What is known of one plugin's snapshot.
+#[derive(Clone)]
 struct Entry {
     made: Made,
     /// The pre-initialised component, or none when it cannot be made.
@@ -131,7 +133,8 @@ pub struct Snapshots {
     vocabulary: OnceLock<String>,
     /// The largest component a snapshot may be (the upload limit).
     max_bytes: usize,
-    entries: Mutex<HashMap<PluginKey, Entry>>,
+    /// What is known of each plugin's snapshot, by tenant and name.
+    entries: Mutex<FairCache<String, Entry>>,
     /// Bumped when a plugin (or its tenant) is deleted, so a build under way for it then is
     /// thrown away.
     generations: Mutex<Generations>,
@@ -169,14 +172,14 @@ impl Snapshots {
             tokenizer,
             vocabulary: OnceLock::new(),
             max_bytes,
-            entries: Mutex::new(HashMap::new()),
+            entries: Mutex::new(FairCache::new(KEPT)),
             generations: Mutex::new(Generations::default()),
             building: Mutex::new(HashMap::new()),
             turns: Turns::new(1, 1),
         }
     }
 
-    fn entries(&self) -> std::sync::MutexGuard<'_, HashMap<PluginKey, Entry>> {
+    fn entries(&self) -> std::sync::MutexGuard<'_, FairCache<String, Entry>> {
         self.entries.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -213,14 +216,10 @@ impl Snapshots {
         format!("{}\n{}\n{}", self.vocabulary(), made.memory_bytes, made.config)
     }
 
-    fn insert(&self, entries: &mut HashMap<PluginKey, Entry>, key: PluginKey, entry: Entry) {
-        if entries.len() >= KEPT
-            && !entries.contains_key(&key)
-            && let Some(k) = entries.keys().next().cloned()
-        {
-            entries.remove(&k);
-        }
-        entries.insert(key, entry);
+    /// Keeps `entry` for plugin `key`: at most [`KEPT`] in all, the tenant holding the most
+    /// giving up its least recently used (the rest stay on disk).
+    fn insert(&self, entries: &mut FairCache<String, Entry>, key: PluginKey, entry: Entry) {
+        entries.insert(key.0, key.1, entry, 1);
     }
 
     /// Plugin `name` of `tenant` at `version` pre-initialised with `config` under `limits`, if
@@ -239,10 +238,10 @@ impl Snapshots {
             memory_bytes: limits.memory_bytes,
         };
         let key = (tenant, name.to_string());
-        if let Some(e) = self.entries().get(&key)
+        if let Some(e) = self.entries().get(tenant, &key.1)
             && e.made == made
         {
-            return e.plugin.clone();
+            return e.plugin;
         }
         let plugin = self
             .artefacts
@@ -280,7 +279,7 @@ impl Snapshots {
     fn known_or_queued(&self, building: &HashMap<TenantId, Queue>, tenant: TenantId, name: &str, made: &Made) -> bool {
         if self
             .entries()
-            .get(&(tenant, name.to_string()))
+            .get(tenant, &name.to_string())
             .is_some_and(|e| e.made == *made)
         {
             return true;
@@ -464,14 +463,14 @@ impl Snapshots {
         let key = (tenant, name.to_string());
         let mut entries = self.entries();
         if let Some(v) = version {
-            if entries.get(&key).is_some_and(|e| e.made.version == v) {
-                entries.remove(&key);
+            if entries.get(tenant, &key.1).is_some_and(|e| e.made.version == v) {
+                entries.remove(tenant, &key.1);
                 self.artefacts.remove_snapshots(tenant, name);
             }
             return;
         }
         *self.generations().plugins.entry(key.clone()).or_insert(0) += 1;
-        entries.remove(&key);
+        entries.remove(tenant, &key.1);
         self.artefacts.remove_snapshots(tenant, name);
         drop(entries);
         if let Some(q) = self.building().get_mut(&tenant) {
@@ -484,7 +483,7 @@ impl Snapshots {
     pub fn forget_tenant(&self, tenant: TenantId) {
         let mut entries = self.entries();
         *self.generations().tenants.entry(tenant).or_insert(0) += 1;
-        entries.retain(|(t, _), _| *t != tenant);
+        entries.forget(tenant);
         drop(entries);
         if let Some(q) = self.building().get_mut(&tenant) {
             q.next.clear();
