@@ -18,7 +18,7 @@
 //!
 //! ```sh
 //! cargo build --release && cargo build --manifest-path guest-sdk/Cargo.toml --target wasm32-wasip2 --release --examples
-//! cargo run --release --example hostile_bench [-- --seconds 6 --settle 60 --only slots]
+//! cargo run --release --example hostile_bench [-- --seconds 6 --settle 60 --only slots,pages]
 //! ```
 
 use std::collections::BTreeMap;
@@ -45,9 +45,10 @@ struct Args {
     /// Seconds after each round-two attack before the server's memory is read again.
     #[arg(long, default_value_t = 60)]
     settle: u64,
-    /// Run only the attacks whose name contains this (round one's and round two's).
-    #[arg(long)]
-    only: Option<String>,
+    /// Run only the attacks whose name contains one of these (round one's by their names; round
+    /// two's are `schema`, `slots`, `pages`, `init`, `fields`, `compiler` and `connections`).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 fn pct(v: &[f64], p: f64) -> f64 {
@@ -198,7 +199,7 @@ fn main() -> anyhow::Result<()> {
             ("many instances held at once", "pass", 300, 64),
             ("kv pages and their epochs", "kv", 2, 8),
         ];
-        let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
+        let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| name.contains(o.as_str()));
         for (what, config, workers, max_tokens) in attacks {
             if !wanted(what) {
                 continue;
@@ -300,7 +301,7 @@ struct Arena<'a> {
 impl Arena<'_> {
     /// Runs `attack` (returning how the attacker's requests ended) beside the victim's service
     /// for `span`, sampling the server's memory; then waits `--settle` and reads it again.
-    async fn measure<F>(&self, name: &str, attack: F, extra: Value) -> anyhow::Result<()>
+    async fn measure<F>(&self, name: &str, attack: F, extra: impl FnOnce() -> Value) -> anyhow::Result<()>
     where
         F: std::future::Future<Output = BTreeMap<String, usize>>,
     {
@@ -327,7 +328,7 @@ impl Arena<'_> {
             "server_rss_mib_before": before, "server_rss_mib_during_max": during.max(rss_mib(pid)),
             "server_rss_mib_after_settle": rss_mib(pid), "settle_s": self.args.settle,
         });
-        if let (Value::Object(o), Value::Object(e)) = (&mut out, extra) {
+        if let (Value::Object(o), Value::Object(e)) = (&mut out, extra()) {
             o.extend(e);
         }
         println!("{out}");
@@ -335,12 +336,13 @@ impl Arena<'_> {
     }
 }
 
-/// `workers` loops of the attacker's requests, each body made by `body(n)` for the n-th request
-/// (counted over all workers), until `end`; a request still open at `end` is given up (its
-/// connection closed). How they ended, by code.
+/// `workers` loops of the attacker's requests to `path` (a `/v1/` endpoint), each body made by
+/// `body(n)` for the n-th request (counted over all workers), until `end`; a request still open
+/// at `end` is given up (its connection closed). How they ended, by code.
 async fn flood(
     c: &Client,
     key: &str,
+    path: &'static str,
     workers: usize,
     end: Instant,
     body: impl Fn(usize) -> Vec<u8> + Send + Sync + 'static,
@@ -354,7 +356,7 @@ async fn flood(
                 let mut out = Vec::new();
                 while Instant::now() < end {
                     let n = count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let req = c.request(Method::POST, "/v1/chat/completions", Some(&key), Some(body(n)));
+                    let req = c.request(Method::POST, path, Some(&key), Some(body(n)));
                     let ended = match tokio::time::timeout_at(end.into(), req).await {
                         Ok(Ok(r)) if r.status == 200 => "200".to_string(),
                         Ok(Ok(r)) => code(&r),
@@ -375,6 +377,8 @@ async fn flood(
     }
     codes
 }
+
+const CHAT: &str = "/v1/chat/completions";
 
 /// Forty integer properties, each a four-digit `multipleOf` (about 1.7 s of compile in all), new
 /// for each `salt`.
@@ -419,6 +423,53 @@ async fn long_request(c: &Client, key: &str, model: &str, prompt: &str) -> anyho
     Ok((t0.elapsed().as_secs_f64(), tokens))
 }
 
+/// The victim's streamed 8-token chats until `end`: each one's time to its first token and to
+/// its end (ms).
+async fn streamed(c: &Client, key: &str, model: &str, end: Instant) -> (Vec<f64>, Vec<f64>) {
+    use http_body_util::BodyExt;
+    let body = json!({
+        "model": model, "max_tokens": 8, "temperature": 0, "stream": true,
+        "messages": [{"role": "user", "content": "Write a poem about the sea."}],
+    })
+    .to_string();
+    let (mut first, mut whole) = (Vec::new(), Vec::new());
+    while Instant::now() < end {
+        let t0 = Instant::now();
+        let Ok(r) = c
+            .send(
+                warden::serve::client::Proto::Http1,
+                Method::POST,
+                CHAT,
+                Some(key),
+                Some(body.clone().into_bytes()),
+            )
+            .await
+        else {
+            continue;
+        };
+        let mut b = r.into_body();
+        let (mut seen, mut at) = (Vec::new(), None);
+        while let Some(Ok(f)) = b.frame().await {
+            if let Some(d) = f.data_ref() {
+                seen.extend_from_slice(d);
+                // A delta with text (the first chunk may carry the role and empty content).
+                let text = String::from_utf8_lossy(&seen);
+                let has_text = text
+                    .match_indices("\"content\":\"")
+                    .any(|(i, m)| text[i + m.len()..].chars().next().is_some_and(|ch| ch != '"'));
+                if at.is_none() && has_text {
+                    at = Some(t0.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+        }
+        if let Some(at) = at {
+            first.push(at);
+            whole.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    (first, whole)
+}
+
 /// A free loopback port.
 fn free_port() -> anyhow::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
@@ -447,7 +498,7 @@ async fn round_two(
         model,
         idle_chat_p99,
     };
-    let wanted = |name: &str| args.only.as_deref().is_none_or(|o| name.contains(o));
+    let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| name.contains(o.as_str()));
     let span = Duration::from_secs(args.seconds);
     let m = model.to_string();
     if wanted("schema") {
@@ -455,19 +506,19 @@ async fn round_two(
             let m = m.clone();
             move |n: usize| structured(&m, slow_schema(n))
         };
-        let attack = flood(c, mallory, 8, Instant::now() + span, body);
+        let attack = flood(c, mallory, CHAT, 8, Instant::now() + span, body);
         a.measure(
             "schema compiles: forty four-digit multipleOf, new each request, 8 at a time",
             attack,
-            json!({}),
+            || json!({}),
         )
         .await?;
         let tiny = structured(&m, json!({"type": "integer", "multipleOf": 999983}));
-        let attack = flood(c, mallory, 8, Instant::now() + span, move |_| tiny.clone());
+        let attack = flood(c, mallory, CHAT, 8, Instant::now() + span, move |_| tiny.clone());
         a.measure(
             "schema compiles: the 38-byte multipleOf 999983, 8 at a time",
             attack,
-            json!({}),
+            || json!({}),
         )
         .await?;
         let body = {
@@ -483,11 +534,11 @@ async fn round_two(
                 .into_bytes()
             }
         };
-        let attack = flood(c, mallory, 8, Instant::now() + span, body);
+        let attack = flood(c, mallory, CHAT, 8, Instant::now() + span, body);
         a.measure(
             "schema compiles: tools required with the same schemas, 8 at a time",
             attack,
-            json!({}),
+            || json!({}),
         )
         .await?;
     }
@@ -499,11 +550,34 @@ async fn round_two(
         })
         .to_string()
         .into_bytes();
-        let attack = flood(c, mallory, 8, Instant::now() + span, move |_| body.clone());
+        // The victim's streamed 8-token chats too: time to first token and to the end, idle
+        // first, then beside its plain chats while the attack runs.
+        let (idle_first, idle_whole) = streamed(c, victim_key, model, Instant::now() + span).await;
+        let end = Instant::now() + span;
+        let seen = std::sync::Arc::new(std::sync::Mutex::new((Vec::new(), Vec::new())));
+        let attack = {
+            let seen = seen.clone();
+            async move {
+                let (codes, got) = tokio::join!(
+                    flood(c, mallory, CHAT, 8, end, move |_| body.clone()),
+                    streamed(c, victim_key, model, end)
+                );
+                *seen.lock().unwrap_or_else(|p| p.into_inner()) = got;
+                codes
+            }
+        };
+        let extra = || {
+            let (first, whole) = &*seen.lock().unwrap_or_else(|p| p.into_inner());
+            json!({
+                "victim_ttft_idle_p50_ms": pct(&idle_first, 0.5), "victim_ttft_idle_p99_ms": pct(&idle_first, 0.99),
+                "victim_ttft_p50_ms": pct(first, 0.5), "victim_ttft_p99_ms": pct(first, 0.99),
+                "victim_8_token_chat_idle_max_ms": pct(&idle_whole, 1.0), "victim_8_token_chat_max_ms": pct(whole, 1.0),
+            })
+        };
         a.measure(
             "running slots: 8 streams of n=8, no max_tokens, end of text biased away",
             attack,
-            json!({}),
+            extra,
         )
         .await?;
     }
@@ -518,13 +592,8 @@ async fn round_two(
         .to_string()
         .into_bytes();
         // The attacker's requests run on, and the victim's long request is timed among them.
-        let attack = flood(
-            c,
-            mallory,
-            4,
-            Instant::now() + span.max(Duration::from_secs(30)),
-            move |_| body.clone(),
-        );
+        let until = Instant::now() + span.max(Duration::from_secs(30));
+        let attack = flood(c, mallory, "/v1/completions", 4, until, move |_| body.clone());
         let victim_long = async {
             tokio::time::sleep(Duration::from_secs(3)).await;
             long_request(c, victim_key, model, &prompt).await
@@ -547,14 +616,14 @@ async fn round_two(
         );
     }
     if wanted("init") {
-        let r = put(c, "/v1/plugins/adv/config", mallory, b"print-and-spin:60").await?;
+        let r = put(c, "/v1/plugins/adv/config", mallory, b"print-and-spin:20").await?;
         anyhow::ensure!(r.status == 200, "{}", r.text());
         let body = chat_body(model, "adv", 8);
-        let attack = flood(c, mallory, 64, Instant::now() + span, move |_| body.clone());
+        let attack = flood(c, mallory, CHAT, 64, Instant::now() + span, move |_| body.clone());
         a.measure(
             "per-request init: an init that prints (so it cannot be captured) and spins, 64 at a time",
             attack,
-            json!({}),
+            || json!({}),
         )
         .await?;
         put(c, "/v1/plugins/adv/config", mallory, b"pass").await?;
@@ -570,12 +639,10 @@ async fn round_two(
                 v.to_string().into_bytes()
             }
         };
-        let attack = flood(c, mallory, 4, Instant::now() + span, body);
-        a.measure(
-            "registries: 16 unknown fields of new names per request",
-            attack,
-            json!({}),
-        )
+        let attack = flood(c, mallory, CHAT, 4, Instant::now() + span, body);
+        a.measure("registries: 16 unknown fields of new names per request", attack, || {
+            json!({})
+        })
         .await?;
         let metrics = |c: Client, admin: String| async move {
             let r = c.request(Method::GET, "/metrics", Some(&admin), None).await?;

@@ -7,10 +7,10 @@
 //! recent steps predicts (`cost`), and the other tenants' joins while the step stays within twice
 //! the lead's (see `schedule`). Tenants are charged what their tokens cost, by the context they
 //! attend. Sequences join and leave between any two steps; running slots and KV pages are shared
-//! fairly at admission ([`Engine::admit_waiting`]). Every way a scheduled request ends — finished, cancelled, failed — goes through
-//! `Engine::retire`, which closes its KV state (pages return to the pool once unreferenced) and
-//! emits exactly one [`Event::Done`]. Rejected requests never get here: [`Engine::submit`] returns
-//! them before anything is allocated.
+//! fairly at admission ([`Engine::admit_waiting`]). Every way a scheduled request ends —
+//! finished, cancelled, failed — goes through `Engine::retire`, which closes its KV state (pages
+//! return to the pool once unreferenced) and emits exactly one [`Event::Done`]. Rejected
+//! requests never get here: [`Engine::submit`] returns them before anything is allocated.
 //!
 //! A sequence opens with pages for its tokens and the next one, and grows a page at a time as it
 //! decodes ([`Engine::grow_running`]); when a page cannot be had, a sequence the scheduler favours
@@ -252,8 +252,9 @@ struct Seq {
     max_tokens: usize,
     /// Times it gave its pages up for others to grow into (see [`Engine::grow_running`]).
     preempted: u32,
-    /// Positions it had computed when it was last preempted: computing them again is charged
-    /// to no one's share, and it is not preempted again while it does.
+    /// Positions it had computed when it was last preempted: it is not preempted again while it
+    /// computes them again (which its tenant is charged for, as for any work done for it: a
+    /// tenant preempted was the more served one, and what it costs the machine is its share).
     high_water: usize,
     ignore_eos: bool,
     sampler: Sampler,
@@ -832,13 +833,11 @@ impl Engine {
             }
             match self.pool.open_leaving(s.id.seq(), s.owner, pages, reusable, headroom) {
                 Ok(cached) => {
-                    // What it computes again after a preemption is charged to no one.
-                    let computes = if s.preempted == 0 {
-                        self.cost
-                            .charge(Work::chunk(cached, s.prompt_len.saturating_sub(cached), false))
-                    } else {
-                        0.0
-                    };
+                    // What it will compute before it samples (its prompt, or after a preemption
+                    // everything it had), counted now.
+                    let computes = self
+                        .cost
+                        .charge(Work::chunk(cached, s.target().saturating_sub(cached), false));
                     *admitted.entry(s.owner).or_insert(0.0) += computes / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     let awaited_kv = seq.awaits_kv();
@@ -905,10 +904,9 @@ impl Engine {
 
     /// The running sequence to preempt so that a request of `owner` gets a slot, when every slot
     /// is taken: of the tenants served at least as much as `owner` (by virtual tokens), the one
-    /// holding the most slots
-    /// per weight, if it holds more per weight than `owner` would with one more (so no slot ever
-    /// moves back and forth). Its sequence whose preemption loses the least goes
-    /// ([`cheapest`](Self::cheapest)).
+    /// holding the most slots per weight, if it holds more per weight than `owner` would with one
+    /// more (so no slot ever moves back and forth). Its sequence whose preemption loses the least
+    /// goes ([`cheapest`](Self::cheapest)).
     fn slot_victim(&self, owner: TenantId) -> Option<usize> {
         let running = self.running_per_owner();
         let share = |o: TenantId, n: usize| n as f64 / self.weight(o);
@@ -924,9 +922,9 @@ impl Engine {
     }
 
     /// The running sequence to preempt so that a request of `owner` needing `pages` gets them:
-    /// of the tenants served at least as much as `owner`, the one holding the most pages per weight, if it
-    /// holds more per weight than `owner` would with them and keeps its guaranteed floor without
-    /// the sequence. Its sequence whose preemption loses the least goes.
+    /// of the tenants served at least as much as `owner`, the one holding the most pages per
+    /// weight, if it holds more per weight than `owner` would with them and keeps its guaranteed
+    /// floor without the sequence. Its sequence whose preemption loses the least goes.
     fn page_victim(&self, owner: TenantId, pages: usize) -> Option<usize> {
         let share = |o: TenantId, n: usize| n as f64 / self.weight(o);
         let after = share(owner, self.pool.pages_held(owner) + pages);
@@ -1009,8 +1007,10 @@ impl Engine {
     /// newest sequence goes. For the pool, the sequence the scheduler favours least among those
     /// it favours less than `i` (a more served tenant's, or a newer one of the same tenant),
     /// except one that would leave its tenant below its guaranteed floor (those pages would
-    /// stay out of reach anyway) and one still computing again what it lost to a preemption;
-    /// with none, `i` itself waits. A sequence that alone outgrows what it may hold never fits.
+    /// stay out of reach anyway), one still computing again what it lost to a preemption, and
+    /// one of another tenant that holds fewer pages per weight than `i`'s (a tenant that fills
+    /// the pool grows into its own pages, not into those of a tenant holding less); with none,
+    /// `i` itself waits. A sequence that alone outgrows what it may hold never fits.
     fn victim(&self, i: usize, err: &KvError) -> Option<Room> {
         let s = &self.running[i];
         let owner = s.owner;
@@ -1033,7 +1033,11 @@ impl Engine {
                     let its = self.pool.pages_of(r.id.seq()).unwrap_or(0);
                     self.pool.pages_held(r.owner).saturating_sub(its) >= self.pool.owner_floor(r.owner)
                 };
-                let yields = |r: &Seq| key(r) > key(s) && !r.recomputing() && (r.owner == owner || above_floor(r));
+                let per_weight = |o: TenantId| self.pool.pages_held(o) as f64 / self.weight(o);
+                let holds_more = |r: &Seq| per_weight(r.owner) >= per_weight(owner);
+                let yields = |r: &Seq| {
+                    key(r) > key(s) && !r.recomputing() && (r.owner == owner || (above_floor(r) && holds_more(r)))
+                };
                 let least = (0..self.running.len())
                     .filter(|&j| yields(&self.running[j]))
                     .max_by_key(|&j| key(&self.running[j]));
@@ -1177,15 +1181,12 @@ impl Engine {
                 self.running[i].sampler.put_constraint(c);
             }
             self.computed += work.tokens as u64;
-            self.cost.observe(work, started.elapsed());
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
                 let (owner, from) = (self.running[i].owner, self.running[i].computed);
-                // Computing again what a preemption took is charged to no one's share; the rest
-                // is charged what it costs (a token by the context it attends).
-                let start = from.max(self.running[i].high_water);
-                let new = (from + n).saturating_sub(start);
-                let charge = self.cost.charge(Work::chunk(start, new, false));
+                // Charged what it costs: a token by the context it attends (computing again what
+                // a preemption took too: it is work the machine does for the tenant).
+                let charge = self.cost.charge(Work::chunk(from, n, false));
                 *self.served.entry(owner).or_insert(0.0) += charge / self.weight(owner);
                 let caches = self.prefix_cache_for(owner);
                 let s = &mut self.running[i];
@@ -1233,6 +1234,9 @@ impl Engine {
                     None => {}
                 }
             }
+            // The whole step, its sampling included: what a step target and a tenant leading a
+            // step wait for (the logit rows' coefficient carries the sampling).
+            self.cost.observe(work, started.elapsed());
         }
         // Retire in reverse index order, so swap_remove keeps the lower indices valid.
         for (i, end) in ends.into_iter().enumerate().rev() {
