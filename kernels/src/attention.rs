@@ -163,7 +163,7 @@ pub fn paged_attention(
 }
 
 /// Queries scored together: bounds the score buffer to `QCHUNK · group` rows.
-const QCHUNK: usize = 32;
+pub const QCHUNK: usize = 32;
 
 /// Keys per tile of the prefill path ([`AttnSeq::tiled`]), aligned to multiples of it by position.
 const KV_TILE: usize = 64;

@@ -5,8 +5,8 @@
 //! computed but the last (a decode) one token and others prefill chunks: the least served
 //! tenant's work leads, up to a token cap and a target duration that a cost model fitted from
 //! recent steps predicts (`cost`), and the other tenants' joins while the step stays within twice
-//! the lead's (see `schedule`). Tenants are charged what their tokens cost, by the context they
-//! attend. Sequences join and leave between any two steps; running slots and KV pages are shared
+//! the lead's (see `schedule`). Tenants are charged the machine time their work took: each
+//! step's time is shared by what each sequence adds to it (`cost`). Sequences join and leave between any two steps; running slots and KV pages are shared
 //! fairly at admission ([`Engine::admit_waiting`]). Every way a scheduled request ends —
 //! finished, cancelled, failed — goes through `Engine::retire`, which closes its KV state (pages
 //! return to the pool once unreferenced) and emits exactly one [`Event::Done`]. Rejected
@@ -48,7 +48,7 @@ use crate::tenant::TenantId;
 use crate::kv::{KvCounters, KvError, KvPool};
 use crate::model::{Forward, Model, Scratch, StepError, StepSeq};
 use constraint::{Constraint, ConstraintError};
-use cost::{CostModel, Work};
+use cost::{Attention, CostModel, Work};
 use request::{
     AbortReason, AdmissionLimits, FinishReason, Outcome, RejectReason, Rejected, RequestId, Usage, ValidRequest,
 };
@@ -317,6 +317,15 @@ impl Seq {
         }
     }
 
+    /// The attention its next tokens take (see [`chunk_target`](Self::chunk_target)).
+    fn attention(&self) -> Attention {
+        if self.computed < self.prompt_len {
+            Attention::Prompt
+        } else {
+            Attention::Output
+        }
+    }
+
     /// Whether it may still need pages it does not hold.
     fn may_grow(&self, pool: &KvPool) -> bool {
         self.role != Role::PrefillOnly
@@ -352,7 +361,9 @@ pub struct Engine {
     next_id: RequestId,
     /// Per-tenant settings; tenants absent use the engine's, with weight 1.
     tenants: HashMap<TenantId, TenantSettings>,
-    /// Virtual tokens served per tenant: tokens computed for it, divided by its weight.
+    /// Machine time served per tenant, in milliseconds: each step's time shared among the
+    /// sequences in it by what each adds (see [`CostModel::shares`]), divided by the tenant's
+    /// weight.
     served: HashMap<TenantId, f64>,
     /// The public prefixes in force, in whole pages.
     public_prefixes: Vec<Vec<u32>>,
@@ -761,7 +772,7 @@ impl Engine {
     }
 
     /// Moves waiting requests into the running set while slots and KV reservations allow:
-    /// across tenants the least served first (by virtual tokens, see [`schedule::next_to_admit`]),
+    /// across tenants the least served first (by virtual counter, see [`schedule::next_to_admit`]),
     /// within a tenant in arrival order. A request whose owner is at its KV budget, or that
     /// follows a prefill of its owner, waits without blocking the others.
     ///
@@ -775,8 +786,9 @@ impl Engine {
         let mut passed: HashSet<RequestId> = HashSet::new();
         // Tenants that neither find a free slot nor are owed one this pass.
         let mut no_slot: HashSet<TenantId> = HashSet::new();
-        // Prompt tokens admitted in this pass, per tenant (over its weight): counted in the
-        // order at once, so one tenant does not take every free slot before a step runs.
+        // What was admitted in this pass, per tenant (its estimated cost over its weight):
+        // counted in the order at once, so one tenant does not take every free slot before a
+        // step runs.
         let mut admitted: HashMap<TenantId, f64> = HashMap::new();
         // Transferred requests whose prompt's KV arrived hold their pages already: they take
         // the first free slots, so the pages they hold never wait behind a request that needs
@@ -835,9 +847,12 @@ impl Engine {
                 Ok(cached) => {
                     // What it will compute before it samples (its prompt, or after a preemption
                     // everything it had), counted now.
-                    let computes = self
-                        .cost
-                        .charge(Work::chunk(cached, s.target().saturating_sub(cached), false));
+                    let computes = self.cost.estimate(Work::chunk(
+                        cached,
+                        s.target().saturating_sub(cached),
+                        Attention::Prompt,
+                        false,
+                    ));
                     *admitted.entry(s.owner).or_insert(0.0) += computes / self.weight(s.owner);
                     let mut seq = self.waiting.remove(i).expect("index in range");
                     let awaited_kv = seq.awaits_kv();
@@ -903,7 +918,7 @@ impl Engine {
     }
 
     /// The running sequence to preempt so that a request of `owner` gets a slot, when every slot
-    /// is taken: of the tenants served at least as much as `owner` (by virtual tokens), the one
+    /// is taken: of the tenants served at least as much as `owner` (by virtual counter), the one
     /// holding the most slots per weight, if it holds more per weight than `owner` would with one
     /// more (so no slot ever moves back and forth). Its sequence whose preemption loses the least
     /// goes ([`cheapest`](Self::cheapest)).
@@ -1041,9 +1056,19 @@ impl Engine {
                 let least = (0..self.running.len())
                     .filter(|&j| yields(&self.running[j]))
                     .max_by_key(|&j| key(&self.running[j]));
+                // Failing that, its tenant's floor still holds: a sequence whose preemption
+                // would leave its tenant below its floor takes its page from whoever is above
+                // theirs (the most served first), however it stands otherwise.
+                let for_floor = || {
+                    (0..self.running.len())
+                        .filter(|&j| j != i)
+                        .filter(|&j| !self.running[j].recomputing() && above_floor(&self.running[j]))
+                        .max_by_key(|&j| key(&self.running[j]))
+                };
                 match least {
                     Some(j) => Room::Preempt(j),
                     None if self.pool.pages_for(s.target()) > self.pool.pages_open_to(owner) => Room::Never,
+                    None if !above_floor(s) => Room::Preempt(for_floor().unwrap_or(i)),
                     None => Room::Preempt(i),
                 }
             }
@@ -1087,6 +1112,7 @@ impl Engine {
                     computed: s.computed,
                     target: s.chunk_target(),
                     samples: s.samples_at(s.chunk_target()),
+                    prompt: s.computed < s.prompt_len,
                     last: s.last,
                 }
             })
@@ -1166,10 +1192,18 @@ impl Engine {
                     }
                 })
                 .collect();
-            let work = step.iter().fold(Work::default(), |w, &(i, n)| {
-                let s = &self.running[i];
-                w.plus(Work::chunk(s.computed, n, s.samples_at(s.computed + n)))
-            });
+            // Each sequence's part of the step, with its tenant, and the whole.
+            let parts: Vec<(TenantId, Work)> = step
+                .iter()
+                .map(|&(i, n)| {
+                    let s = &self.running[i];
+                    (
+                        s.owner,
+                        Work::chunk(s.computed, n, s.attention(), s.samples_at(s.computed + n)),
+                    )
+                })
+                .collect();
+            let work = parts.iter().fold(Work::default(), |w, &(_, p)| w.plus(p));
             let started = Instant::now();
             let (model, pool, scratch, check) = (&self.model, &mut self.pool, &mut self.scratch, self.cfg.tag_check);
             let (results, ()) = rayon::join(
@@ -1183,11 +1217,7 @@ impl Engine {
             self.computed += work.tokens as u64;
             let mut to_sample: Vec<Option<Vec<f32>>> = vec![None; self.running.len()];
             for (&(i, n), r) in step.iter().zip(results) {
-                let (owner, from) = (self.running[i].owner, self.running[i].computed);
-                // Charged what it costs: a token by the context it attends (computing again what
-                // a preemption took too: it is work the machine does for the tenant).
-                let charge = self.cost.charge(Work::chunk(from, n, false));
-                *self.served.entry(owner).or_insert(0.0) += charge / self.weight(owner);
+                let owner = self.running[i].owner;
                 let caches = self.prefix_cache_for(owner);
                 let s = &mut self.running[i];
                 match r {
@@ -1236,7 +1266,14 @@ impl Engine {
             }
             // The whole step, its sampling included: what a step target and a tenant leading a
             // step wait for (the logit rows' coefficient carries the sampling).
-            self.cost.observe(work, started.elapsed());
+            let took = started.elapsed();
+            self.cost.observe(work, took);
+            // Each tenant is charged its sequences' shares of the step's time (computing again
+            // what a preemption took too: it is work the machine does for the tenant).
+            let works: Vec<Work> = parts.iter().map(|&(_, w)| w).collect();
+            for (&(owner, _), share) in parts.iter().zip(self.cost.shares(&works, took)) {
+                *self.served.entry(owner).or_insert(0.0) += share / self.weight(owner);
+            }
         }
         // Retire in reverse index order, so swap_remove keeps the lower indices valid.
         for (i, end) in ends.into_iter().enumerate().rev() {

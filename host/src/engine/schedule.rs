@@ -3,16 +3,18 @@
 //! many tokens in the next step. Pure, so fairness and chunking are tested here without a model.
 //!
 //! Tenants take the step in turn by their virtual counters (the VTC of "Fairness in Serving
-//! Large Language Models", OSDI 2024, charging each token by its cost: see
-//! [`CostModel::charge`]). The least served tenant *leads* the step: its decodes (every one
+//! Large Language Models", OSDI 2024, charging not tokens but the machine time each tenant's
+//! work took: see [`CostModel::shares`]). The least served tenant *leads* the step: its decodes (every one
 //! when it runs alone; under contention as many as fit the step target, at least one, those
 //! that waited longest first), then its prefill chunks, cut to what fits the step target
 //! (Sarathi-Serve's token budget from a latency target), never below [`MIN_PREFILL_TOKENS`].
 //! The other tenants' work joins in their order while the step's predicted duration stays
 //! within twice the lead's own: decodes first (those that waited longest first), then prefill
 //! chunks cut to fit. So what others add to a step costs the lead at most as much again as its
-//! own work: a tenant decodes at no less than half its idle speed beside any other, however
-//! long the other's contexts or however many its streams. A tenant arriving with its first
+//! own work. And the steps another tenant leads are charged to that tenant (a share of a step
+//! never more than the sharer's work would have taken alone), so, served in turn, a tenant
+//! decodes at no less than about half its idle speed beside any other, however long the
+//! other's contexts or however many its streams. A tenant arriving with its first
 //! prompt starts at the lowest counter of the active ones and, with fewer sequences, leads
 //! the next step: its time to first token is the step in flight plus its own prefill steps.
 //! Serving a tenant raises its counter, so the lead moves on.
@@ -20,7 +22,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use super::cost::{CostModel, Work};
+use super::cost::{Attention, CostModel, Work};
 use crate::tenant::TenantId;
 
 /// Prefill tokens the lead's prefill gets in a step even when nothing more fits its target.
@@ -37,6 +39,8 @@ pub struct SeqView {
     pub target: usize,
     /// Whether reaching `target` ends in a token to sample (false for a prefill node's half).
     pub samples: bool,
+    /// Whether its next tokens are prompt tokens (a chunk never mixes prompt and output).
+    pub prompt: bool,
     /// The step it last computed in (0: never); of a tenant's decodes, those that waited
     /// longest go first.
     pub last: u64,
@@ -50,7 +54,12 @@ impl SeqView {
 
     /// The work of its next `n` tokens.
     fn chunk(&self, n: usize) -> Work {
-        Work::chunk(self.computed, n, self.samples && self.computed + n == self.target)
+        let kind = if self.prompt {
+            Attention::Prompt
+        } else {
+            Attention::Output
+        };
+        Work::chunk(self.computed, n, kind, self.samples && self.computed + n == self.target)
     }
 }
 
@@ -62,8 +71,8 @@ pub struct Planner<'a> {
     pub step_target: Option<Duration>,
     /// How long steps take, as fitted.
     pub cost: &'a CostModel,
-    /// A tenant's virtual counter: what was computed for it (in [`CostModel::charge`]'s units)
-    /// over its weight.
+    /// A tenant's virtual counter: the machine time its work took (its shares of steps, see
+    /// [`CostModel::shares`]) over its weight.
     pub served: &'a dyn Fn(TenantId) -> f64,
 }
 
@@ -188,7 +197,7 @@ impl Planner<'_> {
 
 /// Which waiting request to admit next: of `waiting` (in arrival order, each its tenant, or
 /// `None` when it is passed over this time), the one whose tenant has the lowest virtual
-/// `counter` (tokens computed for it over its weight, as in "Fairness in Serving Large Language
+/// `counter` (what was served to it over its weight, as in "Fairness in Serving Large Language
 /// Models", OSDI 2024), then the fewest `running` sequences, then the oldest.
 pub fn next_to_admit(
     waiting: impl Iterator<Item = Option<TenantId>>,
@@ -232,6 +241,7 @@ mod tests {
             computed,
             target,
             samples: true,
+            prompt: target - computed > 1,
             last: 0,
         }
     }
@@ -243,16 +253,24 @@ mod tests {
         for _ in 0..super::super::cost::WINDOW {
             x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
             let (pos, n) = ((x >> 33) as usize % 8000, 1 + (x >> 20) as usize % 64);
-            let w = Work::chunk(pos, n, true).plus(Work::chunk(pos / 3, 1, true));
+            // A prompt chunk (the last, or not) beside one to four decodes.
+            let decodes = (0..1 + (x >> 50) as usize % 4).fold(Work::default(), |w, k| {
+                w.plus(Work::chunk(pos / (k + 2), 1, Attention::Output, true))
+            });
+            let w = Work::chunk(pos, n, Attention::Prompt, x & 1 == 1).plus(decodes);
             cost.observe(w, Duration::from_secs_f64(truth(w) / 1e3));
         }
         cost
     }
 
-    /// 5 ms a step, 0.05 ms a token, 1 µs an attended position, 0.1 ms a logit row: a small
-    /// model whose long contexts cost more than its matmuls.
+    /// 5 ms a step, 0.05 ms a token, 0.25 µs a prompt token's attended position, 1 µs a
+    /// position read, 0.1 ms a logit row: a small model whose long contexts cost more than its
+    /// matmuls.
     fn small_model(w: Work) -> f64 {
-        5.0 + 0.05 * w.tokens as f64 + 0.001 * w.attended as f64 + 0.1 * w.logits as f64
+        5.0 + 0.05 * w.tokens as f64
+            + 0.00025 * w.prompt_attended as f64
+            + 0.001 * w.read as f64
+            + 0.1 * w.logits as f64
     }
 
     fn plan(running: &[SeqView], cap: usize, served: &dyn Fn(TenantId) -> f64) -> Vec<(usize, usize)> {
@@ -358,7 +376,7 @@ mod tests {
         // Every step took a second: nothing fits a 1 ms target, yet prefills move.
         let mut cost = CostModel::default();
         for i in 0..16 {
-            cost.observe(Work::chunk(0, 8 + i, true), Duration::from_secs(1));
+            cost.observe(Work::chunk(0, 8 + i, Attention::Prompt, true), Duration::from_secs(1));
         }
         let running = [seq(1, 5, 6), seq(1, 0, 500)];
         let p = Planner {
@@ -417,6 +435,7 @@ mod tests {
                     computed,
                     target: computed + if decoding { 1 } else { left },
                     samples,
+                    prompt: !decoding,
                     last: 0,
                 })
                 .collect();

@@ -303,7 +303,7 @@ proptest! {
     fn no_waiting_tenant_falls_behind_past_the_fairness_bound(ops in prop::collection::vec(op(), 1..160)) {
         let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
         // The stand-in's steps take no time to measure: a token costs one, whatever it attends.
-        e.cost.fixed_attend_per_token = Some(f64::INFINITY);
+        e.cost.charge_tokens = true;
         let uncapped = |weight| TenantSettings { weight, ..TenantSettings::default() };
         for o in 1..=3 {
             e.set_tenant(tenant(o), uncapped(1));
@@ -359,6 +359,8 @@ proptest! {
 #[test]
 fn an_idle_tenant_arrives_at_the_active_tenants_counter() {
     let mut e = Engine::new(Arc::new(Stand::new()), Arc::new(IdDetok), config()).expect("engine starts");
+    // In tokens, so what tenant 1 was served is known.
+    e.cost.charge_tokens = true;
     let busy = submit(&mut e, 1, 20, 20, 0).expect("admitted");
     for _ in 0..4 {
         e.step();
@@ -476,7 +478,7 @@ fn an_open_ended_request_ends_with_length_at_its_tenants_cap() {
 }
 
 /// When pages run short, the more served tenant's sequence gives its pages up, not the less
-/// served one's (by virtual tokens: tokens over weight): a tenant that has had more cannot push
+/// served one's (by virtual counter: what it was served over its weight): a tenant that has had more cannot push
 /// out one that has had less.
 #[test]
 fn the_more_served_tenant_is_the_one_preempted() {

@@ -1039,7 +1039,7 @@ fn the_step_target_cuts_prefill_chunks_to_what_the_cost_model_predicts() {
     assert_eq!(e.plan(), vec![(0, 200)]);
     // Steps that took half a millisecond a token: 20 ms holds 40.
     for n in [16, 40, 64, 100, 128, 200, 256, 300] {
-        let w = super::cost::Work::chunk(n, n, true);
+        let w = super::cost::Work::chunk(n, n, super::cost::Attention::Prompt, true);
         e.cost.observe(w, std::time::Duration::from_micros(500 * n as u64));
     }
     let plan = e.plan();
@@ -1047,7 +1047,7 @@ fn the_step_target_cuts_prefill_chunks_to_what_the_cost_model_predicts() {
     assert!((36..=40).contains(&plan[0].1), "planned {plan:?} for a 20 ms step");
     // However slow steps get, a prefill still gets MIN_PREFILL_TOKENS a step.
     for n in [16, 40, 64, 100, 128, 200, 256, 300] {
-        let w = super::cost::Work::chunk(n, n, true);
+        let w = super::cost::Work::chunk(n, n, super::cost::Attention::Prompt, true);
         e.cost.observe(w, std::time::Duration::from_millis(100 * n as u64));
     }
     assert_eq!(e.plan(), vec![(0, super::MIN_PREFILL_TOKENS)]);
