@@ -1402,3 +1402,136 @@ fn schema_compiles_are_stopped_at_their_limits_kept_per_tenant_and_taken_in_turn
         assert_eq!(checking_children(pid), 0);
     });
 }
+
+/// Whatever the server answers before (or without) reading a request's whole body, an HTTP/2
+/// client gets all of it: 200 of each early answer, each with its status and its JSON. The
+/// client is curl (the README's examples use it), which found the fault: it gives up a
+/// response, with "stream error in the HTTP/2 framing layer", when the stream is reset while it
+/// is still sending the body. Each body is larger than HTTP/2's first flow-control window
+/// (64 KiB), so it is still arriving when the answer goes out.
+#[test]
+fn every_early_answer_reaches_an_http2_client_whole() {
+    let s = Server::start_with_policies(
+        "early",
+        "[plugins]\nmax_component_bytes = 1048576\n",
+        &[("tenants/slow.toml", "requests_per_minute = 1\n")],
+    );
+    let dir = s.data_dir.join("early");
+    std::fs::create_dir_all(&dir).expect("a directory for the bodies");
+    // A valid chat request, padded (JSON allows trailing whitespace) past the window; and one
+    // past the body limits (1 MiB).
+    let mut big = chat_body(MODEL, "hi", 1, false);
+    big.resize(256 << 10, b' ');
+    let mut over = big.clone();
+    over.resize(2 << 20, b' ');
+    let (big_file, over_file) = (dir.join("big.json"), dir.join("over.json"));
+    std::fs::write(&big_file, &big).expect("write a body");
+    std::fs::write(&over_file, &over).expect("write a body");
+    let key = s.key().to_string();
+    let slow = rt().block_on(async {
+        let slow = s.tenant_with_key("slow").await;
+        // The slow tenant's one request a minute, used.
+        let r = s
+            .client()
+            .request(Method::POST, "/v1/chat/completions", Some(&slow), Some(big.clone()))
+            .await
+            .expect("reply");
+        assert_eq!(r.status, 200, "{}", r.text());
+        slow
+    });
+    let chat = "/v1/chat/completions";
+    let cases = [
+        (
+            "a wrong key",
+            "POST",
+            chat,
+            "wdn-0123456789abcdef-nope",
+            &big_file,
+            401,
+            "invalid_api_key",
+        ),
+        (
+            "an unknown path",
+            "POST",
+            "/v1/nothing",
+            &key,
+            &big_file,
+            404,
+            "not_found",
+        ),
+        (
+            "a wrong method",
+            "POST",
+            "/v1/models",
+            &key,
+            &big_file,
+            405,
+            "method_not_allowed",
+        ),
+        (
+            "a body over its limit",
+            "POST",
+            chat,
+            &key,
+            &over_file,
+            413,
+            "body_too_large",
+        ),
+        (
+            "a rate limit",
+            "POST",
+            chat,
+            &slow,
+            &big_file,
+            429,
+            "rate_limit_requests",
+        ),
+        (
+            "an upload over its limit",
+            "PUT",
+            "/v1/plugins/p",
+            &key,
+            &over_file,
+            413,
+            "component_too_large",
+        ),
+    ];
+    for (k, (name, method, path, bearer, body, status, code)) in cases.into_iter().enumerate() {
+        let out = dir.join(format!("case{k}"));
+        std::fs::create_dir_all(&out).expect("a directory for the answers");
+        // 200 requests, 8 at a time, each on its own stream and the answers in files.
+        let run = std::process::Command::new("curl")
+            .args(["--silent", "--http2", "--parallel", "--parallel-max", "8", "--cacert"])
+            .arg(&s.cert)
+            .args(["-X", method, "-H", &format!("authorization: Bearer {bearer}")])
+            .args(["-H", "content-type: application/json", "--data-binary"])
+            .arg(format!("@{}", body.display()))
+            .arg("--output")
+            .arg(out.join("#1"))
+            .args(["--write-out", "%{http_code} %{exitcode}\\n"])
+            .arg(format!("{}{path}?n=[1-200]", s.url))
+            .output()
+            .expect("this test drives curl, the HTTP/2 client that found the fault: install curl");
+        // Each answer's status and curl's exit code: an answer lost is `000 92`. (curl stops
+        // sending a body over its limit once the answer arrives, and may then report the
+        // stream's end as an error though the answer came whole: the status and the JSON
+        // are what must arrive.)
+        let lines = String::from_utf8_lossy(&run.stdout).into_owned();
+        let lost: Vec<&str> = lines
+            .lines()
+            .filter(|l| !l.starts_with(&format!("{status} ")))
+            .collect();
+        assert_eq!(lines.lines().count(), 200, "{name}: {lines}");
+        assert!(
+            lost.is_empty(),
+            "{name}: {} of 200 answers lost: {:?}",
+            lost.len(),
+            &lost[..lost.len().min(3)]
+        );
+        for n in 1..=200 {
+            let answer = std::fs::read(out.join(n.to_string())).expect("an answer");
+            let v: serde_json::Value = serde_json::from_slice(&answer).expect("JSON");
+            assert_eq!(v["error"]["code"], code, "{name}: {v}");
+        }
+    }
+}

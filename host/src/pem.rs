@@ -5,6 +5,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use rustls::pki_types::pem::{self, PemObject};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 /// TLS errors.
@@ -17,6 +18,14 @@ pub enum TlsError {
         path: PathBuf,
         /// Why.
         source: std::io::Error,
+    },
+    /// A PEM file could not be read as PEM.
+    #[error("{path}: {source}")]
+    PemSyntax {
+        /// The file.
+        path: PathBuf,
+        /// What was wrong.
+        source: pem::Error,
     },
     /// A PEM file held no certificate or no key.
     #[error("{path}: {what}")]
@@ -45,9 +54,13 @@ pub fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
 /// The certificates of a PEM file, at least one.
 pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
     let pem = std::fs::read(path).map_err(io_err(path))?;
-    let certs: Vec<CertificateDer<'static>> = rustls_pemfile::certs(&mut &pem[..])
-        .collect::<Result<_, _>>()
-        .map_err(io_err(path))?;
+    let certs: Vec<CertificateDer<'static>> =
+        CertificateDer::pem_slice_iter(&pem)
+            .collect::<Result<_, _>>()
+            .map_err(|source| TlsError::PemSyntax {
+                path: path.into(),
+                source,
+            })?;
     if certs.is_empty() {
         return Err(TlsError::Pem {
             path: path.into(),
@@ -60,12 +73,16 @@ pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 /// The private key of a PEM file.
 pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let pem = std::fs::read(path).map_err(io_err(path))?;
-    rustls_pemfile::private_key(&mut &pem[..])
-        .map_err(io_err(path))?
-        .ok_or(TlsError::Pem {
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|source| match source {
+        pem::Error::NoItemsFound => TlsError::Pem {
             path: path.into(),
             what: "no private key in the file",
-        })
+        },
+        source => TlsError::PemSyntax {
+            path: path.into(),
+            source,
+        },
+    })
 }
 
 /// Writes `bytes` to `path` readable by its owner only.

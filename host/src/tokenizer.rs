@@ -559,6 +559,12 @@ fn get_id(g: &Gguf, key: &'static str, vocab: usize) -> Result<Option<u32>, Toke
         expected: "unsigned integer",
         found: v.type_name(),
     })?;
+    // 0xFFFFFFFF is "none", as llama.cpp reads it (its LLAMA_TOKEN_NULL as a u32): older
+    // converters (llama2.c's among them) write it for a padding or separator token the model
+    // does not have.
+    if id == u64::from(u32::MAX) {
+        return Ok(None);
+    }
     if id >= vocab as u64 {
         return Err(TokenizerError::IdOutOfRange { key, id, vocab });
     }
@@ -1906,6 +1912,12 @@ mod tests {
             id(KEY_PAD, Value::U32(1 << 20)),
             Err(E::IdOutOfRange { key: KEY_PAD, .. })
         ));
+        // 0xFFFFFFFF means none (llama2.c conversions carry it), whichever id carries it.
+        for key in [KEY_PAD, KEY_EOT, KEY_UNK] {
+            let t = id(key, Value::U32(u32::MAX)).expect("a file whose special id is 0xFFFFFFFF loads");
+            assert_eq!(t.encode("he", false), build(ok()).unwrap().encode("he", false), "{key}");
+        }
+        assert_eq!(id(KEY_PAD, Value::U32(u32::MAX)).unwrap().pad, None);
         assert!(matches!(
             id(KEY_EOT, Value::I32(-1)),
             Err(E::WrongType { key: KEY_EOT, .. })

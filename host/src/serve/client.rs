@@ -2,7 +2,7 @@
 //! running server's admin API with it, and the end-to-end tests talk to the server with it. One
 //! connection per request.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -23,8 +23,8 @@ pub enum ClientError {
     #[error("an https URL needs the certificate to trust")]
     NoCertificate,
     /// The certificate file could not be read.
-    #[error("reading {}", .0.display())]
-    Certificate(PathBuf, #[source] std::io::Error),
+    #[error("the certificate to trust")]
+    Certificate(#[from] crate::pem::TlsError),
     /// TLS refused the certificate or the connection.
     #[error("TLS")]
     Tls(#[from] rustls::Error),
@@ -104,11 +104,9 @@ impl Client {
         let port: u16 = port.parse().map_err(|_| bad_url())?;
         let tls = if tls {
             let path = ca_cert.ok_or(ClientError::NoCertificate)?;
-            let unreadable = |e| ClientError::Certificate(path.into(), e);
-            let pem = std::fs::read(path).map_err(unreadable)?;
             let mut roots = rustls::RootCertStore::empty();
-            for c in rustls_pemfile::certs(&mut &pem[..]) {
-                roots.add(c.map_err(unreadable)?)?;
+            for c in crate::pem::read_certs(path)? {
+                roots.add(c)?;
             }
             let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
                 .with_safe_default_protocol_versions()?

@@ -2,13 +2,12 @@
 
 use std::sync::Arc;
 
-use hyper::body::Incoming;
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Method, Response, StatusCode};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::auth::admin;
-use super::body::read_body;
+use super::body::{Req, read_body};
 use super::plugin_api;
 use super::reply::{Body, json_response, method_not_allowed};
 use crate::serve::error::ApiError;
@@ -24,7 +23,7 @@ struct NewTenant {
 
 pub(super) async fn route(
     state: &Arc<State>,
-    req: Request<Incoming>,
+    req: Req,
     method: &Method,
     rest: &[&str],
 ) -> Result<Response<Body>, ApiError> {

@@ -1,21 +1,21 @@
 //! Who is asking: a tenant's API key, the admin token or the metrics token, as
 //! `Authorization: Bearer`.
 
-use hyper::body::Incoming;
+use hyper::StatusCode;
 use hyper::header::AUTHORIZATION;
-use hyper::{Request, StatusCode};
 
+use super::body::Req;
 use crate::serve::error::ApiError;
 use crate::serve::state::State;
 use crate::serve::store::Tenant;
 
-fn bearer(req: &Request<Incoming>) -> Option<&str> {
+fn bearer(req: &Req) -> Option<&str> {
     let v = req.headers().get(AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = v.split_once(' ')?;
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-pub(super) fn tenant(state: &State, req: &Request<Incoming>) -> Result<Tenant, ApiError> {
+pub(super) fn tenant(state: &State, req: &Req) -> Result<Tenant, ApiError> {
     let key = bearer(req).ok_or_else(|| {
         ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -34,7 +34,7 @@ pub(super) fn tenant(state: &State, req: &Request<Incoming>) -> Result<Tenant, A
     }
 }
 
-pub(super) fn admin(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
+pub(super) fn admin(state: &State, req: &Req) -> Result<(), ApiError> {
     let ok = bearer(req).map(|t| state.store.is_admin(t)).transpose()?;
     match ok {
         Some(true) => Ok(()),
@@ -52,7 +52,7 @@ pub(super) fn admin(state: &State, req: &Request<Incoming>) -> Result<(), ApiErr
 }
 
 /// The admin token or the metrics token: who may read `GET /metrics`.
-pub(super) fn metrics_reader(state: &State, req: &Request<Incoming>) -> Result<(), ApiError> {
+pub(super) fn metrics_reader(state: &State, req: &Req) -> Result<(), ApiError> {
     match bearer(req) {
         Some(t) if state.store.is_metrics_reader(t)? => Ok(()),
         Some(_) => admin(state, req).map_err(|_| {

@@ -19,7 +19,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::{Value, json};
 
 use self::auth::{metrics_reader, tenant};
-use self::body::read_body;
+use self::body::{Req, hold, read_body};
 pub use self::reply::Body;
 use self::reply::{error_response, full, json_response, method_not_allowed, model_not_found};
 use super::access::{Access, request_id};
@@ -27,11 +27,13 @@ use super::error::ApiError;
 use super::state::{Served, State};
 
 /// Handles one request: its id (the client's `x-request-id`, or a new one) in every response,
-/// and its access line when it ends (see [`Access`]).
+/// its access line when it ends (see [`Access`]), and what its route left of its body read
+/// until the response is sent (see [`body`]).
 pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Body>, std::convert::Infallible> {
     let id = request_id(req.headers().get("x-request-id").map(|v| v.as_bytes()));
     let access = Access::new(id, req.method().as_str(), req.uri().path());
-    let mut r = match route(&state, req, &access).await {
+    let (req, unread) = hold(req);
+    let r = match route(&state, req, &access).await {
         Ok(r) => {
             access.status(r.status().as_u16(), None);
             r
@@ -42,6 +44,8 @@ pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Respons
             error_response(&e)
         }
     };
+    let body_read = std::time::Duration::from_secs(state.cfg.timeouts.body_read_s);
+    let mut r = unread.until_sent(r, state.cfg.limits.body_bytes, body_read);
     // Plain ASCII by construction.
     if let Ok(v) = HeaderValue::from_str(access.id()) {
         r.headers_mut().insert("x-request-id", v);
@@ -50,13 +54,13 @@ pub async fn handle(state: Arc<State>, req: Request<Incoming>) -> Result<Respons
 }
 
 /// The tenant whose key `req` carries, named in its access line.
-fn tenant_of(state: &State, req: &Request<Incoming>, access: &Access) -> Result<crate::serve::store::Tenant, ApiError> {
+fn tenant_of(state: &State, req: &Req, access: &Access) -> Result<crate::serve::store::Tenant, ApiError> {
     let t = tenant(state, req)?;
     access.tenant(&t.name);
     Ok(t)
 }
 
-async fn route(state: &Arc<State>, req: Request<Incoming>, access: &Arc<Access>) -> Result<Response<Body>, ApiError> {
+async fn route(state: &Arc<State>, req: Req, access: &Arc<Access>) -> Result<Response<Body>, ApiError> {
     let header_bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
     if header_bytes > state.cfg.limits.header_bytes {
         return Err(ApiError::new(

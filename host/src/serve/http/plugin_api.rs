@@ -3,12 +3,11 @@
 
 use std::sync::Arc;
 
-use hyper::body::Incoming;
-use hyper::{Method, Request, Response, StatusCode};
+use hyper::{Method, Response, StatusCode};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::body::{read_body, read_body_up_to};
+use super::body::{Req, read_body, read_body_up_to};
 use super::reply::{Body, json_response, method_not_allowed, serialized};
 use crate::serve::error::ApiError;
 use crate::serve::openai::parse_body;
@@ -22,7 +21,7 @@ struct Activate {
 }
 
 /// Whether the query string says `activate=false`.
-fn no_activate(req: &Request<Incoming>) -> bool {
+fn no_activate(req: &Req) -> bool {
     req.uri()
         .query()
         .is_some_and(|q| q.split('&').any(|kv| kv == "activate=false" || kv == "activate=0"))
@@ -33,7 +32,7 @@ fn no_activate(req: &Request<Incoming>) -> bool {
 pub(super) async fn route(
     state: &Arc<State>,
     t: &Tenant,
-    req: Request<Incoming>,
+    req: Req,
     method: &Method,
     rest: &[&str],
 ) -> Result<Response<Body>, ApiError> {
