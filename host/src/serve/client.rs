@@ -124,6 +124,31 @@ impl Client {
         })
     }
 
+    /// A client for `url` that trusts exactly the certificate the server serves from
+    /// `cert_file` (its first, the server's own), whatever names it carries and whoever issued
+    /// it: how the CLI reaches the server of its own data dir, on a loopback address that an
+    /// operator's certificate (issued for the server's public name) does not name, and without
+    /// the operator's CA. The server reloads its certificate from the same file, so the CLI
+    /// trusts what the server serves now.
+    pub fn pinned(url: &str, cert_file: &Path) -> Result<Self, ClientError> {
+        let mut c = Self::new(url, Some(cert_file))?;
+        if c.tls.is_some() {
+            let provider = Arc::new(rustls::crypto::ring::default_provider());
+            let leaf = crate::pem::read_certs(cert_file)?.swap_remove(0);
+            let pin = Arc::new(Pinned {
+                leaf,
+                provider: provider.clone(),
+            });
+            let cfg = rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()?
+                .dangerous()
+                .with_custom_certificate_verifier(pin)
+                .with_no_client_auth();
+            c.tls = Some(Arc::new(cfg));
+        }
+        Ok(c)
+    }
+
     /// The same client, every request it sends carrying header `name: value` too.
     pub fn with_header(mut self, name: &str, value: &str) -> Self {
         self.headers.push((name.to_string(), value.to_string()));
@@ -266,5 +291,54 @@ impl IdleConnection {
             Poll::Ready(Ok(())) => !buf.filled().is_empty(),
             Poll::Ready(Err(_)) => false,
         }
+    }
+}
+
+/// Trusts one certificate, byte for byte (see [`Client::pinned`]); the handshake's signatures
+/// are still checked against it.
+#[derive(Debug)]
+struct Pinned {
+    leaf: rustls::pki_types::CertificateDer<'static>,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for Pinned {
+    fn verify_server_cert(
+        &self,
+        end_entity: &rustls::pki_types::CertificateDer<'_>,
+        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        if end_entity.as_ref() == self.leaf.as_ref() {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        } else {
+            Err(rustls::Error::General(
+                "the server's certificate is not the one in its certificate file".into(),
+            ))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.provider.signature_verification_algorithms.supported_schemes()
     }
 }

@@ -173,7 +173,10 @@ fn admin_call(data_dir: &Path, method: Method, path: &str, body: Option<Vec<u8>>
     let info: ServerInfo = serde_json::from_slice(&bytes).map_err(|e| ManageError::ServerInfo(info_path, e))?;
     let token_path = admin_token_path(data_dir);
     let token = std::fs::read_to_string(&token_path).map_err(|e| ManageError::Read(token_path, e))?;
-    let client = Client::new(&info.url, info.cert.as_deref())?;
+    let client = match &info.cert {
+        Some(cert) => Client::pinned(&info.url, cert)?,
+        None => Client::new(&info.url, None)?,
+    };
     let reply = runtime()?.block_on(client.request(method, path, Some(token.trim()), body))?;
     let v = reply.json()?;
     if reply.status >= 400 {

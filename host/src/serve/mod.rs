@@ -24,7 +24,7 @@ pub mod tls;
 pub mod tools;
 pub mod usage;
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -428,8 +428,14 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
         .local_addr()
         .map_err(StartupError::io("the listening socket's address"))?;
     let scheme = if tls.is_some() { "https" } else { "http" };
+    // Listening on every address (`0.0.0.0`, `[::]`), the server is reached here on loopback.
+    let reach = match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::from((Ipv4Addr::LOCALHOST, addr.port())),
+        IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::from((Ipv6Addr::LOCALHOST, addr.port())),
+        _ => addr,
+    };
     let info = ServerInfo {
-        url: format!("{scheme}://{addr}"),
+        url: format!("{scheme}://{reach}"),
         cert: tls.as_ref().map(|t| t.cert_path.clone()),
         pid: std::process::id(),
     };
@@ -438,6 +444,9 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeE
     std::fs::write(&info_path, described).map_err(StartupError::io(format!("writing {}", info_path.display())))?;
     let ids: Vec<&str> = state.models.iter().map(|m| m.id.as_str()).collect();
     tracing::info!("serving {} on {}", ids.join(", "), info.url);
+    if reach != addr {
+        tracing::info!("listening on every address ({addr}); this machine's CLI reaches it on {reach}");
+    }
     state
         .metrics
         .policy(&state.quotas.set().version, state.quotas.reload_failures());

@@ -87,6 +87,27 @@ async fn route(state: &Arc<State>, req: Req, access: &Arc<Access>) -> Result<Res
             allow(&[Method::GET])?;
             Ok(full(StatusCode::OK, "text/plain", "ok\n"))
         }
+        // The names other servers answer (vLLM, TGI, llama-server): `/health` is 200 while
+        // every engine runs (503 once one has stopped), `/version` the server's version.
+        ["health"] => {
+            allow(&[Method::GET])?;
+            if state.engines().all(|e| e.is_alive()) {
+                Ok(json_response(StatusCode::OK, &json!({"status": "ok"})))
+            } else {
+                Err(ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "engine_stopped",
+                    "a model's engine has stopped",
+                ))
+            }
+        }
+        ["version"] => {
+            allow(&[Method::GET])?;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"version": env!("CARGO_PKG_VERSION")}),
+            ))
+        }
         ["readyz"] => {
             allow(&[Method::GET])?;
             if state.engines().all(|e| e.is_alive()) && !state.shutting_down.load(Ordering::SeqCst) {
