@@ -470,6 +470,7 @@ fn a_cluster_across_network_namespaces_talks_mutual_tls_and_survives_a_cut_link(
     let d1 = node("decode1", "decode");
     let d2 = node("decode2", "decode");
     let rdir = common::temp_dir("mtls-router");
+    common::write_default_policy(&rdir);
     let config = rdir.join("warden.toml");
     std::fs::write(
         &config,

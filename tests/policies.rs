@@ -437,4 +437,10 @@ fn policies_check_says_what_the_server_would() {
         !ok && said.contains("tenants/big.toml") && said.contains("max_pages"),
         "{said}"
     );
+    // A directory that is not there, or holds no policy, is refused: never a silent "no
+    // limits".
+    let (ok, said) = check(&[]);
+    assert!(!ok && said.contains("no such directory"), "{said}");
+    let (ok, said) = check(&[("notes.txt", "not a policy\n")]);
+    assert!(!ok && said.contains("holds no policy"), "{said}");
 }

@@ -1213,9 +1213,14 @@ fn config_check_says_what_serve_would_and_flags_override_the_file() {
     // Flags over the file: the server listens where --listen says and keeps its state where
     // --data-dir says.
     let data = dir.join("elsewhere");
+    common::write_default_policy(&dir);
     std::fs::write(
         dir.join("f.toml"),
-        format!("listen = \"127.0.0.1:1\"\nmodel = {:?}\n", common::model()),
+        format!(
+            "listen = \"127.0.0.1:1\"\nmodel = {:?}\npolicies = {:?}\n",
+            common::model(),
+            dir.join("policies")
+        ),
     )
     .unwrap();
     let mut child = std::process::Command::new(common::warden_bin())
@@ -1590,7 +1595,7 @@ fn the_cli_reaches_a_server_on_every_address_and_with_an_operators_certificate()
                 certs.join("api.example.test.key")
             );
         }
-        std::fs::create_dir_all(dir.join("policies")).expect("policies dir");
+        common::write_default_policy(&dir);
         let config = dir.join("warden.toml");
         std::fs::write(
             &config,

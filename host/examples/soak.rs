@@ -117,6 +117,7 @@ fn main() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("warden-soak-{}", std::process::id()));
     let policies = dir.join("policies");
     std::fs::create_dir_all(policies.join("tenants"))?;
+    std::fs::write(policies.join("default.toml"), "# The built-in defaults.\n")?;
     let (server, c, _) = common::server(&bin, &dir, "all", &model, &format!("policies = {policies:?}"))?;
     let pid = server.0.id();
     let admin = common::admin_token(&dir, "all")?;

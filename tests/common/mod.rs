@@ -66,6 +66,14 @@ fn model_line(extra: &str) -> String {
     }
 }
 
+/// `dir/policies/default.toml`, empty: the built-in defaults, said explicitly (a server refuses
+/// a policy directory that is missing or holds no policy).
+pub fn write_default_policy(dir: &Path) {
+    let p = dir.join("policies");
+    std::fs::create_dir_all(&p).expect("policy dir");
+    std::fs::write(p.join("default.toml"), "# The built-in defaults.\n").expect("write policy");
+}
+
 /// A fresh directory under the target dir.
 pub fn temp_dir(tag: &str) -> PathBuf {
     let d = root()
@@ -109,6 +117,7 @@ impl Server {
     /// [`start_with_policies`](Self::start_with_policies), with environment `env`.
     pub fn start_with_env(tag: &str, extra: &str, policies: &[(&str, &str)], env: &[(&str, &str)]) -> Server {
         let data_dir = temp_dir(tag);
+        write_default_policy(&data_dir);
         for (name, text) in policies {
             let p = data_dir.join("policies").join(name);
             std::fs::create_dir_all(p.parent().expect("a parent")).expect("policy dir");
@@ -137,6 +146,7 @@ impl Server {
     /// environment `env`.
     pub fn start_router(tag: &str, extra: &str, prefill: &[&Node], decode: &[&Node], env: &[(&str, &str)]) -> Server {
         let data_dir = temp_dir(tag);
+        write_default_policy(&data_dir);
         let config = data_dir.join("warden.toml");
         let list = |nodes: &[&Node]| {
             nodes

@@ -11,17 +11,17 @@
 //! at a long context (a few prompt tokens after 4,000) costs about what a decode there does.
 //! So `prompt_attended` counts the positions prompt tokens attend and `read` the positions
 //! read, over all passes; `logits` counts the sequences whose last row goes through the
-//! vocabulary projection and a sampler. The coefficients are a
-//! least-squares fit, with a small ridge term, none below zero (a feature whose coefficient
-//! would be is left out and the rest fitted again).
+//! vocabulary projection and a sampler. The coefficients are a least-squares fit, with a small
+//! ridge term, none below zero (a feature whose coefficient would be is left out and the rest
+//! fitted again).
 //!
 //! The fit sees the last [`WINDOW`] steps, so it follows the machine's load, and besides them,
 //! at a quarter of the weight, the latest step of each *kind* it has seen (steps of like size:
-//! see [`Work::kind`]), up to [`KINDS`] kinds. Without those, a window of steps all alike (one tenant's long-context
-//! decodes, step after step) says nothing about what any other step costs, and a fit over it
-//! alone puts the whole step in its constant: it would then predict a short step to take as
-//! long as the long ones, and a prefill chunk of a size it has not seen for a while to take
-//! almost nothing.
+//! see [`Work::kind`]), up to [`KINDS`] kinds. Without those, a window of steps all alike (one
+//! tenant's long-context decodes, step after step) says nothing about what any other step
+//! costs, and a fit over it alone puts the whole step in its constant: it would then predict a
+//! short step to take as long as the long ones, and a prefill chunk of a size it has not seen
+//! for a while to take almost nothing.
 //!
 //! The same fit prices work for the fair scheduler ([`CostModel::shares`]): a step's measured
 //! time is shared among the sequences in it in proportion to what each adds to it by the fit

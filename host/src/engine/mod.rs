@@ -6,8 +6,9 @@
 //! tenant's work leads, up to a token cap and a target duration that a cost model fitted from
 //! recent steps predicts (`cost`), and the other tenants' joins while the step stays within twice
 //! the lead's (see `schedule`). Tenants are charged the machine time their work took: each
-//! step's time is shared by what each sequence adds to it (`cost`). Sequences join and leave between any two steps; running slots and KV pages are shared
-//! fairly at admission ([`Engine::admit_waiting`]). Every way a scheduled request ends —
+//! step's time is shared by what each sequence adds to it (`cost`). Sequences join and leave
+//! between any two steps; running slots and KV pages are shared fairly at admission
+//! ([`Engine::admit_waiting`]). Every way a scheduled request ends —
 //! finished, cancelled, failed — goes through `Engine::retire`, which closes its KV state (pages
 //! return to the pool once unreferenced) and emits exactly one [`Event::Done`]. Rejected
 //! requests never get here: [`Engine::submit`] returns them before anything is allocated.
@@ -1112,7 +1113,7 @@ impl Engine {
                     computed: s.computed,
                     target: s.chunk_target(),
                     samples: s.samples_at(s.chunk_target()),
-                    prompt: s.computed < s.prompt_len,
+                    prompt: s.attention() == Attention::Prompt,
                     last: s.last,
                 }
             })

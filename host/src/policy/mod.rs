@@ -335,10 +335,23 @@ pub struct PolicySet {
 }
 
 impl PolicySet {
-    /// The policies of `dir`: `default.toml` (optional; absent means the built-in defaults) and
-    /// `tenants/*.toml`. Any bad file refuses the whole set. `tokenize` turns a public prefix's
+    /// The policies of `dir`: `default.toml` (absent: the built-in defaults) and
+    /// `tenants/*.toml`, at least one of them. Any bad file refuses the whole set, and so does a
+    /// directory that is not there or holds no policy. `tokenize` turns a public prefix's
     /// text into the tokens prompts begin with, one list for each served model.
     pub fn load(dir: &Path, bounds: Bounds, tokenize: &dyn Fn(&str) -> Vec<Vec<u32>>) -> Result<Self, PolicyError> {
+        // A directory that is not there, or holds no policy, is a mistake (a path mistyped, a
+        // volume not mounted), never a silent "no limits": running on the built-in defaults
+        // takes a default.toml, empty or not.
+        if !dir.is_dir() {
+            return Err(PolicyError {
+                file: dir.into(),
+                line: None,
+                message: "no such directory: the tenants' policies (default.toml, tenants/*.toml) live here; \
+                          create it (an empty default.toml means the built-in defaults)"
+                    .into(),
+            });
+        }
         let mut files: BTreeMap<String, (PathBuf, String)> = BTreeMap::new();
         let read = |p: &Path| {
             std::fs::read_to_string(p).map_err(|e| PolicyError {
@@ -375,6 +388,15 @@ impl PolicySet {
                 }
                 files.insert(format!("tenants/{name}"), (p.clone(), read(&p)?));
             }
+        }
+        if files.is_empty() {
+            return Err(PolicyError {
+                file: dir.into(),
+                line: None,
+                message: "holds no policy (no default.toml, no tenants/*.toml), so every tenant would run \
+                          without limits; add a default.toml (an empty one means the built-in defaults)"
+                    .into(),
+            });
         }
         Self::from_files(&files, bounds, tokenize)
     }
@@ -828,10 +850,17 @@ mod tests {
     }
 
     #[test]
-    fn no_files_means_the_built_in_defaults() {
-        let d = dir("empty", &[]);
+    fn an_empty_default_means_the_built_in_defaults_and_no_policy_at_all_is_refused() {
+        let d = dir("empty-default", &[("default.toml", "")]);
         let s = load(&d).unwrap();
         assert_eq!(s.of("anyone"), &Policy::default());
         assert!(s.of("anyone").allows_model("m") && s.of("anyone").allows_plugin("p"));
+        // A directory with nothing in it, or none at all: refused, naming it.
+        let empty = dir("empty", &[]);
+        let e = load(&empty).unwrap_err();
+        assert!(e.file == empty && e.message.contains("holds no policy"), "{e:?}");
+        let missing = empty.join("not-there");
+        let e = load(&missing).unwrap_err();
+        assert!(e.file == missing && e.message.contains("no such directory"), "{e:?}");
     }
 }
