@@ -1210,6 +1210,17 @@ fn config_check_says_what_serve_would_and_flags_override_the_file() {
         !out.status.success() && said.contains("nowhere.gguf") && said.contains("not found"),
         "{said}"
     );
+    // --log-format is a choice, refused by name.
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["--log-format", "yaml", "config", "check"])
+        .arg(dir.join("m.toml"))
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && said.contains("possible values: text, json"),
+        "{said}"
+    );
     // Flags over the file: the server listens where --listen says and keeps its state where
     // --data-dir says.
     let data = dir.join("elsewhere");

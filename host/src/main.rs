@@ -29,7 +29,7 @@ use warden::tokenizer::Tokenizer;
 struct Cli {
     /// Log lines on stderr as `text` or `json` (one object a line); `RUST_LOG` filters them
     /// (default `info`).
-    #[arg(long, global = true, env = "WARDEN_LOG_FORMAT", default_value = "text")]
+    #[arg(long, global = true, env = "WARDEN_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     log_format: String,
     #[command(subcommand)]
     command: Command,
