@@ -1113,7 +1113,7 @@ impl Engine {
                     computed: s.computed,
                     target: s.chunk_target(),
                     samples: s.samples_at(s.chunk_target()),
-                    prompt: s.attention() == Attention::Prompt,
+                    attention: s.attention(),
                     last: s.last,
                 }
             })

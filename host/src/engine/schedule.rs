@@ -4,9 +4,9 @@
 //!
 //! Tenants take the step in turn by their virtual counters (the VTC of "Fairness in Serving
 //! Large Language Models", OSDI 2024, charging not tokens but the machine time each tenant's
-//! work took: see [`CostModel::shares`]). The least served tenant *leads* the step: its decodes (every one
-//! when it runs alone; under contention as many as fit the step target, at least one, those
-//! that waited longest first), then its prefill chunks, cut to what fits the step target
+//! work took: see [`CostModel::shares`]). The least served tenant *leads* the step: its
+//! decodes (every one when it runs alone; under contention as many as fit the step target, at
+//! least one, those that waited longest first), then its prefill chunks, cut to what fits the step target
 //! (Sarathi-Serve's token budget from a latency target), never below [`MIN_PREFILL_TOKENS`].
 //! The other tenants' work joins in their order while the step's predicted duration stays
 //! within twice the lead's own: decodes first (those that waited longest first), then prefill
@@ -14,10 +14,10 @@
 //! own work. And the steps another tenant leads are charged to that tenant (a share of a step
 //! never more than the sharer's work would have taken alone), so, served in turn, a tenant
 //! decodes at no less than about half its idle speed beside any other, however long the
-//! other's contexts or however many its streams. A tenant arriving with its first
-//! prompt starts at the lowest counter of the active ones and, with fewer sequences, leads
-//! the next step: its time to first token is the step in flight plus its own prefill steps.
-//! Serving a tenant raises its counter, so the lead moves on.
+//! other's contexts or however many its streams. A tenant arriving with its first prompt
+//! starts at the lowest counter of the active ones and, with fewer sequences, leads the next
+//! step: its time to first token is the step in flight plus its own prefill steps. Serving a
+//! tenant raises its counter, so the lead moves on.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -39,8 +39,8 @@ pub struct SeqView {
     pub target: usize,
     /// Whether reaching `target` ends in a token to sample (false for a prefill node's half).
     pub samples: bool,
-    /// Whether its next tokens are prompt tokens (a chunk never mixes prompt and output).
-    pub prompt: bool,
+    /// The attention its next tokens take (a chunk never mixes prompt and output).
+    pub attention: Attention,
     /// The step it last computed in (0: never); of a tenant's decodes, those that waited
     /// longest go first.
     pub last: u64,
@@ -54,12 +54,12 @@ impl SeqView {
 
     /// The work of its next `n` tokens.
     fn chunk(&self, n: usize) -> Work {
-        let kind = if self.prompt {
-            Attention::Prompt
-        } else {
-            Attention::Output
-        };
-        Work::chunk(self.computed, n, kind, self.samples && self.computed + n == self.target)
+        Work::chunk(
+            self.computed,
+            n,
+            self.attention,
+            self.samples && self.computed + n == self.target,
+        )
     }
 }
 
@@ -241,7 +241,11 @@ mod tests {
             computed,
             target,
             samples: true,
-            prompt: target - computed > 1,
+            attention: if target - computed > 1 {
+                Attention::Prompt
+            } else {
+                Attention::Output
+            },
             last: 0,
         }
     }
@@ -435,7 +439,7 @@ mod tests {
                     computed,
                     target: computed + if decoding { 1 } else { left },
                     samples,
-                    prompt: !decoding,
+                    attention: if decoding { Attention::Output } else { Attention::Prompt },
                     last: 0,
                 })
                 .collect();
