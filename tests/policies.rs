@@ -427,6 +427,11 @@ fn policies_check_says_what_the_server_would() {
         ("tenants/acme.toml", "tokens_per_minute = 300\n"),
     ]);
     assert!(ok && said.contains(": ok (version "), "{said}");
+    // The pool's sizing, as the server logs it at start.
+    assert!(
+        said.contains("KV pool of ") && said.contains("sequences at full context fit at once"),
+        "{said}"
+    );
     let (ok, said) = check(&[("tenants/acme.toml", "max_tokens = 2\nmax_tokenz = 3\n")]);
     assert!(
         !ok && said.contains("tenants/acme.toml:2") && said.contains("max_tokenz"),

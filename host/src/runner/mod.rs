@@ -292,10 +292,19 @@ pub fn start_engine(cfg: &ServeConfig, served: &ServedModel, loaded: &LoadedMode
     ec.max_waiting = lim.queue;
     ec.prefix_cache = cfg.kv.prefix_cache;
     ec.max_pinned_pages = cfg.kv.max_pinned_pages_per_tenant;
-    Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec).map_err(|source| StartError {
+    let (page_size, max_context, kv_mib) = (ec.page_size, ec.max_context, ec.kv_memory_bytes >> 20);
+    let engine = Engine::new(loaded.model.clone(), loaded.tokenizer.clone(), ec).map_err(|source| StartError {
         model: served.name.clone(),
         source,
-    })
+    })?;
+    // The pool's sizing, so an operator sees what the KV budget buys before the first request.
+    let pages = engine.kv_counters().pages_total;
+    tracing::info!(
+        "{}: KV pool of {pages} pages of {page_size} tokens ({kv_mib} MiB); max context {max_context} tokens, so {} sequences at full context fit at once",
+        served.name,
+        pages / max_context.div_ceil(page_size.max(1)).max(1)
+    );
+    Ok(engine)
 }
 
 /// A future an [`EngineHandle`] returns.
