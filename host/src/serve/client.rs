@@ -10,7 +10,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response};
 use hyper_util::rt::TokioIo;
-use rustls::pki_types::ServerName;
+use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::net::TcpStream;
 
 /// What went wrong reaching the server.
@@ -91,6 +91,49 @@ impl Client {
     /// A client for `url` (`https://host:port` or `http://host:port`); for https, `ca_cert` is
     /// the PEM certificate to trust.
     pub fn new(url: &str, ca_cert: Option<&Path>) -> Result<Self, ClientError> {
+        Self::with_trust(url, ca_cert, |certs| {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in certs {
+                roots.add(c)?;
+            }
+            Ok(Arc::new(
+                rustls::ClientConfig::builder_with_provider(provider())
+                    .with_safe_default_protocol_versions()?
+                    .with_root_certificates(roots)
+                    .with_no_client_auth(),
+            ))
+        })
+    }
+
+    /// A client for `url` that trusts exactly the certificate the server serves from
+    /// `cert_file` (its first, the server's own), whatever names it carries and whoever issued
+    /// it: how the CLI reaches the server of its own data dir, on a loopback address that an
+    /// operator's certificate (issued for the server's public name) does not name, and without
+    /// the operator's CA. The server reloads its certificate from the same file, so the CLI
+    /// trusts what the server serves now.
+    pub fn pinned(url: &str, cert_file: &Path) -> Result<Self, ClientError> {
+        Self::with_trust(url, Some(cert_file), |mut certs| {
+            let pin = Arc::new(Pinned {
+                leaf: certs.swap_remove(0),
+                provider: provider(),
+            });
+            Ok(Arc::new(
+                rustls::ClientConfig::builder_with_provider(provider())
+                    .with_safe_default_protocol_versions()?
+                    .dangerous()
+                    .with_custom_certificate_verifier(pin)
+                    .with_no_client_auth(),
+            ))
+        })
+    }
+
+    /// A client for `url`; for https, the TLS configuration `trust` makes of the certificates
+    /// in `ca_cert` (at least one: [`crate::pem::read_certs`]).
+    fn with_trust(
+        url: &str,
+        ca_cert: Option<&Path>,
+        trust: impl FnOnce(Vec<CertificateDer<'static>>) -> Result<Arc<rustls::ClientConfig>, ClientError>,
+    ) -> Result<Self, ClientError> {
         let bad_url = || ClientError::Url(url.into());
         let (tls, rest) = if let Some(r) = url.strip_prefix("https://") {
             (true, r)
@@ -102,19 +145,11 @@ impl Client {
         let hostport = rest.trim_end_matches('/');
         let (host, port) = hostport.rsplit_once(':').ok_or_else(bad_url)?;
         let port: u16 = port.parse().map_err(|_| bad_url())?;
-        let tls = if tls {
-            let path = ca_cert.ok_or(ClientError::NoCertificate)?;
-            let mut roots = rustls::RootCertStore::empty();
-            for c in crate::pem::read_certs(path)? {
-                roots.add(c)?;
-            }
-            let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-                .with_safe_default_protocol_versions()?
-                .with_root_certificates(roots)
-                .with_no_client_auth();
-            Some(Arc::new(cfg))
-        } else {
-            None
+        let tls = match tls {
+            true => Some(trust(crate::pem::read_certs(
+                ca_cert.ok_or(ClientError::NoCertificate)?,
+            )?)?),
+            false => None,
         };
         Ok(Self {
             host: host.to_string(),
@@ -122,31 +157,6 @@ impl Client {
             tls,
             headers: Vec::new(),
         })
-    }
-
-    /// A client for `url` that trusts exactly the certificate the server serves from
-    /// `cert_file` (its first, the server's own), whatever names it carries and whoever issued
-    /// it: how the CLI reaches the server of its own data dir, on a loopback address that an
-    /// operator's certificate (issued for the server's public name) does not name, and without
-    /// the operator's CA. The server reloads its certificate from the same file, so the CLI
-    /// trusts what the server serves now.
-    pub fn pinned(url: &str, cert_file: &Path) -> Result<Self, ClientError> {
-        let mut c = Self::new(url, Some(cert_file))?;
-        if c.tls.is_some() {
-            let provider = Arc::new(rustls::crypto::ring::default_provider());
-            let leaf = crate::pem::read_certs(cert_file)?.swap_remove(0);
-            let pin = Arc::new(Pinned {
-                leaf,
-                provider: provider.clone(),
-            });
-            let cfg = rustls::ClientConfig::builder_with_provider(provider)
-                .with_safe_default_protocol_versions()?
-                .dangerous()
-                .with_custom_certificate_verifier(pin)
-                .with_no_client_auth();
-            c.tls = Some(Arc::new(cfg));
-        }
-        Ok(c)
     }
 
     /// The same client, every request it sends carrying header `name: value` too.
@@ -294,19 +304,24 @@ impl IdleConnection {
     }
 }
 
+/// The crypto the clients use.
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
 /// Trusts one certificate, byte for byte (see [`Client::pinned`]); the handshake's signatures
 /// are still checked against it.
 #[derive(Debug)]
 struct Pinned {
-    leaf: rustls::pki_types::CertificateDer<'static>,
+    leaf: CertificateDer<'static>,
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
 impl rustls::client::danger::ServerCertVerifier for Pinned {
     fn verify_server_cert(
         &self,
-        end_entity: &rustls::pki_types::CertificateDer<'_>,
-        _intermediates: &[rustls::pki_types::CertificateDer<'_>],
+        end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
         _server_name: &ServerName<'_>,
         _ocsp_response: &[u8],
         _now: rustls::pki_types::UnixTime,
@@ -323,7 +338,7 @@ impl rustls::client::danger::ServerCertVerifier for Pinned {
     fn verify_tls12_signature(
         &self,
         message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
+        cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls12_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
@@ -332,7 +347,7 @@ impl rustls::client::danger::ServerCertVerifier for Pinned {
     fn verify_tls13_signature(
         &self,
         message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
+        cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
         rustls::crypto::verify_tls13_signature(message, cert, dss, &self.provider.signature_verification_algorithms)
