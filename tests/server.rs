@@ -678,6 +678,51 @@ fn bad_configurations_refuse_to_start_and_say_why() {
     assert!(!ok && err.contains("model tiny") && err.contains("64"), "{err}");
     let (ok, err) = run(&format!("model = {:?}\n{}", common::model(), models));
     assert!(!ok && err.contains("not both"), "{err}");
+    // A first start refused late (its policies, its port) makes no tenant and prints no key:
+    // the start that succeeds prints it.
+    let first = dir.join("first");
+    std::fs::create_dir_all(first.join("policies")).unwrap();
+    std::fs::write(first.join("policies/default.toml"), "requests_per_minut = 5\n").unwrap();
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let start = |listen: &str| {
+        std::fs::write(
+            first.join("w.toml"),
+            // Relative paths: the file's directory's, wherever the server starts.
+            format!(
+                "listen = {listen:?}\nmodel = {:?}\ndata_dir = \"data\"\npolicies = \"policies\"\n",
+                common::model()
+            ),
+        )
+        .unwrap();
+        let mut child = std::process::Command::new(common::warden_bin())
+            .args(["serve", "--config"])
+            .arg(first.join("w.toml"))
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while child.try_wait().unwrap().is_none() && !first.join("data/server.json").exists() {
+            assert!(Instant::now() < deadline, "the server neither started nor stopped");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = child.kill();
+        let out = child.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let said = start(&taken.local_addr().unwrap().to_string());
+    assert!(
+        said.contains("requests_per_minut") && !said.contains("shown only now"),
+        "{said}"
+    );
+    common::write_default_policy(&first);
+    let said = start(&taken.local_addr().unwrap().to_string());
+    assert!(
+        said.contains("listening on") && !said.contains("shown only now"),
+        "{said}"
+    );
+    let said = start("127.0.0.1:0");
+    assert!(said.contains("its API key (shown only now)"), "{said}");
 }
 
 /// `[[models]]`: each model has its own engine, pool and limits; `/v1/models` lists what the
@@ -1210,6 +1255,20 @@ fn config_check_says_what_serve_would_and_flags_override_the_file() {
         !out.status.success() && said.contains("nowhere.gguf") && said.contains("not found"),
         "{said}"
     );
+    // A file's relative paths are its directory's: the same answer from any working directory.
+    std::os::unix::fs::symlink(common::model(), dir.join("rel.gguf")).unwrap();
+    std::fs::write(dir.join("rel.toml"), "model = \"rel.gguf\"\ndata_dir = \"d\"\n").unwrap();
+    for cwd in [dir.clone(), std::path::PathBuf::from("/")] {
+        let out = std::process::Command::new(common::warden_bin())
+            .args(["config", "check"])
+            .arg(dir.join("rel.toml"))
+            .current_dir(&cwd)
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        let expected = format!("data_dir {}, serving rel", dir.join("d").display());
+        assert!(out.status.success() && said.contains(&expected), "from {cwd:?}: {said}");
+    }
     // --log-format is a choice, refused by name.
     let out = std::process::Command::new(common::warden_bin())
         .args(["--log-format", "yaml", "config", "check"])

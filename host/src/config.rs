@@ -647,6 +647,48 @@ pub enum ConfigError {
     },
 }
 
+/// The keys that hold paths, as `[table, key]` (or `[key]`); each `[[models]]` entry's `path`
+/// too.
+const PATH_KEYS: &[&[&str]] = &[
+    &["data_dir"],
+    &["model"],
+    &["policies"],
+    &["tls", "cert"],
+    &["tls", "key"],
+    &["cluster", "ca"],
+    &["cluster", "cert"],
+    &["cluster", "key"],
+    &["metrics", "token_file"],
+];
+
+/// Joins each relative path in `table` (a configuration file's) to `dir`, the file's
+/// directory. A value that is not a string is left for the parser to refuse by name.
+fn rebase_paths(table: &mut toml::Table, dir: &Path) {
+    fn rebase(value: Option<&mut toml::Value>, dir: &Path) {
+        if let Some(toml::Value::String(s)) = value
+            && Path::new(s.as_str()).is_relative()
+        {
+            *s = dir.join(s.as_str()).to_string_lossy().into_owned();
+        }
+    }
+    if dir.as_os_str().is_empty() {
+        return;
+    }
+    for keys in PATH_KEYS {
+        let (last, tables) = keys.split_last().expect("a key path is never empty");
+        let mut at = Some(&mut *table);
+        for k in tables {
+            at = at.and_then(|t| t.get_mut(*k)).and_then(toml::Value::as_table_mut);
+        }
+        rebase(at.and_then(|t| t.get_mut(*last)), dir);
+    }
+    if let Some(toml::Value::Array(models)) = table.get_mut("models") {
+        for m in models.iter_mut().filter_map(toml::Value::as_table_mut) {
+            rebase(m.get_mut("path"), dir);
+        }
+    }
+}
+
 /// A model's default id in the API: its file's stem.
 pub fn model_id(path: &Path) -> String {
     path.file_stem()
@@ -713,14 +755,16 @@ impl ServeConfig {
                 value.clone(),
             ));
         }
-        if layers.is_empty() {
-            return from_file;
-        }
         from_file?;
         let mut table: toml::Table = toml::from_str(&text).map_err(|e| ConfigError::Parse {
             path: shown.into(),
             message: e.to_string().trim_end().to_string(),
         })?;
+        // The file's relative paths are the file's: read against its directory, wherever the
+        // server starts. Flags' and variables' stay the working directory's.
+        if let Some(dir) = path.and_then(Path::parent) {
+            rebase_paths(&mut table, dir);
+        }
         let names: Vec<String> = layers.iter().map(|(n, _, _)| n.clone()).collect();
         for (name, keys, value) in layers {
             let mut at = &mut table;
@@ -752,7 +796,7 @@ impl ServeConfig {
         Ok(cfg)
     }
 
-    /// Parses and checks TOML text (`path` names it in errors).
+    /// Parses and checks TOML text (`path` names it in errors; its paths are left as written).
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let cfg: ServeConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.into(),
@@ -1063,6 +1107,39 @@ mod tests {
 
     fn parse(text: &str) -> Result<ServeConfig, ConfigError> {
         ServeConfig::parse(text, Path::new("w.toml"))
+    }
+
+    #[test]
+    fn a_files_relative_paths_are_its_directorys_and_a_flags_the_working_directorys() {
+        let dir = std::env::temp_dir().join(format!("warden-rebase-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("w.toml");
+        std::fs::write(
+            &file,
+            "data_dir = \"state\"\npolicies = \"/etc/p\"\n[[models]]\npath = \"m/a.gguf\"\n[[models]]\npath = \"b.gguf\"\n[tls]\ncert = \"c.pem\"\nkey = \"/k.pem\"\n[metrics]\ntoken_file = \"../t\"\n[cluster]\nca = \"ca.pem\"\ncert = \"n.pem\"\nkey = \"n.key\"\n",
+        )
+        .unwrap();
+        let c = ServeConfig::load_layered(Some(&file), Vec::new(), &[]).unwrap();
+        assert_eq!(c.data_dir, dir.join("state"));
+        assert_eq!(c.policies, PathBuf::from("/etc/p"), "an absolute path stays");
+        let models: Vec<PathBuf> = c.models.iter().map(|m| m.path.clone()).collect();
+        assert_eq!(models, [dir.join("m/a.gguf"), dir.join("b.gguf")]);
+        assert_eq!(c.tls.cert, Some(dir.join("c.pem")));
+        assert_eq!(c.metrics.token_file, Some(dir.join("../t")));
+        assert_eq!(c.cluster.ca, Some(dir.join("ca.pem")));
+        // The ids stay the files' stems.
+        assert_eq!(c.served()[0].name, "a");
+        // A flag's path and a variable's are the working directory's; a default stays as it is.
+        let c = ServeConfig::load_layered(
+            Some(&file),
+            vec![("WARDEN_POLICIES".to_string(), "pol".to_string())],
+            &[("data_dir", toml::Value::String("here".into()))],
+        )
+        .unwrap();
+        assert_eq!((c.data_dir, c.policies), (PathBuf::from("here"), PathBuf::from("pol")));
+        let c = ServeConfig::load_layered(None, Vec::new(), &[]).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("data"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

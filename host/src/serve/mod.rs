@@ -141,7 +141,7 @@ pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), ServeError> {
     let Parts { models, rt, metrics } = parts;
     let store = Store::open(&cfg.data_dir)?;
-    first_start(&store, &cfg.data_dir)?;
+    admin_token(&store, &cfg.data_dir)?;
     metrics_token(&store, &cfg)?;
     // A tenant's KV policy applies in every model's pool: the smallest pool bounds it.
     let pools: Vec<(usize, usize)> = models.iter().map(|m| m.engine.pool_pages()).collect();
@@ -156,11 +156,6 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
     let set = quotas.set();
     rt.block_on(async {
         for (i, m) in models.iter().enumerate() {
-            for t in store.tenants()? {
-                m.engine
-                    .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
-                    .await;
-            }
             m.engine
                 .set_public_prefixes(set.public_prefixes(i))
                 .await
@@ -194,6 +189,21 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         );
         Some(t)
     };
+    let listener = rt
+        .block_on(TcpListener::bind(cfg.listen))
+        .map_err(StartupError::io(format!("listening on {}", cfg.listen)))?;
+    // Everything is in place: only now may a first start make its tenant and print its key.
+    first_tenant(&store)?;
+    rt.block_on(async {
+        for t in store.tenants()? {
+            for m in &models {
+                m.engine
+                    .set_tenant(t.id, set.of(&t.name).tenant_settings(), set.generation)
+                    .await;
+            }
+        }
+        Ok::<(), ServeError>(())
+    })?;
     let grammar_limits = GrammarLimits {
         max_schema_bytes: cfg.limits.max_schema_bytes,
         compile_ms: cfg.limits.schema_compile_ms,
@@ -250,18 +260,23 @@ pub fn serve(cfg: ServeConfig, insecure_http: bool, parts: Parts) -> Result<(), 
         shutting_down: AtomicBool::new(false),
         quotas,
     });
-    rt.block_on(run(state, tls))
+    rt.block_on(run(state, tls, listener))
 }
 
-/// With an empty store: tenant `default` and its key (printed once). Always: an admin token in
-/// `data_dir/admin-token` (mode 0600), made anew if the file is missing or stale.
-fn first_start(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
+/// With an empty store: tenant `default` and its key (printed once).
+fn first_tenant(store: &Store) -> Result<(), ServeError> {
     if store.is_new()? {
         store.create_tenant("default")?;
         let (_, key) = store.create_key("default")?;
         // On stdout for the operator, once, and never in the log (which carries no keys).
         println!("created tenant \"default\"; its API key (shown only now): {key}");
     }
+    Ok(())
+}
+
+/// An admin token in `data_dir/admin-token` (mode 0600), made anew if the file is missing or
+/// stale.
+fn admin_token(store: &Store, data_dir: &Path) -> Result<(), ServeError> {
     let path = admin_token_path(data_dir);
     keep_token(&path, |t| store.is_admin(t), || store.new_admin_token())?;
     tracing::info!("admin token in {}", path.display());
@@ -419,11 +434,8 @@ async fn watch_policies(state: Arc<State>) {
     }
 }
 
-async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>) -> Result<(), ServeError> {
+async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>, listener: TcpListener) -> Result<(), ServeError> {
     let cfg = state.cfg.clone();
-    let listener = TcpListener::bind(cfg.listen)
-        .await
-        .map_err(StartupError::io(format!("listening on {}", cfg.listen)))?;
     let addr: SocketAddr = listener
         .local_addr()
         .map_err(StartupError::io("the listening socket's address"))?;
