@@ -444,11 +444,7 @@ impl PolicySet {
             if f.public_prefixes.is_some() {
                 return Err(PolicyError {
                     file: path.clone(),
-                    line: line_of(text, None, "public_prefixes").or_else(|| {
-                        text.lines()
-                            .position(|l| l.trim() == "[public_prefixes]")
-                            .map(|i| i + 1)
-                    }),
+                    line: line_of(text, None, "public_prefixes"),
                     message: "public_prefixes are shared by every tenant allowed them; set them in default.toml, not for one tenant".into(),
                 });
             }
@@ -544,13 +540,7 @@ fn public_prefixes(
 
 fn parse(path: &Path, text: &str) -> Result<PolicyFile, PolicyError> {
     toml::from_str(text).map_err(|e| {
-        let line = e.span().map(|s| {
-            text.as_bytes()[..s.start.min(text.len())]
-                .iter()
-                .filter(|&&b| b == b'\n')
-                .count()
-                + 1
-        });
+        let line = e.span().map(|s| line_at(text, s.start));
         PolicyError {
             file: path.into(),
             line,
@@ -559,30 +549,34 @@ fn parse(path: &Path, text: &str) -> Result<PolicyFile, PolicyError> {
     })
 }
 
-/// The line where `key` is set in `[table]` (or at the top, with `None`).
+/// The line where `key` is set in `[table]` (or at the top, with `None`), from the parser's
+/// spans: whichever TOML form sets it (`[kv]` then `min_pages = …`, a dotted `kv.min_pages = …`,
+/// an inline `kv = { min_pages = … }`).
 fn line_of(text: &str, table: Option<&str>, key: &str) -> Option<usize> {
-    let mut current: Option<String> = None;
-    for (i, l) in text.lines().enumerate() {
-        let t = l.trim();
-        if let Some(h) = t.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
-            current = Some(h.trim().to_string());
-            continue;
-        }
-        let Some((k, _)) = t.split_once('=') else { continue };
-        let k = k.trim();
-        let full = match &current {
-            Some(c) => format!("{c}.{k}"),
-            None => k.to_string(),
-        };
-        let want = match table {
-            Some(tb) => format!("{tb}.{key}"),
-            None => key.to_string(),
-        };
-        if full == want {
-            return Some(i + 1);
-        }
+    use toml::de::{DeTable, DeValue};
+    fn find<'t, 'i>(t: &'t DeTable<'i>, name: &str) -> Option<(usize, &'t DeValue<'i>)> {
+        t.iter()
+            .find(|(k, _)| k.get_ref().as_ref() == name)
+            .map(|(k, v)| (k.span().start, v.get_ref()))
     }
-    None
+    let doc = DeTable::parse(text).ok()?;
+    let at = match table {
+        None => find(doc.get_ref(), key)?.0,
+        Some(t) => match find(doc.get_ref(), t)?.1 {
+            DeValue::Table(inner) => find(inner, key)?.0,
+            _ => return None,
+        },
+    };
+    Some(line_at(text, at))
+}
+
+/// The line (from 1) of byte `at` in `text`.
+fn line_at(text: &str, at: usize) -> usize {
+    text.as_bytes()[..at.min(text.len())]
+        .iter()
+        .filter(|&&b| b == b'\n')
+        .count()
+        + 1
 }
 
 /// Values no type can rule out.
@@ -734,7 +728,23 @@ mod tests {
 
     #[test]
     fn bad_files_name_file_line_and_key() {
-        let cases: [(&str, &str, &str); 7] = [
+        let cases: [(&str, &str, &str); 10] = [
+            // Every TOML form of a table names the line its key is on.
+            (
+                "tenants/a.toml",
+                "weight = 2\nkv = { max_pages = 5,\n  min_pages = 6 }\n",
+                ":3: kv.min_pages = 6 is more than kv.max_pages = 5",
+            ),
+            (
+                "tenants/a.toml",
+                "weight = 2\n\nkv.max_pages = 5000\n",
+                ":3: kv.max_pages = 5000: must be 1 to the pool's 1000 pages",
+            ),
+            (
+                "tenants/a.toml",
+                "plugins = {\n memory_mib = 0 }\n",
+                ":2: plugins.memory_mib = 0: must be 1 to 4096",
+            ),
             (
                 "tenants/a.toml",
                 "weight = 2\ntokens_per_minut = 5\n",
