@@ -1695,3 +1695,91 @@ fn the_cli_reaches_a_server_on_every_address_and_with_an_operators_certificate()
         );
     }
 }
+
+/// `POST /tokenize` and `/detokenize` in vLLM's shape: a prompt's ids are those a completion
+/// counts, a conversation's those a chat counts, and the ids come back as the text; each is a
+/// request of its tenant (a key, its requests per minute), and bad input is named.
+#[test]
+fn tokenize_and_detokenize_answer_in_vllms_shape_as_requests_of_their_tenant() {
+    let s = Server::start_with_policies("tokenize", "", &[("default.toml", "requests_per_minute = 12\n")]);
+    rt().block_on(async {
+        let c = s.client();
+        let post = |path: &'static str, body: serde_json::Value, key: Option<&str>| {
+            let (c, key) = (c.clone(), key.map(str::to_string));
+            async move {
+                c.request(Method::POST, path, key.as_deref(), Some(body.to_string().into_bytes()))
+                    .await
+                    .expect("request")
+            }
+        };
+        let key = Some(s.key());
+        let text = "The quick brown fox jumps over the lazy dog.";
+        let r = post(
+            "/tokenize",
+            json!({"model": MODEL, "prompt": text, "return_token_strs": true}),
+            key,
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json().unwrap();
+        let tokens: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+        assert_eq!(v["count"], tokens.len());
+        assert!(v["max_model_len"].as_u64().unwrap() > 0, "{v}");
+        assert_eq!(v["token_strs"].as_array().unwrap().len(), tokens.len());
+        let r = post(
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": text, "max_tokens": 1}),
+            key,
+        )
+        .await;
+        assert_eq!(
+            r.json().unwrap()["usage"]["prompt_tokens"],
+            tokens.len(),
+            "a completion counts as many"
+        );
+        // The model may be left out where the server serves one.
+        let r = post("/detokenize", json!({"tokens": tokens}), key).await;
+        assert_eq!((r.status, r.json().unwrap()["prompt"].clone()), (200, json!(text)));
+        let messages = json!([{"role": "user", "content": "Hi there"}]);
+        let r = post("/tokenize", json!({"model": MODEL, "messages": messages}), key).await;
+        let chat_count = r.json().unwrap()["count"].clone();
+        let r = post(
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": messages, "max_tokens": 1}),
+            key,
+        )
+        .await;
+        assert_eq!(r.json().unwrap()["usage"]["prompt_tokens"], chat_count);
+        let r = post(
+            "/tokenize",
+            json!({"messages": messages, "add_generation_prompt": false}),
+            key,
+        )
+        .await;
+        assert!(
+            r.json().unwrap()["count"].as_u64() < chat_count.as_u64(),
+            "no assistant turn opened"
+        );
+        // Bad input, named.
+        let r = post("/detokenize", json!({"tokens": [1, 99_999_999]}), key).await;
+        assert_eq!(r.status, 400);
+        assert_eq!(r.json().unwrap()["error"]["param"], "tokens[1]");
+        let r = post("/tokenize", json!({"prompt": "a", "messages": messages}), key).await;
+        assert_eq!(r.status, 400, "{}", r.text());
+        let r = post("/tokenize", json!({"prompt": "a", "add_generation_prompt": true}), key).await;
+        assert_eq!(r.json().unwrap()["error"]["param"], "add_generation_prompt");
+        let r = post("/tokenize", json!({"prompt": "a", "temperature": 1}), key).await;
+        assert_eq!(r.status, 400, "{}", r.text());
+        let r = post("/tokenize", json!({"model": "nope", "prompt": "a"}), key).await;
+        assert_eq!(r.status, 404);
+        let r = post("/tokenize", json!({"prompt": "a"}), None).await;
+        assert_eq!(r.status, 401);
+        // Each admitted one counts against the tenant's requests per minute: 12, 7 spent above
+        // (a body refused before its model is known is not admitted).
+        let mut statuses = Vec::new();
+        for _ in 0..6 {
+            statuses.push(post("/tokenize", json!({"prompt": "a"}), key).await.status);
+        }
+        assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
+    });
+}

@@ -185,16 +185,27 @@ impl Server {
     ) -> Server {
         let data = data_dir.join("data");
         let _ = std::fs::remove_file(data.join("server.json"));
-        let (child, rx, url, lines) = spawn(&config, role, env, netns, |l| {
+        let first = !data.join("admin-token").exists();
+        let (child, rx, url, mut lines) = spawn(&config, role, env, netns, |l| {
             // The log line `... INFO warden::serve: serving <models> on <url>`, or its JSON.
             l.split_once("serving ")
                 .and_then(|(_, r)| r.split(" on ").nth(1))
                 .and_then(|url| url.split('"').next())
                 .map(|url| url.trim().to_string())
         });
-        let default_key = lines
-            .iter()
-            .find_map(|l| l.split("API key (shown only now): ").nth(1).map(str::to_string));
+        let key_in = |l: &str| l.split("API key (shown only now): ").nth(1).map(str::to_string);
+        // A first start prints the key (stdout) before it logs that it serves (stderr), but the
+        // two pipes are read apart: the key may come just after.
+        if first && !lines.iter().any(|l| key_in(l).is_some()) {
+            while let Ok(l) = rx.recv_timeout(Duration::from_secs(10)) {
+                let found = key_in(&l).is_some();
+                lines.push(l);
+                if found {
+                    break;
+                }
+            }
+        }
+        let default_key = lines.iter().find_map(|l| key_in(l));
         let admin = std::fs::read_to_string(data.join("admin-token"))
             .expect("admin token file")
             .trim()

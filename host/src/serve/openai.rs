@@ -747,89 +747,9 @@ impl ChatRequest {
         Ok(plan)
     }
 
-    /// The messages as the chat template takes them: roles checked, text parts joined, an
-    /// assistant's tool calls with their arguments parsed, a tool result with its call's id.
+    /// The messages as the chat template takes them (see [`chat_messages`]).
     pub fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::field("messages", "messages must not be empty"));
-        }
-        self.messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                let role = match m.role.as_str() {
-                    "system" | "developer" => "system",
-                    "user" => "user",
-                    "assistant" => "assistant",
-                    "tool" => "tool",
-                    other => {
-                        return Err(ApiError::field(
-                            &format!("messages[{i}].role"),
-                            format!(
-                                "messages[{i}].role must be system, developer, user, assistant or tool, got {other:?}"
-                            ),
-                        ));
-                    }
-                };
-                let content = match &m.content {
-                    None => String::new(),
-                    Some(Content::Text(t)) => t.clone(),
-                    Some(Content::Parts(parts)) => {
-                        let mut s = String::new();
-                        for (j, p) in parts.iter().enumerate() {
-                            match (&p.kind[..], &p.text) {
-                                ("text", Some(t)) => s.push_str(t),
-                                _ => {
-                                    return Err(ApiError::field(
-                                        &format!("messages[{i}].content[{j}]"),
-                                        format!("messages[{i}].content[{j}]: only text parts are supported"),
-                                    ));
-                                }
-                            }
-                        }
-                        s
-                    }
-                };
-                let tool_calls = match (&m.tool_calls, role) {
-                    (None, _) => None,
-                    (Some(calls), "assistant") => Some(
-                        calls
-                            .iter()
-                            .enumerate()
-                            .map(|(j, c)| history_call(i, j, c))
-                            .collect::<Result<Vec<_>, _>>()?,
-                    ),
-                    (Some(_), _) => {
-                        return Err(ApiError::field(
-                            &format!("messages[{i}].tool_calls"),
-                            format!("messages[{i}].tool_calls: only assistant messages carry tool calls"),
-                        ));
-                    }
-                };
-                let tool_call_id = match (&m.tool_call_id, role) {
-                    (Some(id), "tool") => Some(id.clone()),
-                    (None, "tool") => {
-                        return Err(ApiError::field(
-                            &format!("messages[{i}].tool_call_id"),
-                            format!("messages[{i}] is a tool result without the tool_call_id it answers"),
-                        ));
-                    }
-                    (Some(_), _) => {
-                        return Err(ApiError::field(
-                            &format!("messages[{i}].tool_call_id"),
-                            format!("messages[{i}].tool_call_id: only tool messages answer a call"),
-                        ));
-                    }
-                    (None, _) => None,
-                };
-                Ok(ChatMessage {
-                    role: role.into(),
-                    content,
-                    tool_calls,
-                    tool_call_id,
-                })
-            })
-            .collect()
+        chat_messages(&self.messages)
     }
 
     /// `top_logprobs` as the engine takes it (`None`: no log-probabilities); its range is
@@ -842,6 +762,158 @@ impl ChatRequest {
             (true, Some(k)) => count(Field::TopLogprobs, k, &format!("0 to {MAX_TOP_LOGPROBS}")).map(Some),
         }
     }
+}
+
+/// Fields `POST /tokenize` accepts (vLLM's names).
+pub const TOKENIZE_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "return_token_strs",
+];
+
+/// `POST /tokenize`: a prompt, or a conversation as the model's chat template renders it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TokenizeRequest {
+    /// The model whose tokenizer: default the server's one model, if it serves one.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Text, as `/v1/completions` reads it.
+    #[serde(default)]
+    pub prompt: Option<String>,
+    /// A conversation, as `/v1/chat/completions` reads it.
+    #[serde(default)]
+    pub messages: Option<Vec<Message>>,
+    /// A prompt's BOS token, where the model adds one (default true).
+    #[serde(default)]
+    pub add_special_tokens: Option<bool>,
+    /// A conversation ends with the assistant's turn opened (default true).
+    #[serde(default)]
+    pub add_generation_prompt: Option<bool>,
+    /// Each token's text too (default false).
+    #[serde(default)]
+    pub return_token_strs: Option<bool>,
+}
+
+impl TokenizeRequest {
+    /// Parses a body: exactly one of `prompt` and `messages`.
+    pub fn parse(bytes: &[u8], max_depth: usize) -> Result<Self, ApiError> {
+        let r: Self = parse_body(bytes, max_depth, TOKENIZE_FIELDS)?;
+        match (&r.prompt, &r.messages) {
+            (Some(_), Some(_)) | (None, None) => Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                "give either prompt (text) or messages (a conversation)",
+            )),
+            (None, Some(_)) if r.add_special_tokens.is_some() => Err(ApiError::field(
+                "add_special_tokens",
+                "add_special_tokens applies to a prompt; a conversation is tokenized as its template writes it",
+            )),
+            (Some(_), None) if r.add_generation_prompt.is_some() => Err(ApiError::field(
+                "add_generation_prompt",
+                "add_generation_prompt applies to messages",
+            )),
+            _ => Ok(r),
+        }
+    }
+}
+
+/// `POST /detokenize`: token ids back to text.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DetokenizeRequest {
+    /// As [`TokenizeRequest::model`].
+    #[serde(default)]
+    pub model: Option<String>,
+    /// The ids.
+    pub tokens: Vec<u32>,
+}
+
+/// Fields `POST /detokenize` accepts.
+pub const DETOKENIZE_FIELDS: &[&str] = &["model", "tokens"];
+
+/// `messages` as the chat template takes them: roles checked, text parts joined, an
+/// assistant's tool calls with their arguments parsed, a tool result with its call's id.
+pub fn chat_messages(messages: &[Message]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::field("messages", "messages must not be empty"));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                "tool" => "tool",
+                other => {
+                    return Err(ApiError::field(
+                        &format!("messages[{i}].role"),
+                        format!("messages[{i}].role must be system, developer, user, assistant or tool, got {other:?}"),
+                    ));
+                }
+            };
+            let content = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut s = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (&p.kind[..], &p.text) {
+                            ("text", Some(t)) => s.push_str(t),
+                            _ => {
+                                return Err(ApiError::field(
+                                    &format!("messages[{i}].content[{j}]"),
+                                    format!("messages[{i}].content[{j}]: only text parts are supported"),
+                                ));
+                            }
+                        }
+                    }
+                    s
+                }
+            };
+            let tool_calls = match (&m.tool_calls, role) {
+                (None, _) => None,
+                (Some(calls), "assistant") => Some(
+                    calls
+                        .iter()
+                        .enumerate()
+                        .map(|(j, c)| history_call(i, j, c))
+                        .collect::<Result<Vec<_>, _>>()?,
+                ),
+                (Some(_), _) => {
+                    return Err(ApiError::field(
+                        &format!("messages[{i}].tool_calls"),
+                        format!("messages[{i}].tool_calls: only assistant messages carry tool calls"),
+                    ));
+                }
+            };
+            let tool_call_id = match (&m.tool_call_id, role) {
+                (Some(id), "tool") => Some(id.clone()),
+                (None, "tool") => {
+                    return Err(ApiError::field(
+                        &format!("messages[{i}].tool_call_id"),
+                        format!("messages[{i}] is a tool result without the tool_call_id it answers"),
+                    ));
+                }
+                (Some(_), _) => {
+                    return Err(ApiError::field(
+                        &format!("messages[{i}].tool_call_id"),
+                        format!("messages[{i}].tool_call_id: only tool messages answer a call"),
+                    ));
+                }
+                (None, _) => None,
+            };
+            Ok(ChatMessage {
+                role: role.into(),
+                content,
+                tool_calls,
+                tool_call_id,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -276,12 +276,17 @@ impl Tools {
 
 /// The prompt text of a chat: `messages` rendered with `template` and `tools` (if shown), as
 /// the template takes them if it [renders tools](ChatTemplate::renders_tools), else as text
-/// ([`conversation`]).
-pub fn render(template: &ChatTemplate, messages: Vec<ChatMessage>, tools: Option<&Value>) -> Result<String, ChatError> {
+/// ([`conversation`]); with `add_generation_prompt`, ending where the assistant's answer starts.
+pub fn render(
+    template: &ChatTemplate,
+    messages: Vec<ChatMessage>,
+    tools: Option<&Value>,
+    add_generation_prompt: bool,
+) -> Result<String, ChatError> {
     if template.renders_tools() {
-        template.render_with_tools(&messages, tools, true)
+        template.render_with_tools(&messages, tools, add_generation_prompt)
     } else {
-        template.render(&conversation(messages, tools), true)
+        template.render(&conversation(messages, tools), add_generation_prompt)
     }
 }
 

@@ -38,7 +38,7 @@ fn now() -> u64 {
 
 /// Runs CPU-heavy request preparation (template rendering, tokenizing up to a whole body) on
 /// the blocking pool, so it never stalls the connections the runtime serves.
-async fn off_runtime<T: Send + 'static>(
+pub(super) async fn off_runtime<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
     tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
@@ -51,7 +51,7 @@ async fn off_runtime<T: Send + 'static>(
 }
 
 /// A request its tenant's policy let in.
-struct Admitted {
+pub(super) struct Admitted {
     /// The model it named.
     model: Arc<Served>,
     /// The tenant's policy, from the set in force when the request arrived.
@@ -67,7 +67,7 @@ struct Admitted {
 /// What the tenant's policy allows a request of `n` choices (as asked: a bad `n` is refused
 /// with the rest of the request's fields) before anything of it runs: the model (403), its
 /// concurrency, where each choice counts, and requests per minute (429).
-fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>, n: Option<i64>) -> Result<Admitted, ApiError> {
+pub(super) fn admit(state: &Arc<State>, t: &Tenant, served: Arc<Served>, n: Option<i64>) -> Result<Admitted, ApiError> {
     let model = served.id.as_str();
     let set = state.quotas.set();
     let policy = set.of(&t.name).clone();
@@ -154,7 +154,7 @@ fn limit(state: &State, t: &Tenant, a: &Admitted, plan: Plan, prompt: Vec<u32>) 
 
 /// Counts a refused request in its tenant's usage, by error code, and in the metrics when its
 /// tenant's policy or quotas refused it; `model` is the served model it named, once known.
-fn counted(
+pub(super) fn counted(
     state: &State,
     t: &Tenant,
     model: Option<&str>,
@@ -403,7 +403,7 @@ async fn prepare(
             let (template, tk) = (template.clone(), a.model.tokenizer.clone());
             let tools = plan.tools.as_ref().and_then(Tools::shown);
             off_runtime(move || {
-                let text = render(&template, messages, tools.as_ref())
+                let text = render(&template, messages, tools.as_ref(), true)
                     .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
                 Ok(tk.encode_chat(&text))
             })

@@ -1,6 +1,6 @@
 //! The HTTP service: the routing table here; the endpoints by group in `generate` (the OpenAI
-//! generation endpoints), `plugin_api` (a tenant's plugins) and `admin_api` (tenants, keys,
-//! usage); beneath them `auth` (keys and the admin token), `body` (bodies within their
+//! generation endpoints), `tokens` (`/tokenize`, `/detokenize`), `plugin_api` (a tenant's
+//! plugins) and `admin_api` (tenants, keys, usage); beneath them `auth` (keys and the admin token), `body` (bodies within their
 //! limits) and `reply` (responses, and every failure as [`ApiError`]'s JSON).
 
 mod admin_api;
@@ -9,6 +9,7 @@ mod body;
 mod generate;
 mod plugin_api;
 mod reply;
+mod tokens;
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -163,6 +164,19 @@ async fn route(state: &Arc<State>, req: Req, access: &Arc<Access>) -> Result<Res
             let t = tenant_of(state, &req, access)?;
             let body = read_body(state, req).await?;
             generate::completions(state, t, &body, access).await
+        }
+        // vLLM's paths (no `/v1`).
+        ["tokenize"] => {
+            allow(&[Method::POST])?;
+            let t = tenant_of(state, &req, access)?;
+            let body = read_body(state, req).await?;
+            tokens::tokenize(state, t, &body, access).await
+        }
+        ["detokenize"] => {
+            allow(&[Method::POST])?;
+            let t = tenant_of(state, &req, access)?;
+            let body = read_body(state, req).await?;
+            tokens::detokenize(state, t, &body, access).await
         }
         ["v1", "usage"] => {
             allow(&[Method::GET])?;

@@ -165,7 +165,7 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
                     LocalError::Engine("the model has no chat template; send a completions request".into())
                 })?;
                 let tools = plan.tools.as_ref().and_then(Tools::shown);
-                let text = render(template, messages, tools.as_ref())
+                let text = render(template, messages, tools.as_ref(), true)
                     .map_err(|e| ApiError::field("messages", format!("rendering the chat template: {e}")))?;
                 tk.encode_chat(&text)
             }
