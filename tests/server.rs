@@ -1783,3 +1783,151 @@ fn tokenize_and_detokenize_answer_in_vllms_shape_as_requests_of_their_tenant() {
         assert_eq!(statuses, [200, 200, 200, 200, 200, 429]);
     });
 }
+
+/// What browsers, proxies and OpenAI's clients look for: CORS for the configured origins (the
+/// preflight answered before any key, another origin refused), `x-ratelimit-*` headers from
+/// the tenant's policy (on a refusal too), the limits and what is left in `/v1/usage`, and the
+/// client's address (from `X-Forwarded-For` only through a trusted proxy) and user agent in the
+/// access line.
+#[test]
+fn browsers_proxies_and_rate_limit_readers_get_what_they_look_for() {
+    let s = Server::start_with_env(
+        "cors",
+        "[http]\nallowed_origins = [\"https://app.example.com\"]\ntrusted_proxies = [\"127.0.0.0/8\"]\n",
+        &[(
+            "default.toml",
+            "requests_per_minute = 3\ntokens_per_minute = 5000\ntokens_per_day = 90000\nconcurrent_requests = 4\n",
+        )],
+        &[("WARDEN_LOG_FORMAT", "json")],
+    );
+    rt().block_on(async {
+        let origin = "https://app.example.com";
+        let preflight = s
+            .client()
+            .with_header("origin", origin)
+            .with_header("access-control-request-method", "POST")
+            .with_header(
+                "access-control-request-headers",
+                "authorization, content-type, x-stainless-os",
+            )
+            .request(Method::OPTIONS, "/v1/chat/completions", None, None)
+            .await
+            .unwrap();
+        assert_eq!(preflight.status, 204, "{}", preflight.text());
+        let h = &preflight.headers;
+        assert_eq!(h["access-control-allow-origin"], origin);
+        assert!(h["access-control-allow-methods"].to_str().unwrap().contains("POST"));
+        assert!(
+            h["access-control-allow-headers"]
+                .to_str()
+                .unwrap()
+                .contains("x-stainless-os")
+        );
+        let refused = s
+            .client()
+            .with_header("origin", "https://evil.example")
+            .with_header("access-control-request-method", "POST")
+            .request(Method::OPTIONS, "/v1/chat/completions", None, None)
+            .await
+            .unwrap();
+        assert_eq!(refused.status, 403);
+        assert_eq!(refused.json().unwrap()["error"]["code"], "origin_not_allowed");
+        assert!(!refused.headers.contains_key("access-control-allow-origin"));
+        // A page's request, through a trusted proxy (loopback here) that names its client.
+        let c = s
+            .client()
+            .with_header("origin", origin)
+            .with_header("x-forwarded-for", "203.0.113.9")
+            .with_header("user-agent", "OpenAI/JS\tbad é");
+        let r = c
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(chat_body(MODEL, "Hi", 4, false)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+        let h = &r.headers;
+        assert_eq!(h["access-control-allow-origin"], origin);
+        assert!(
+            h["access-control-expose-headers"]
+                .to_str()
+                .unwrap()
+                .contains("x-ratelimit-remaining-requests")
+        );
+        assert_eq!(h["x-ratelimit-limit-requests"], "3");
+        assert_eq!(h["x-ratelimit-remaining-requests"], "2");
+        assert!(h["x-ratelimit-reset-requests"].to_str().unwrap().ends_with('s'));
+        assert_eq!(h["x-ratelimit-limit-tokens"], "5000");
+        let left: u64 = h["x-ratelimit-remaining-tokens"].to_str().unwrap().parse().unwrap();
+        assert!(left < 5000, "the request's tokens are spent: {left}");
+        // Another origin's request gets no CORS headers (the browser keeps its answer from it).
+        let r = s
+            .client()
+            .with_header("origin", "https://evil.example")
+            .request(Method::GET, "/v1/models", Some(s.key()), None)
+            .await
+            .unwrap();
+        assert!(r.status == 200 && !r.headers.contains_key("access-control-allow-origin"));
+        let usage = s
+            .client()
+            .request(Method::GET, "/v1/usage", Some(s.key()), None)
+            .await
+            .unwrap();
+        let limits = usage.json().unwrap()["limits"].clone();
+        assert_eq!(limits["requests_per_minute"]["limit"], 3);
+        assert_eq!(
+            limits["requests_per_minute"]["remaining"], 2,
+            "only generation counts: {limits}"
+        );
+        assert_eq!(limits["tokens_per_day"]["limit"], 90000);
+        assert_eq!(
+            limits["tokens_per_day"]["remaining"].as_u64().unwrap()
+                + limits["tokens_per_day"]["used"].as_u64().unwrap(),
+            90000,
+            "{limits}"
+        );
+        assert_eq!(limits["concurrent_requests"]["limit"], 4);
+        assert!(limits["tokens_per_month"].is_null(), "a limit the policy does not set");
+        // The refusal carries them too.
+        for _ in 0..2 {
+            let body = json!({"prompt": "Hi"}).to_string().into_bytes();
+            let r = s
+                .client()
+                .request(Method::POST, "/tokenize", Some(s.key()), Some(body))
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200);
+        }
+        let r = s
+            .client()
+            .request(
+                Method::POST,
+                "/v1/chat/completions",
+                Some(s.key()),
+                Some(chat_body(MODEL, "Hi", 4, false)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 429, "{}", r.text());
+        assert_eq!(r.headers["x-ratelimit-remaining-requests"], "0");
+    });
+    // The access line: the forwarded client, the user agent made plain.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut line = None;
+    while line.is_none() && Instant::now() < deadline {
+        if let Ok(l) = s.output.recv_timeout(Duration::from_millis(100))
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&l)
+            && v["target"] == "warden::access"
+            && v["route"] == "/v1/chat/completions"
+            && v["method"] == "POST"
+        {
+            line = Some(v);
+        }
+    }
+    let line = line.expect("an access line for the chat");
+    assert_eq!(line["client"], "203.0.113.9", "{line}");
+    assert_eq!(line["user_agent"], "OpenAI/JS?bad ??", "{line}");
+}

@@ -40,12 +40,14 @@ pub struct ServeConfig {
     pub cluster: ClusterConfig,
     /// Who may read `GET /metrics`.
     pub metrics: MetricsConfig,
+    /// What browsers and proxies in front of the API get.
+    pub http: HttpConfig,
 }
 
 /// The configuration's top-level keys, as `WARDEN_` variables name them (lowercased).
 pub const TOP_LEVEL_KEYS: &[&str] = &[
     "listen", "data_dir", "model", "models", "tls", "kv", "limits", "timeouts", "plugins", "policies", "cluster",
-    "metrics",
+    "metrics", "http",
 ];
 
 /// `WARDEN_` variables that are not configuration: the log's format, and the leak-canary suite's
@@ -67,6 +69,7 @@ impl Default for ServeConfig {
             policies: PathBuf::from("policies"),
             cluster: ClusterConfig::default(),
             metrics: MetricsConfig::default(),
+            http: HttpConfig::default(),
         }
     }
 }
@@ -326,6 +329,40 @@ pub struct MetricsConfig {
     /// [`MIN_METRICS_TOKEN`] printable characters, no spaces. Default: none, and the server
     /// keeps one it made in `data_dir/metrics-token` (mode 0600).
     pub token_file: Option<PathBuf>,
+}
+
+/// `[http]`: browsers calling the API from a web page (CORS), and the reverse proxies in front
+/// of it.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HttpConfig {
+    /// Web origins (`https://app.example.com`, scheme and host and port as a browser sends
+    /// them) whose pages may call the API, or `"*"` for any. Their preflight requests are
+    /// answered and their responses carry the CORS headers. Default: none (no CORS).
+    pub allowed_origins: Vec<String>,
+    /// Reverse proxies (addresses or blocks: `10.0.0.0/8`) whose `X-Forwarded-For` names the
+    /// client in the access line. Default: none (the connection's address is the client's).
+    pub trusted_proxies: Vec<crate::net::IpBlock>,
+}
+
+/// Longest origin `[http] allowed_origins` takes.
+pub const MAX_ORIGIN: usize = 256;
+
+/// Whether `origin` is one a browser sends: `"*"`, or `http(s)://host[:port]` with nothing
+/// after (no path, no trailing `/`), in printable ASCII.
+pub fn valid_origin(origin: &str) -> bool {
+    if origin == "*" {
+        return true;
+    }
+    let Some(rest) = origin
+        .strip_prefix("https://")
+        .or_else(|| origin.strip_prefix("http://"))
+    else {
+        return false;
+    };
+    origin.len() <= MAX_ORIGIN
+        && !rest.is_empty()
+        && rest.bytes().all(|b| b.is_ascii_graphic() && !b"/?#@".contains(&b))
 }
 
 /// The shortest metrics token a `[metrics] token_file` may hold.
@@ -941,6 +978,14 @@ impl ServeConfig {
     /// Range checks that types cannot express.
     pub fn check(&self, path: &Path) -> Result<(), ConfigError> {
         self.check_models(path)?;
+        if let Some(o) = self.http.allowed_origins.iter().find(|o| !valid_origin(o)) {
+            return Err(ConfigError::Invalid {
+                path: path.into(),
+                key: "http.allowed_origins",
+                value: format!("{o:?}"),
+                why: "an origin is \"*\" or scheme://host[:port] as a browser sends it (http or https, no path, no trailing /)",
+            });
+        }
         let bad = |key, value: usize, why| ConfigError::Invalid {
             path: path.into(),
             key,
@@ -1246,6 +1291,24 @@ mod tests {
     fn impossible_values_are_refused_by_name() {
         let e = parse("[kv]\npage_size = 0\n").unwrap_err().to_string();
         assert!(e.contains("kv.page_size = 0"), "{e}");
+        for origin in [
+            "https://app.example/",
+            "app.example",
+            "ftp://x",
+            "https://a b",
+            "https://",
+        ] {
+            let e = parse(&format!("[http]\nallowed_origins = [{origin:?}]\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("http.allowed_origins"), "{origin}: {e}");
+        }
+        let c = parse("[http]\nallowed_origins = [\"*\", \"http://localhost:3000\"]\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n").unwrap();
+        assert_eq!(c.http.trusted_proxies.len(), 2);
+        let e = parse("[http]\ntrusted_proxies = [\"10.0.0.0/40\"]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("10.0.0.0/40") && e.contains("line 2"), "{e}");
         let e = parse("[tls]\ncert = \"c.pem\"\n").unwrap_err().to_string();
         assert!(e.contains("tls.key"), "{e}");
         let e = parse("[cluster]\ndecode = [\"10.0.0.2:9100\"]\n")

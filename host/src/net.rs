@@ -201,6 +201,83 @@ impl Drop for ConnSlot {
     }
 }
 
+/// A block of addresses, as `10.0.0.0/8` or `fd00::/8` (one address alone: itself), for the
+/// configuration's trusted proxies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(try_from = "String")]
+pub struct IpBlock {
+    net: IpAddr,
+    prefix: u8,
+}
+
+impl IpBlock {
+    /// Whether `ip` is in the block (an IPv4 address mapped into IPv6 counts as IPv4).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.net, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(self.prefix)).unwrap_or(0);
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(self.prefix)).unwrap_or(0);
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl TryFrom<String> for IpBlock {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not an address or a block (10.0.0.0/8, fd00::/8)");
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s.as_str(), None),
+        };
+        let net: IpAddr = addr.parse().map_err(|_| bad())?;
+        let max = if net.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => p.parse::<u8>().ok().filter(|&p| p <= max).ok_or_else(bad)?,
+        };
+        Ok(Self { net, prefix })
+    }
+}
+
+impl std::fmt::Display for IpBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.net, self.prefix)
+    }
+}
+
+/// The client's address of a request that came from `peer` with `x-forwarded-for` values
+/// `forwarded`: the peer's, unless it is one of `trusted` proxies; then the rightmost address in
+/// the header that is not a trusted proxy (the one the proxies saw), walking from the right.
+/// An entry that is not an address stops the walk at the last trusted hop.
+pub fn client_addr(peer: IpAddr, forwarded: &[&str], trusted: &[IpBlock]) -> IpAddr {
+    let is_trusted = |ip: IpAddr| trusted.iter().any(|b| b.contains(ip));
+    let mut client = peer;
+    if !is_trusted(client) {
+        return client;
+    }
+    for hop in forwarded.iter().rev().flat_map(|v| v.rsplit(',')) {
+        let Ok(ip) = hop.trim().parse::<IpAddr>() else {
+            return client;
+        };
+        client = ip;
+        if !is_trusted(ip) {
+            return ip;
+        }
+    }
+    client
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,5 +321,47 @@ mod tests {
         let s3 = p.try_take(a).expect("a slot given back");
         drop((s2, s3));
         assert!(p.open.lock().unwrap().is_empty(), "nothing kept for peers gone");
+    }
+
+    fn block(s: &str) -> IpBlock {
+        IpBlock::try_from(s.to_string()).unwrap()
+    }
+
+    #[test]
+    fn blocks_hold_their_addresses_and_refuse_bad_text() {
+        let b = block("10.1.0.0/16");
+        assert!(b.contains("10.1.200.3".parse().unwrap()));
+        assert!(!b.contains("10.2.0.1".parse().unwrap()));
+        assert!(b.contains("::ffff:10.1.0.9".parse().unwrap()), "an IPv4-mapped address");
+        assert!(block("0.0.0.0/0").contains("8.8.8.8".parse().unwrap()));
+        assert!(block("fd00::/8").contains("fd12::1".parse().unwrap()));
+        assert!(!block("fd00::/8").contains("10.0.0.1".parse().unwrap()));
+        assert!(block("192.168.1.1").contains("192.168.1.1".parse().unwrap()));
+        assert!(!block("192.168.1.1").contains("192.168.1.2".parse().unwrap()));
+        for bad in ["10.0.0.0/33", "10.0.0/8", "x", "::/129", "10.0.0.0/"] {
+            assert!(IpBlock::try_from(bad.to_string()).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn the_client_is_the_first_untrusted_hop_from_the_right() {
+        let trusted = [block("10.0.0.0/8")];
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        // Not from a proxy: the header is the client's to forge, and ignored.
+        assert_eq!(
+            client_addr(ip("203.0.113.5"), &["1.2.3.4"], &trusted),
+            ip("203.0.113.5")
+        );
+        // Through two proxies; the leftmost entry was the client's own claim.
+        assert_eq!(
+            client_addr(ip("10.0.0.2"), &["6.6.6.6, 198.51.100.7", "10.0.0.9"], &trusted),
+            ip("198.51.100.7")
+        );
+        assert_eq!(client_addr(ip("10.0.0.2"), &[], &trusted), ip("10.0.0.2"));
+        assert_eq!(
+            client_addr(ip("10.0.0.2"), &["junk, 10.0.0.7"], &trusted),
+            ip("10.0.0.7")
+        );
+        assert_eq!(client_addr(ip("10.0.0.2"), &["1.1.1.1"], &[]), ip("10.0.0.2"));
     }
 }

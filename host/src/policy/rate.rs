@@ -84,6 +84,11 @@ impl Gcra {
         self.tat = self.tat.max(now) + need;
     }
 
+    /// How long until the limiter is full again (every unit taken replenished), at `now`.
+    pub fn until_full(&self, now: Instant) -> Duration {
+        self.tat.saturating_duration_since(now)
+    }
+
     /// How long until a unit fits (`None`: one fits now).
     pub fn ready_in(&self, now: Instant) -> Option<Duration> {
         let ahead = self.tat.saturating_duration_since(now);
@@ -148,6 +153,8 @@ mod tests {
         g.take(400, t0).unwrap();
         assert_eq!(g.available(t0), 0);
         assert_eq!(g.available(t0 + Duration::from_secs(3)), 50);
+        assert_eq!(g.until_full(t0), Duration::from_secs(60));
+        assert_eq!(g.until_full(t0 + Duration::from_secs(61)), Duration::ZERO);
         // A refund never banks more than a full bucket.
         let mut g = Gcra::per_minute(10, t0);
         g.refund(100, t0);

@@ -1,6 +1,7 @@
 //! One access line per request, as operators read web servers' logs: the request's id, its
 //! tenant, model, route, status and error code, its prompt, completion and cached tokens, its
-//! time to first token and duration, its finish reason and plugin. The line is written when
+//! time to first token and duration, its finish reason and plugin, the client's address and
+//! (bounded, plain ASCII) user agent. The line is written when
 //! the request ends: for a stream, when its last byte is sent or its client goes away (the
 //! [`Access`] lives in the response body). It names the tenant and the plugin, never the text.
 //!
@@ -17,6 +18,28 @@ use crate::runner::Update;
 
 /// Longest request id taken from a client.
 pub const MAX_REQUEST_ID: usize = 128;
+
+/// Most characters of a client's `user-agent` the line keeps.
+pub const MAX_USER_AGENT: usize = 128;
+
+/// A `user-agent` as the line shows it: its first [`MAX_USER_AGENT`] bytes, anything but
+/// printable ASCII and the space as `?`, `-` when there is none.
+pub fn user_agent(given: Option<&[u8]>) -> String {
+    match given {
+        Some(g) if !g.is_empty() => g
+            .iter()
+            .take(MAX_USER_AGENT)
+            .map(|&b| {
+                if b.is_ascii_graphic() || b == b' ' {
+                    b as char
+                } else {
+                    '?'
+                }
+            })
+            .collect(),
+        _ => "-".into(),
+    }
+}
 
 /// The request id for a request whose `x-request-id` header is `given`: that, if it is plain
 /// enough to log and echo, else a new one (`req_` and 24 hex digits).
@@ -44,7 +67,7 @@ pub fn random_id(prefix: &str) -> String {
 #[derive(Debug, Default)]
 struct Line {
     response_id: Option<String>,
-    tenant: Option<String>,
+    tenant: Option<(crate::tenant::TenantId, String)>,
     model: Option<String>,
     plugin: Option<String>,
     status: u16,
@@ -64,6 +87,8 @@ pub struct Access {
     id: String,
     method: String,
     route: String,
+    client: std::net::IpAddr,
+    user_agent: String,
     started: Instant,
     line: Mutex<Line>,
 }
@@ -71,8 +96,9 @@ pub struct Access {
 impl Access {
     /// The line of request `id`, a `method` on `path`, begun now. The route is the path cut to
     /// 256 bytes, anything but printable ASCII shown as `?`, and a segment that is an API key
-    /// (`DELETE /admin/v1/keys/{key}` takes a whole one) shown as `wdn-…`.
-    pub fn new(id: String, method: &str, path: &str) -> Arc<Self> {
+    /// (`DELETE /admin/v1/keys/{key}` takes a whole one) shown as `wdn-…`. `client` is the
+    /// client's address (see [`crate::net::client_addr`]), `user_agent` its header's value.
+    pub fn new(id: String, method: &str, path: &str, client: std::net::IpAddr, user_agent: Option<&[u8]>) -> Arc<Self> {
         let route: String = path
             .split('/')
             .map(|seg| if seg.starts_with("wdn-") { "wdn-…" } else { seg })
@@ -86,6 +112,8 @@ impl Access {
             id,
             method: method.to_string(),
             route,
+            client,
+            user_agent: self::user_agent(user_agent),
             started: Instant::now(),
             line: Mutex::new(Line::default()),
         })
@@ -106,8 +134,13 @@ impl Access {
     }
 
     /// The tenant whose key it carried.
-    pub fn tenant(&self, name: &str) {
-        self.line().tenant = Some(name.to_string());
+    pub fn tenant(&self, id: crate::tenant::TenantId, name: &str) {
+        self.line().tenant = Some((id, name.to_string()));
+    }
+
+    /// The tenant whose key it carried, once known.
+    pub fn tenant_of(&self) -> Option<(crate::tenant::TenantId, String)> {
+        self.line().tenant.clone()
     }
 
     /// The served model it named.
@@ -176,7 +209,7 @@ impl Drop for Access {
             response_id = l.response_id.as_deref().unwrap_or("-"),
             method = %self.method,
             route = %self.route,
-            tenant = l.tenant.as_deref().unwrap_or("-"),
+            tenant = l.tenant.as_ref().map_or("-", |(_, name)| name.as_str()),
             model = l.model.as_deref().unwrap_or("-"),
             status,
             code = l.code.unwrap_or("-"),
@@ -187,6 +220,8 @@ impl Drop for Access {
             duration_ms = ms(self.started.elapsed()),
             finish_reason = finish,
             plugin = l.plugin.as_deref().unwrap_or("-"),
+            client = %self.client,
+            user_agent = %self.user_agent,
             "request"
         );
     }

@@ -494,7 +494,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>, listener: TcpListene
             },
             _ = &mut signal => break,
         };
-        let Some((tcp, _)) = accept(&listener, signal.as_mut()).await else {
+        let Some((tcp, peer)) = accept(&listener, signal.as_mut()).await else {
             break;
         };
         let _ = tcp.set_nodelay(true);
@@ -503,7 +503,7 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>, listener: TcpListene
         let handshake = Duration::from_secs(cfg.timeouts.handshake_s);
         tokio::spawn(async move {
             let _permit = permit;
-            let svc = service_fn(move |req| http::handle(state.clone(), req));
+            let svc = service_fn(move |req| http::handle(state.clone(), peer.ip(), req));
             match acceptor {
                 Some(acceptor) => {
                     let Ok(Ok(tls)) = tokio::time::timeout(handshake, acceptor.accept(tcp)).await else {

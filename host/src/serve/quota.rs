@@ -40,6 +40,75 @@ struct Live {
     reserved: u64,
 }
 
+/// A tenant's per-minute limits as they stand ([`Quotas::rates`]); `None` where its policy sets
+/// none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rates {
+    /// Requests per minute.
+    pub requests: Option<RateWindow>,
+    /// Tokens per minute.
+    pub tokens: Option<RateWindow>,
+}
+
+/// One per-minute limit as it stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateWindow {
+    /// Its limit per minute.
+    pub limit: u64,
+    /// What could be taken now.
+    pub remaining: u64,
+    /// Until every unit taken is back.
+    pub reset: Duration,
+}
+
+/// A tenant's limits and what is left of each ([`Quotas::standing`]).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Standing {
+    /// Requests per minute.
+    pub requests_per_minute: Option<MinuteLeft>,
+    /// Tokens per minute.
+    pub tokens_per_minute: Option<MinuteLeft>,
+    /// Tokens this UTC day.
+    pub tokens_per_day: Option<QuotaLeft>,
+    /// Tokens this UTC month.
+    pub tokens_per_month: Option<QuotaLeft>,
+    /// Sequences in flight (each choice of a request is one).
+    pub concurrent_requests: Option<InFlight>,
+}
+
+/// A per-minute limit as it stands.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct MinuteLeft {
+    /// Per minute.
+    pub limit: u64,
+    /// What could be taken now.
+    pub remaining: u64,
+    /// Seconds until every unit taken is back.
+    pub reset_s: f64,
+}
+
+/// A day's or month's token quota as it stands.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct QuotaLeft {
+    /// The quota.
+    pub limit: u64,
+    /// Used in the period.
+    pub used: u64,
+    /// Reserved by requests in flight.
+    pub reserved: u64,
+    /// What a new request could still reserve.
+    pub remaining: u64,
+}
+
+/// The concurrency limit as it stands.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct InFlight {
+    /// The limit.
+    pub limit: u64,
+    /// Sequences in flight now.
+    pub in_flight: u64,
+}
+
 /// Limiter for `limit` per minute, rebuilt if the limit changed.
 fn limiter(slot: &mut Option<(u64, Gcra)>, limit: Option<u64>, now: Instant) -> Option<&mut Gcra> {
     match limit {
@@ -258,6 +327,67 @@ impl Quotas {
 
     fn live(&self) -> std::sync::MutexGuard<'_, HashMap<TenantId, Live>> {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Tenant `id`'s per-minute limits under `policy` as they stand now: what each allows, what
+    /// is left of it, and how long until it is whole again (OpenAI's `x-ratelimit-*`). Tokens
+    /// reserved by requests in flight count as spent.
+    pub fn rates(&self, id: TenantId, policy: &Policy) -> Rates {
+        let now = Instant::now();
+        let live = self.live();
+        let l = live.get(&id);
+        let window = |limit: Option<u64>, g: Option<&(u64, Gcra)>| {
+            limit.map(|limit| match g {
+                Some((had, g)) if *had == limit => RateWindow {
+                    limit,
+                    remaining: g.available(now).min(limit),
+                    reset: g.until_full(now),
+                },
+                // Not used yet under this limit: whole.
+                _ => RateWindow {
+                    limit,
+                    remaining: limit,
+                    reset: Duration::ZERO,
+                },
+            })
+        };
+        Rates {
+            requests: window(policy.requests_per_minute.get(), l.and_then(|l| l.rpm.as_ref())),
+            tokens: window(policy.tokens_per_minute.get(), l.and_then(|l| l.tpm.as_ref())),
+        }
+    }
+
+    /// Tenant `id`'s limits under `policy` and what is left of each (`GET /v1/usage`'s
+    /// `limits`; a limit the policy does not set is `null`).
+    pub fn standing(&self, id: TenantId, policy: &Policy) -> Standing {
+        let rates = self.rates(id, policy);
+        let (day_used, month_used) = self.usage.period_tokens(id, SystemTime::now());
+        let (in_flight, reserved) = self.live().get(&id).map_or((0, 0), |l| (l.in_flight, l.reserved));
+        let quota = |limit: Option<u64>, used: u64| {
+            limit.map(|limit| QuotaLeft {
+                limit,
+                used,
+                reserved,
+                remaining: limit.saturating_sub(used + reserved),
+            })
+        };
+        let per_minute = |w: Option<RateWindow>| {
+            w.map(|w| MinuteLeft {
+                limit: w.limit,
+                remaining: w.remaining,
+                reset_s: w.reset.as_secs_f64(),
+            })
+        };
+        Standing {
+            requests_per_minute: per_minute(rates.requests),
+            tokens_per_minute: per_minute(rates.tokens),
+            tokens_per_day: quota(policy.tokens_per_day.get(), day_used),
+            tokens_per_month: quota(policy.tokens_per_month.get(), month_used),
+            concurrent_requests: policy
+                .concurrent_requests
+                .get()
+                .map(|limit| InFlight { limit, in_flight }),
+        }
     }
 
     /// Admits a request of tenant `t` with `n` choices under `policy`, or refuses it (429) on
