@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 /// The layers, lowest first. A top-level module may import from lower layers only (and within
 /// itself); `warden_kernels` is below them all.
 const LAYERS: &[&[&str]] = &[
-    &["gguf", "tenant", "net", "pem", "heap", "kv", "log", "child"],
+    &["gguf", "tenant", "net", "pem", "heap", "kv", "log", "child", "procstat"],
     &["tokenizer", "chat", "model", "transfer", "fair"],
     &["loaded", "engine"],
     &["config", "plugin", "policy", "grammar"],

@@ -129,7 +129,7 @@ fn a_cluster_serves_what_one_process_serves_and_its_pages_return() {
         }
         let token = std::fs::read_to_string(decode.data_dir.join("metrics-token")).expect("its metrics token");
         let r = c.request(Method::GET, "/metrics", Some(token.trim()), None).await.expect("an answer");
-        assert!(r.status == 200 && r.text().contains("warden_kv_pages_total"), "{}", r.text());
+        assert!(r.status == 200 && r.text().contains("warden_kv_pool_pages"), "{}", r.text());
         // A light router: it reads the model file's tokenizer, template and digest, never its
         // weights. One that repacked them peaked at about 250 MB on this 93 MB file (a node
         // holds about 680 MB); this one at about 68 MB: the bound leaves twice that.

@@ -324,13 +324,13 @@ fn no_canary_crosses_tenants_in_one_process() {
         let free = server.metric("warden_kv_pages{state=\"free\"}").await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         let mut free_now = free;
-        while free_now != server.metric("warden_kv_pages_total").await && tokio::time::Instant::now() < deadline {
+        while free_now != server.metric("warden_kv_pool_pages").await && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(100)).await;
             free_now = server.metric("warden_kv_pages{state=\"free\"}").await;
         }
         assert_eq!(
             free_now,
-            server.metric("warden_kv_pages_total").await,
+            server.metric("warden_kv_pool_pages").await,
             "{}",
             server.metrics().await
         );
@@ -370,7 +370,7 @@ fn no_canary_crosses_tenants_in_a_cluster_with_every_transfer_fault() {
             assert!(n.pages_return().await, "{}", n.metrics().await);
             let m = n.metrics().await;
             let free = common::metric_value(&m, "warden_kv_pages{state=\"free\"}");
-            let total = common::metric_value(&m, "warden_kv_pages_total");
+            let total = common::metric_value(&m, "warden_kv_pool_pages");
             assert!(total > 0.0 && free == total, "{m}");
             clean("a node's metrics", &[m]);
         }

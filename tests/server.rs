@@ -461,7 +461,7 @@ fn a_client_that_disconnects_mid_stream_is_cancelled_and_its_pages_return() {
     let s = Server::start("disconnect", "");
     rt().block_on(async {
         let c = s.client();
-        let total = s.metric("warden_kv_pages_total").await;
+        let total = s.metric("warden_kv_pool_pages").await;
         assert!(total > 0.0);
         let body = chat_body(MODEL, "Write a long story about a dragon.", 400, true);
         let r = c
@@ -878,7 +878,7 @@ fn one_server_serves_several_models_each_with_its_own_pool_limits_and_metrics() 
         let m = s.metrics().await;
         let v = |series: &str| common::metric_value(&m, series);
         for model in ["smol", "tiny/llama"] {
-            assert!(v(&format!("warden_kv_pages_total{{model=\"{model}\"}}")) > 0.0, "{m}");
+            assert!(v(&format!("warden_kv_pool_pages{{model=\"{model}\"}}")) > 0.0, "{m}");
             assert_eq!(
                 v(&format!("warden_kv_pages{{model=\"{model}\",state=\"used\"}}")),
                 0.0,
@@ -1080,6 +1080,8 @@ fn metrics_are_per_tenant_have_their_own_token_and_cover_the_dashboard() {
             assert_eq!(of("warden_inter_token_latency_seconds_count"), n - 1.0, "{tenant}: {m}");
             assert_eq!(of("warden_request_duration_seconds_count"), 1.0, "{tenant}: {m}");
             assert_eq!(of("warden_completion_tokens_total"), n, "{tenant}: {m}");
+            assert_eq!(of("warden_request_completion_tokens_sum"), n, "{tenant}: {m}");
+            assert_eq!(of("warden_request_prompt_tokens_count"), 1.0, "{tenant}: {m}");
             // A request's end comes after its first token, which comes after its admission.
             let sum = |name: &str| of(&format!("{name}_sum"));
             assert!(
@@ -1092,6 +1094,16 @@ fn metrics_are_per_tenant_have_their_own_token_and_cover_the_dashboard() {
             v(&format!("warden_kv_usage_ratio{{model=\"{MODEL}\"}}")),
             0.0,
             "idle: {m}"
+        );
+        // The process and the build, under the names scrapers know.
+        assert!(v("process_resident_memory_bytes") > 50e6, "{m}");
+        assert!(
+            v("process_open_fds") > 3.0 && v("process_cpu_seconds_total") > 0.0,
+            "{m}"
+        );
+        assert!(
+            m.contains(&format!("warden_build_info{{version=\"{}\"", env!("CARGO_PKG_VERSION"))),
+            "{m}"
         );
         // The admin token still reads them; a wrong token does not.
         assert!(s.metrics().await.contains("warden_kv_usage_ratio"));

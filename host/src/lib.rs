@@ -13,7 +13,7 @@
 //! tokenizer, chat, model,        the vocabulary; chat templates; the forward pass; KV transfer;
 //!   transfer, fair               capacity tenants share, taken in turns
 //! gguf, tenant, net, heap, kv,   model files; tenant names; listening; the heap; the KV pool;
-//!   child                        confined child processes
+//!   child, procstat              confined child processes; this process's kernel counters
 //! warden_kernels                 (its own crate) the compute kernels
 //! ```
 //!
@@ -40,6 +40,7 @@ pub mod net;
 pub mod pem;
 pub mod plugin;
 pub mod policy;
+pub mod procstat;
 pub mod runner;
 pub mod serve;
 pub mod tenant;

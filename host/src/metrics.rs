@@ -1,13 +1,16 @@
 //! Server metrics, rendered as Prometheus text on `GET /metrics`.
 //!
 //! Per tenant and model: requests by outcome, prompt and completion tokens, and histograms of
-//! time in the queue, time to first token, inter-token latency and end-to-end duration. Per
+//! time in the queue, time to first token, inter-token latency and end-to-end duration, and of
+//! each request's prompt and completion tokens. Per
 //! tenant: rejections by reason. Request fields the server ignored, by name (a bounded set). Per
 //! model (each has its own engine and pool): isolation violations (tag mismatches), KV pages
 //! used/free/cached and the share in use, queue depth and running sequences. Labels are tenant
 //! names (validated at creation), the served models' ids (from the configuration) and fixed
 //! codes: never request content. Every family's `# TYPE` line is always written, series or
-//! not, so a dashboard's queries can be checked against one scrape.
+//! not, so a dashboard's queries can be checked against one scrape. The build
+//! (`warden_build_info`) and the process as the kernel counts it (`process_*`, the names every
+//! Prometheus client library uses) too.
 //!
 //! `deploy/prometheus/vllm-names.rules.yml` records vLLM's names (`vllm:…`) from these, and
 //! `deploy/grafana/warden.json` is a dashboard over them.
@@ -24,28 +27,35 @@ const BUCKETS: [f64; 16] = [
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
+/// Token-count histogram bucket bounds (a request's prompt or completion tokens).
+const TOKEN_BUCKETS: [f64; 16] = [
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0, 100000.0,
+];
+
+/// A histogram over `BOUNDS` (one of [`BUCKETS`] and [`TOKEN_BUCKETS`]).
 #[derive(Debug, Default, Clone)]
-struct Histogram {
+struct Histogram<const TOKENS: bool = false> {
     counts: [u64; BUCKETS.len()],
     count: u64,
     sum: f64,
 }
 
-impl Histogram {
-    fn observe(&mut self, d: Duration) {
-        let s = d.as_secs_f64();
-        for (c, &b) in self.counts.iter_mut().zip(&BUCKETS) {
-            if s <= b {
+impl<const TOKENS: bool> Histogram<TOKENS> {
+    const BOUNDS: &'static [f64; 16] = if TOKENS { &TOKEN_BUCKETS } else { &BUCKETS };
+
+    fn observe_value(&mut self, v: f64) {
+        for (c, &b) in self.counts.iter_mut().zip(Self::BOUNDS) {
+            if v <= b {
                 *c += 1;
             }
         }
         self.count += 1;
-        self.sum += s;
+        self.sum += v;
     }
 
     /// Its series, each with `labels` (`k="v",…`, values escaped) before `le`.
     fn render(&self, out: &mut String, name: &str, labels: &str) {
-        for (c, b) in self.counts.iter().zip(&BUCKETS) {
+        for (c, b) in self.counts.iter().zip(Self::BOUNDS) {
             let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{b}\"}} {c}");
         }
         let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", self.count);
@@ -57,9 +67,19 @@ impl Histogram {
     }
 }
 
-/// One tenant's latencies on one model.
+impl Histogram {
+    fn observe(&mut self, d: Duration) {
+        self.observe_value(d.as_secs_f64());
+    }
+}
+
+/// One tenant's requests on one model: their latencies and sizes.
 #[derive(Debug, Default, Clone)]
 struct Latencies {
+    /// Each request's prompt tokens.
+    prompt: Histogram<true>,
+    /// Each request's completion tokens (all its choices').
+    completion: Histogram<true>,
     /// Submission to admission (the request's pages given).
     queue: Histogram,
     /// Submission to the first token.
@@ -406,7 +426,7 @@ impl Metrics {
             );
             per_model(
                 &mut o,
-                "warden_kv_pages_total",
+                "warden_kv_pool_pages",
                 "gauge",
                 "KV pages in the model's pool.",
                 &|e| e.kv.pages_total.to_string(),
@@ -513,11 +533,85 @@ impl Metrics {
                 "Time acknowledged transfers took, from Begin to the final Ack, summed.",
             );
             let _ = writeln!(o, "warden_transfer_seconds_total {}", m.transfer_seconds);
+            for (name, text, tokens) in [
+                (
+                    "warden_request_prompt_tokens",
+                    "Prompt tokens of each request, by tenant and model.",
+                    true,
+                ),
+                (
+                    "warden_request_completion_tokens",
+                    "Completion tokens of each request (all its choices), by tenant and model.",
+                    false,
+                ),
+            ] {
+                help(&mut o, name, "histogram", text);
+                for (model, e) in &engines {
+                    for (t, l) in &e.latency {
+                        let h = if tokens { &l.prompt } else { &l.completion };
+                        h.render(&mut o, name, &format!("tenant=\"{}\",model=\"{model}\"", escape(t)));
+                    }
+                }
+            }
+            help(
+                &mut o,
+                "warden_build_info",
+                "gauge",
+                "This build: its version and the CPU architecture it was built for.",
+            );
+            let _ = writeln!(
+                o,
+                "warden_build_info{{version=\"{}\",arch=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION"),
+                std::env::consts::ARCH
+            );
+            if let Some(p) = crate::procstat::read() {
+                for (name, kind, text, value) in [
+                    (
+                        "process_cpu_seconds_total",
+                        "counter",
+                        "User and system CPU time spent, in seconds.",
+                        p.cpu_seconds,
+                    ),
+                    (
+                        "process_resident_memory_bytes",
+                        "gauge",
+                        "Resident memory size in bytes.",
+                        p.resident_bytes as f64,
+                    ),
+                    (
+                        "process_virtual_memory_bytes",
+                        "gauge",
+                        "Virtual memory size in bytes.",
+                        p.virtual_bytes as f64,
+                    ),
+                    ("process_open_fds", "gauge", "Open file descriptors.", p.open_fds as f64),
+                    (
+                        "process_max_fds",
+                        "gauge",
+                        "The most file descriptors the process may open.",
+                        p.max_fds as f64,
+                    ),
+                    (
+                        "process_start_time_seconds",
+                        "gauge",
+                        "When the process started, in seconds since the Unix epoch.",
+                        p.start_time_seconds,
+                    ),
+                    ("process_threads", "gauge", "Threads.", p.threads as f64),
+                ] {
+                    help(&mut o, name, kind, text);
+                    let _ = writeln!(o, "{name} {value}");
+                }
+            }
             for (name, text, which) in LATENCY_FAMILIES {
                 help(&mut o, name, "histogram", text);
                 for (model, e) in &engines {
                     for (t, l) in &e.latency {
-                        which(l).render(&mut o, name, &format!("tenant=\"{}\",model=\"{model}\"", escape(t)));
+                        // Where observed only: never an empty series.
+                        if which(l).count > 0 {
+                            which(l).render(&mut o, name, &format!("tenant=\"{}\",model=\"{model}\"", escape(t)));
+                        }
                     }
                 }
             }
@@ -544,6 +638,11 @@ impl ModelMetrics {
     pub fn request_done(&self, tenant: &str, outcome: &'static str, prompt: usize, completion: usize) {
         self.metrics.with(|m| {
             let key = (tenant.to_string(), self.model.to_string());
+            if let Some(e) = m.engines.get_mut(&*self.model) {
+                let l = e.latency.entry(key.0.clone()).or_default();
+                l.prompt.observe_value(prompt as f64);
+                l.completion.observe_value(completion as f64);
+            }
             *m.requests.entry((key.0.clone(), key.1.clone(), outcome)).or_default() += 1;
             *m.prompt_tokens.entry(key.clone()).or_default() += prompt as u64;
             *m.completion_tokens.entry(key).or_default() += completion as u64;
@@ -670,9 +769,21 @@ mod tests {
             "warden_request_duration_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"30\"} 0",
             "warden_request_duration_seconds_bucket{tenant=\"acme\",model=\"small\",le=\"60\"} 1",
             "warden_request_duration_seconds_sum{tenant=\"acme\",model=\"small\"} 50",
+            "warden_request_prompt_tokens_bucket{tenant=\"acme\",model=\"small\",le=\"1\"} 1",
+            "warden_request_prompt_tokens_bucket{tenant=\"acme\",model=\"small\",le=\"10\"} 2",
+            "warden_request_prompt_tokens_sum{tenant=\"acme\",model=\"small\"} 11",
+            "warden_request_completion_tokens_bucket{tenant=\"acme\",model=\"small\",le=\"2\"} 1",
+            "warden_request_completion_tokens_count{tenant=\"acme\",model=\"small\"} 2",
+            "warden_kv_pool_pages{model=\"small\"} 8",
         ] {
             assert!(t.lines().any(|l| l == line), "missing {line:?} in\n{t}");
         }
+        let build = format!(
+            "warden_build_info{{version=\"{}\",arch=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION"),
+            std::env::consts::ARCH
+        );
+        assert!(t.lines().any(|l| l == build), "{t}");
         // A model whose engine is not this process's (a router's) shows no pool or queue.
         assert!(!t.contains("model=\"large\",state="), "{t}");
         assert!(!t.contains("warden_queue_depth{model=\"large\"}"), "{t}");
@@ -683,6 +794,10 @@ mod tests {
         );
         // Every family is declared, with series or not.
         for family in [
+            "process_resident_memory_bytes",
+            "process_cpu_seconds_total",
+            "process_open_fds",
+            "process_start_time_seconds",
             "warden_cluster_node_up",
             "warden_transfers_total",
             "warden_queue_time_seconds",

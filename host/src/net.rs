@@ -231,11 +231,16 @@ impl IpBlock {
     }
 }
 
-impl TryFrom<String> for IpBlock {
-    type Error = String;
+/// Text that is not an address or a block of them.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0:?} is not an address or a block (10.0.0.0/8, fd00::/8)")]
+pub struct BadIpBlock(String);
 
-    fn try_from(s: String) -> Result<Self, String> {
-        let bad = || format!("{s:?} is not an address or a block (10.0.0.0/8, fd00::/8)");
+impl TryFrom<String> for IpBlock {
+    type Error = BadIpBlock;
+
+    fn try_from(s: String) -> Result<Self, BadIpBlock> {
+        let bad = || BadIpBlock(s.clone());
         let (addr, prefix) = match s.split_once('/') {
             Some((a, p)) => (a, Some(p)),
             None => (s.as_str(), None),
