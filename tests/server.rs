@@ -1310,22 +1310,33 @@ fn config_check_says_what_serve_would_and_flags_override_the_file() {
         .arg(dir.join("f.toml"))
         .args(["--listen", "127.0.0.1:0", "--data-dir"])
         .arg(&data)
+        .args(["--served-model-name", "org/chat-1", "--threads", "1"])
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !data.join("server.json").exists() {
-        assert!(
-            Instant::now() < deadline,
-            "the server never wrote its state under --data-dir"
-        );
-        std::thread::sleep(Duration::from_millis(100));
+    // Its log, up to the line that says it serves (written after server.json).
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut log = String::new();
+    for line in std::io::BufRead::lines(stderr).map_while(Result::ok) {
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("serving ") {
+            break;
+        }
     }
-    let info = std::fs::read_to_string(data.join("server.json")).unwrap();
     let _ = child.kill();
     let _ = child.wait();
+    let info = std::fs::read_to_string(data.join("server.json"))
+        .unwrap_or_else(|e| panic!("the server wrote no state under --data-dir ({e}): {log}"));
     assert!(info.contains("127.0.0.1:") && !info.contains("127.0.0.1:1\""), "{info}");
+    // --served-model-name names the model; --threads sizes the compute pool.
+    assert!(
+        log.contains("serving org/chat-1 on") && log.contains("compute pool: 1 threads"),
+        "{log}"
+    );
+    let (ok, said) = check("served_model_name = \"bad name\"\n", &[]);
+    assert!(!ok && said.contains("set served_model_name"), "{said}");
 }
 
 /// A replaced TLS certificate and key take effect for new connections within a second or two

@@ -49,6 +49,15 @@ pub struct ServeOptions {
 /// Runs the server (or, for `--role prefill|decode`, a node) until SIGTERM or SIGINT, then
 /// shuts down gracefully.
 pub fn serve(cfg: ServeConfig, opts: ServeOptions) -> Result<(), BootError> {
+    // The compute pool, before anything computes.
+    if cfg.threads > 0 {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.threads)
+            .thread_name(|i| format!("warden-compute-{i}"))
+            .build_global()
+            .map_err(|e| StartupError::io("starting the compute pool")(std::io::Error::other(e)))?;
+    }
+    tracing::info!("compute pool: {} threads", rayon::current_num_threads());
     if matches!(opts.role, Role::Prefill | Role::Decode) {
         return Ok(crate::cluster::node::serve_node(cfg, opts.role)?);
     }

@@ -20,6 +20,12 @@ pub struct ServeConfig {
     /// in the API. Default (when `models` is empty too)
     /// `models/SmolLM2-135M-Instruct.Q4_1.gguf`.
     pub model: Option<PathBuf>,
+    /// The id clients name the one model by (`model`, or the default). Default: its file's
+    /// stem. Several models are named in `[[models]]`.
+    pub served_model_name: Option<String>,
+    /// Threads of the compute pool the models' forward passes share. Default 0: one per CPU
+    /// the process may use.
+    pub threads: usize,
     /// The models of a server that serves several (`[[models]]`), each with its own engine
     /// thread, KV pool (its share of `kv.memory_mib`) and limits. Set this or `model`, not both.
     pub models: Vec<ModelSpec>,
@@ -46,8 +52,21 @@ pub struct ServeConfig {
 
 /// The configuration's top-level keys, as `WARDEN_` variables name them (lowercased).
 pub const TOP_LEVEL_KEYS: &[&str] = &[
-    "listen", "data_dir", "model", "models", "tls", "kv", "limits", "timeouts", "plugins", "policies", "cluster",
-    "metrics", "http",
+    "listen",
+    "data_dir",
+    "model",
+    "served_model_name",
+    "threads",
+    "models",
+    "tls",
+    "kv",
+    "limits",
+    "timeouts",
+    "plugins",
+    "policies",
+    "cluster",
+    "metrics",
+    "http",
 ];
 
 /// `WARDEN_` variables that are not configuration: the log's format, and the leak-canary suite's
@@ -60,6 +79,8 @@ impl Default for ServeConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 8443)),
             data_dir: PathBuf::from("data"),
             model: None,
+            served_model_name: None,
+            threads: 0,
             models: Vec::new(),
             tls: TlsConfig::default(),
             kv: KvConfig::default(),
@@ -124,6 +145,9 @@ pub struct ServedModel {
     /// `[limits]` with the model's own in place.
     pub limits: LimitsConfig,
 }
+
+/// Most threads `threads` may ask for.
+pub const MAX_THREADS: usize = 4096;
 
 /// Longest model id.
 pub const MAX_MODEL_NAME: usize = 128;
@@ -854,7 +878,7 @@ impl ServeConfig {
                 .clone()
                 .unwrap_or_else(|| PathBuf::from(crate::DEFAULT_MODEL));
             return vec![ServedModel {
-                name: model_id(&path),
+                name: self.served_model_name.clone().unwrap_or_else(|| model_id(&path)),
                 path,
                 kv_memory_bytes: total,
                 limits: self.limits.clone(),
@@ -906,6 +930,14 @@ impl ServeConfig {
                 why: "set model (one model) or [[models]] (several), not both",
             });
         }
+        if self.served_model_name.is_some() && !self.models.is_empty() {
+            return Err(ConfigError::Invalid {
+                path: path.into(),
+                key: "served_model_name",
+                value: "(set)".into(),
+                why: "names the one model (model); each of [[models]] has its own name",
+            });
+        }
         let bad = |index: usize, name: &str, message: String| ConfigError::Model {
             path: path.into(),
             index,
@@ -920,8 +952,13 @@ impl ServeConfig {
                     i,
                     &m.path.display().to_string(),
                     format!(
-                        "{:?} is not a model id: use letters, digits and -_.:/ (at most {MAX_MODEL_NAME}); set name = \"...\" in [[models]]",
-                        m.name
+                        "{:?} is not a model id: use letters, digits and -_.:/ (at most {MAX_MODEL_NAME}); {}",
+                        m.name,
+                        if self.models.is_empty() {
+                            "set served_model_name (--served-model-name)"
+                        } else {
+                            "set name = \"...\" in [[models]]"
+                        }
                     ),
                 ));
             }
@@ -978,6 +1015,14 @@ impl ServeConfig {
     /// Range checks that types cannot express.
     pub fn check(&self, path: &Path) -> Result<(), ConfigError> {
         self.check_models(path)?;
+        if self.threads > MAX_THREADS {
+            return Err(ConfigError::Invalid {
+                path: path.into(),
+                key: "threads",
+                value: self.threads.to_string(),
+                why: "at most 4096 (0: one per CPU)",
+            });
+        }
         if let Some(o) = self.http.allowed_origins.iter().find(|o| !valid_origin(o)) {
             return Err(ConfigError::Invalid {
                 path: path.into(),
@@ -1303,6 +1348,14 @@ mod tests {
                 .to_string();
             assert!(e.contains("http.allowed_origins"), "{origin}: {e}");
         }
+        let e = parse("served_model_name = \"a\"\n[[models]]\npath = \"m.gguf\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("served_model_name"), "{e}");
+        let e = parse("threads = 5000\n").unwrap_err().to_string();
+        assert!(e.contains("threads = 5000"), "{e}");
+        let c = parse("model = \"m/x.gguf\"\nserved_model_name = \"org/x\"\n").unwrap();
+        assert_eq!(c.served()[0].name, "org/x");
         let c = parse("[http]\nallowed_origins = [\"*\", \"http://localhost:3000\"]\ntrusted_proxies = [\"10.0.0.0/8\", \"::1\"]\n").unwrap();
         assert_eq!(c.http.trusted_proxies.len(), 2);
         let e = parse("[http]\ntrusted_proxies = [\"10.0.0.0/40\"]\n")

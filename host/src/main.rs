@@ -119,6 +119,14 @@ enum Command {
         /// `data_dir` and WARDEN_DATA_DIR).
         #[arg(long)]
         data_dir: Option<PathBuf>,
+        /// The id clients name the model by (over the file's `served_model_name`; default the
+        /// model file's stem). For one model: several are named in `[[models]]`.
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// Threads of the compute pool, 0 for one per CPU the process may use (over the file's
+        /// `threads` and WARDEN_THREADS).
+        #[arg(long)]
+        threads: Option<usize>,
     },
     /// Check a configuration file as `warden serve` reads it (with the WARDEN_ environment
     /// over it), without starting anything: exits non-zero with the server's message.
@@ -462,9 +470,18 @@ fn run(command: Command) -> anyhow::Result<()> {
             listen,
             model,
             data_dir,
+            served_model_name,
+            threads,
         } => {
             let path_value = |p: PathBuf| toml::Value::String(p.to_string_lossy().into_owned());
             let mut flags = Vec::new();
+            if let Some(n) = served_model_name {
+                flags.push(("served_model_name", toml::Value::String(n)));
+            }
+            if let Some(t) = threads {
+                let t = i64::try_from(t).context("--threads: too large")?;
+                flags.push(("threads", toml::Value::Integer(t)));
+            }
             if let Some(l) = listen {
                 flags.push(("listen", toml::Value::String(l)));
             }
