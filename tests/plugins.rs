@@ -616,7 +616,7 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
         if let Some(c) = config {
             let f = dir.join(format!("{plugin}.cfg"));
             std::fs::write(&f, c).unwrap();
-            cmd.arg("--config").arg(f);
+            cmd.arg("--plugin-config").arg(f);
         }
         let out = cmd.output().expect("run warden plugin test");
         (
@@ -680,6 +680,35 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
     let (ok, _, err) = run("adversary", Some("trap"));
     assert!(!ok, "a trapping plugin fails the run");
     assert!(err.contains("the plugin failed in preprocess (plugin_trap)"), "{err}");
+    // The model as `warden serve --config` finds it, from any working directory; a missing
+    // one is said once.
+    let _ = std::fs::remove_file(dir.join("m.gguf"));
+    std::os::unix::fs::symlink(common::model(), dir.join("m.gguf")).unwrap();
+    std::fs::write(dir.join("w.toml"), "model = \"m.gguf\"\n").unwrap();
+    let wasm = root().join("guest-sdk/target/wasm32-wasip2/release/examples/system_prompt.wasm");
+    let from_root = |extra: &[&str]| {
+        std::process::Command::new(common::warden_bin())
+            .args(["plugin", "test"])
+            .arg(&wasm)
+            .arg("--request")
+            .arg(&request)
+            .arg("--config")
+            .arg(dir.join("w.toml"))
+            .arg("--plugin-config")
+            .arg(dir.join("system_prompt.cfg"))
+            .args(extra)
+            .current_dir("/")
+            .output()
+            .expect("run warden plugin test")
+    };
+    let out = from_root(&[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = from_root(&["--model", "/nowhere/m.gguf"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.matches("/nowhere/m.gguf").count() == 1,
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

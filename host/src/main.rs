@@ -229,16 +229,20 @@ enum PluginCmd {
     /// Run a component on this machine on one request, as the server would, printing every
     /// stage: capabilities, the request preprocess gets and returns, each token with on-token's
     /// action, each output piece with postprocess's, the plugin's log lines and the finish. No
-    /// server or store is involved: here --config FILE is the plugin's configuration.
+    /// server or store is involved; the model and the plugin limits are those `warden serve
+    /// --config` would use (its first model).
     Test {
         /// The component (.wasm).
         component: PathBuf,
         /// A JSON request body for /v1/chat/completions (with "messages") or /v1/completions.
         #[arg(long)]
         request: PathBuf,
-        /// The model to run (the served model's file).
-        #[arg(long, default_value = warden::DEFAULT_MODEL)]
-        model: PathBuf,
+        /// The model file to run (over the configuration's and WARDEN_MODEL).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// A file whose text is the plugin's configuration (what `init` is given).
+        #[arg(long)]
+        plugin_config: Option<PathBuf>,
     },
     /// Make the plugin the tenant's default (run when a request names none); --clear undoes it.
     Default {
@@ -252,8 +256,8 @@ enum PluginCmd {
 
 #[derive(clap::Args)]
 struct StoreArgs {
-    /// The server's configuration file (its data_dir holds the store); for `plugin test`, the
-    /// plugin's configuration file instead.
+    /// The server's configuration file (its data_dir holds the store; `plugin test` runs its
+    /// model under its plugin limits).
     #[arg(long, global = true)]
     config: Option<PathBuf>,
     /// The data dir, overriding the configuration's.
@@ -595,19 +599,27 @@ fn run(command: Command) -> anyhow::Result<()> {
                     component,
                     request,
                     model,
+                    plugin_config,
                 },
             store,
             ..
         } => {
-            let config = match &store.config {
+            let config = match &plugin_config {
                 Some(p) => std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
                 None => String::new(),
             };
+            // The model as `warden serve` finds it: the flag, else the configuration's first.
+            let flags: Vec<(&str, toml::Value)> = model
+                .map(|m| ("model", toml::Value::String(m.to_string_lossy().into_owned())))
+                .into_iter()
+                .collect();
+            let cfg = ServeConfig::load_layered(store.config.as_deref(), std::env::vars(), &flags)?;
             let run = warden::serve::plugins::local::LocalRun {
                 component,
                 config,
                 request,
-                model,
+                model: cfg.served().remove(0).path,
+                plugins: cfg.plugins.clone(),
             };
             let mut out = std::io::stdout().lock();
             warden::serve::plugins::local::run(&run, &mut out)?;

@@ -3,7 +3,7 @@
 //! one it returns, the prompt, each generated token with `on-token`'s action, each piece of
 //! output with what `postprocess` made of it, the log lines (its `log` calls and what it printed)
 //! after each call, and the finish. The model is a real one (the served model's file), so the
-//! tokens are the ones the server would generate; the limits are the server's defaults.
+//! tokens are the ones the server would generate; the limits are the server's (`[plugins]`).
 
 use serde_json::{Value, json};
 use std::io::Write;
@@ -37,6 +37,8 @@ pub struct LocalRun {
     pub request: PathBuf,
     /// The model file.
     pub model: PathBuf,
+    /// The server's plugin limits.
+    pub plugins: PluginsConfig,
 }
 
 /// Why a local run stopped.
@@ -47,7 +49,7 @@ pub enum LocalError {
     Read(PathBuf, std::io::Error),
     /// The model did not load.
     #[error("loading the model: {0}")]
-    Model(#[from] LoadError),
+    Model(LoadError),
     /// The request (or the plugin's rewrite of it) is one the server would refuse.
     #[error("the server would refuse the request ({}): {}", .0.code, .0.message)]
     Request(ApiError),
@@ -64,7 +66,20 @@ pub enum LocalError {
     Engine(String),
     /// The report could not be written.
     #[error("writing the report: {0}")]
-    Write(#[from] std::io::Error),
+    Write(std::io::Error),
+}
+
+// By hand, not `#[from]`: a source would print its message a second time after ours.
+impl From<LoadError> for LocalError {
+    fn from(e: LoadError) -> Self {
+        Self::Model(e)
+    }
+}
+
+impl From<std::io::Error> for LocalError {
+    fn from(e: std::io::Error) -> Self {
+        Self::Write(e)
+    }
 }
 
 impl From<ApiError> for LocalError {
@@ -85,7 +100,7 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
     let component = read(&run.component)?;
     let body = read(&run.request)?;
     let model = LoadedModel::open(&run.model)?;
-    let limits = limits_of(&PluginsConfig::default());
+    let limits = limits_of(&run.plugins);
     let plugin_failed = |stage| move |failure| LocalError::Plugin { stage, failure };
     let runtime = Runtime::new(1, limits.memory_bytes).map_err(plugin_failed("setup"))?;
     let plugin = runtime.compile(&component).map_err(plugin_failed("compile"))?;
@@ -107,7 +122,7 @@ pub fn run(run: &LocalRun, out: &mut dyn Write) -> Result<(), LocalError> {
                 &run.config,
                 limits,
                 tk.clone(),
-                PluginsConfig::default().max_component_bytes,
+                run.plugins.max_component_bytes,
                 |b: Vec<u8>| std::future::ready(runtime.compile(&b)),
                 std::future::ready(Some(())),
             )
