@@ -716,7 +716,7 @@ fn plugin_test_runs_a_component_locally_and_prints_each_stage() {
 fn the_cli_manages_plugins_beside_a_running_server() {
     let s = Server::start("plugcli", "");
     let file = root().join("guest-sdk/target/wasm32-wasip2/release/examples/system_prompt.wasm");
-    let cli = |args: &[&str]| {
+    let text = |args: &[&str]| {
         let out = std::process::Command::new(common::warden_bin())
             .args(["plugin"])
             .args(args)
@@ -729,12 +729,52 @@ fn the_cli_manages_plugins_beside_a_running_server() {
             "{args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        serde_json::from_slice::<Value>(&out.stdout).expect("json")
+        String::from_utf8_lossy(&out.stdout).into_owned()
     };
+    let cli = |args: &[&str]| serde_json::from_str::<Value>(&text(args)).expect("json");
     let v = cli(&["upload", "greeter", file.to_str().unwrap()]);
     assert_eq!(v["version"], json!(sha(&example("system_prompt"))));
-    let v = cli(&["list"]);
+    let v = cli(&["list", "--json"]);
     assert_eq!(v["data"][0]["name"], json!("greeter"));
+    // For people: a line a plugin, times in RFC 3339.
+    let listed = text(&["list"]);
+    assert!(
+        listed.starts_with("greeter\tactive ") && listed.contains("(uploaded 20") && listed.contains("Z)\t1 version"),
+        "{listed}"
+    );
+    // A plugin's log lines, through the running server.
+    let adv = root().join("guest-sdk/target/wasm32-wasip2/release/examples/adversary.wasm");
+    cli(&["upload", "adv", adv.to_str().unwrap()]);
+    std::fs::write(s.data_dir.join("adv.txt"), "print").unwrap();
+    cli(&["config", "adv", s.data_dir.join("adv.txt").to_str().unwrap()]);
+    rt().block_on(async {
+        let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "plugin": "adv"});
+        let r = s
+            .client()
+            .request(
+                Method::POST,
+                "/v1/completions",
+                Some(s.key()),
+                Some(body.to_string().into_bytes()),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status, 200, "{}", r.text());
+    });
+    let logs = text(&["logs", "adv"]);
+    let line = logs
+        .lines()
+        .find(|l| l.contains("to stdout"))
+        .unwrap_or_else(|| panic!("{logs}"));
+    // `2026-12-07T04:56:53Z adv@<version> <request id> stdout: to stdout...`
+    let at = line.split(' ').next().unwrap();
+    assert!(
+        at.len() == 20 && at.ends_with('Z') && at.as_bytes()[10] == b'T',
+        "{line}"
+    );
+    assert!(line.split(' ').nth(1).unwrap().starts_with("adv@"), "{line}");
+    assert!(text(&["logs", "greeter"]).trim().is_empty(), "another plugin's lines");
+    cli(&["delete", "adv"]);
     let cfg = s.data_dir.join("greeter.txt");
     std::fs::write(&cfg, "Be brief.").unwrap();
     assert_eq!(
@@ -743,7 +783,7 @@ fn the_cli_manages_plugins_beside_a_running_server() {
     );
     assert_eq!(cli(&["default", "greeter"])["default"], json!("greeter"));
     assert_eq!(cli(&["delete", "greeter"])["deleted"], json!("greeter"));
-    assert_eq!(cli(&["list"])["data"], json!([]));
+    assert_eq!(cli(&["list", "--json"])["data"], json!([]));
 }
 
 #[test]

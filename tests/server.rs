@@ -532,6 +532,23 @@ fn the_cli_manages_tenants_through_a_running_server_and_health_endpoints_answer(
         .to_string();
     let (ok, out) = cli(&["tenant", "create", "Bad Name"]);
     assert!(!ok && out.contains("invalid tenant name"), "{out}");
+    // Lists for people (times in RFC 3339) and for programs (--json).
+    let (ok, out) = cli(&["tenant", "list"]);
+    let gamma = out
+        .lines()
+        .find(|l| l.starts_with("gamma\t"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let at = gamma.rsplit("created ").next().unwrap();
+    assert!(
+        ok && at.len() == 20 && at.ends_with('Z') && at.as_bytes()[10] == b'T',
+        "{gamma}"
+    );
+    let (ok, out) = cli(&["key", "list", "gamma", "--json"]);
+    let keys: serde_json::Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(
+        ok && keys[0]["tenant"] == "gamma" && keys[0]["created"].is_u64(),
+        "{out}"
+    );
     rt().block_on(async {
         let c = s.client();
         let r = c.request(Method::GET, "/v1/models", Some(&key), None).await.unwrap();

@@ -193,7 +193,20 @@ enum PluginCmd {
         no_activate: bool,
     },
     /// List the tenant's plugins and versions.
-    List,
+    List {
+        /// As JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the last lines the plugin wrote to its tenant's log (at most 200), times in
+    /// RFC 3339.
+    Logs {
+        /// Plugin name.
+        name: String,
+        /// Keep printing new lines as they are written (every second) until interrupted.
+        #[arg(long)]
+        follow: bool,
+    },
     /// Show one plugin.
     Show {
         /// Plugin name.
@@ -322,7 +335,11 @@ enum TenantOp {
         name: String,
     },
     /// List tenants.
-    List,
+    List {
+        /// As JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete a tenant and its keys.
     Delete {
         /// Its name.
@@ -346,6 +363,9 @@ enum KeyOp {
     List {
         /// Only this tenant's.
         tenant: Option<String>,
+        /// As JSON.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -575,7 +595,7 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Tenant { op, store } => {
             let op = match op {
                 TenantOp::Create { name } => Op::TenantCreate(name),
-                TenantOp::List => Op::TenantList,
+                TenantOp::List { json } => Op::TenantList(json),
                 TenantOp::Delete { name } => Op::TenantDelete(name),
             };
             println!("{}", manage::run(&store.data_dir()?, op)?);
@@ -585,7 +605,7 @@ fn run(command: Command) -> anyhow::Result<()> {
             let op = match op {
                 KeyOp::Create { tenant } => Op::KeyCreate(tenant),
                 KeyOp::Revoke { id } => Op::KeyRevoke(id),
-                KeyOp::List { tenant } => Op::KeyList(tenant),
+                KeyOp::List { tenant, json } => Op::KeyList(tenant, json),
             };
             println!("{}", manage::run(&store.data_dir()?, op)?);
             Ok(())
@@ -625,7 +645,40 @@ fn run(command: Command) -> anyhow::Result<()> {
             warden::serve::plugins::local::run(&run, &mut out)?;
             Ok(())
         }
+        Command::Plugin {
+            op: PluginCmd::Logs { name, follow },
+            tenant,
+            store,
+        } => {
+            let cfg = config(store.config.as_deref())?;
+            let data_dir = store.data_dir.clone().unwrap_or_else(|| cfg.data_dir.clone());
+            let mut shown: Vec<String> = Vec::new();
+            loop {
+                let lines = manage::plugin_logs(&data_dir, &tenant, &name)?;
+                // What came after the last line shown (all of it when that line has left the
+                // window).
+                let new = match shown.last().and_then(|last| lines.iter().rposition(|l| l == last)) {
+                    Some(i) => &lines[i + 1..],
+                    None => &lines[..],
+                };
+                let mut out = std::io::stdout().lock();
+                for l in new {
+                    writeln!(out, "{l}")?;
+                }
+                out.flush()?;
+                shown.extend(new.iter().cloned());
+                if shown.len() > 400 {
+                    shown.drain(..shown.len() - 200);
+                }
+                if !follow {
+                    return Ok(());
+                }
+                std::thread::sleep(std::time::Duration::from_secs(1));
+            }
+        }
         Command::Plugin { op, tenant, store } => {
+            let list_json = matches!(op, PluginCmd::List { json: true });
+            let listing = matches!(op, PluginCmd::List { .. });
             let op = match op {
                 PluginCmd::Upload {
                     name,
@@ -636,7 +689,7 @@ fn run(command: Command) -> anyhow::Result<()> {
                     file,
                     activate: !no_activate,
                 },
-                PluginCmd::List => PluginOp::List,
+                PluginCmd::List { .. } => PluginOp::List,
                 PluginCmd::Show { name } => PluginOp::Show(name),
                 PluginCmd::Activate { name, version } => PluginOp::Activate { name, version },
                 PluginCmd::Rollback { name } => PluginOp::Rollback(name),
@@ -648,11 +701,16 @@ fn run(command: Command) -> anyhow::Result<()> {
                 PluginCmd::Config { name, file } => PluginOp::Config { name, file },
                 PluginCmd::Default { name, clear: false } => PluginOp::Default(name),
                 PluginCmd::Default { name, clear: true } => PluginOp::ClearDefault(name),
-                PluginCmd::Test { .. } => unreachable!("handled above"),
+                PluginCmd::Test { .. } | PluginCmd::Logs { .. } => unreachable!("handled above"),
             };
             let cfg = config(store.config.as_deref())?;
             let data_dir = store.data_dir.clone().unwrap_or_else(|| cfg.data_dir.clone());
-            println!("{}", manage::plugin(&cfg, &data_dir, &tenant, op)?);
+            let v = manage::plugin(&cfg, &data_dir, &tenant, op)?;
+            if listing && !list_json {
+                println!("{}", manage::plugin_lines(&v));
+            } else {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            }
             Ok(())
         }
     }

@@ -87,16 +87,16 @@ fn runtime() -> Result<tokio::runtime::Runtime, ManageError> {
 pub enum Op {
     /// Create a tenant.
     TenantCreate(String),
-    /// List tenants.
-    TenantList,
+    /// List tenants (as JSON with `true`).
+    TenantList(bool),
     /// Delete a tenant and its keys.
     TenantDelete(String),
     /// Create a key for a tenant (printed once).
     KeyCreate(String),
     /// Revoke a key by id.
     KeyRevoke(String),
-    /// List keys, of one tenant or all.
-    KeyList(Option<String>),
+    /// List keys, of one tenant or all (as JSON with `true`).
+    KeyList(Option<String>, bool),
 }
 
 /// Runs `op` against the store in `data_dir`; returns what to print.
@@ -114,7 +114,7 @@ fn direct(s: &Store, op: Op) -> Result<String, ManageError> {
             let t = s.create_tenant(&n)?;
             format!("created tenant {:?} (id {})", t.name, t.id)
         }
-        Op::TenantList => tenant_lines(&serde_json::to_value(s.tenants()?)?),
+        Op::TenantList(json) => tenant_lines(&serde_json::to_value(s.tenants()?)?, json)?,
         Op::TenantDelete(n) => {
             s.delete_tenant(&n)?;
             format!("deleted tenant {n:?} and its keys")
@@ -127,7 +127,7 @@ fn direct(s: &Store, op: Op) -> Result<String, ManageError> {
             let info = s.revoke_key(&id)?;
             format!("revoked key {} of tenant {:?}", info.id, info.tenant)
         }
-        Op::KeyList(t) => key_lines(&serde_json::to_value(s.keys(t.as_deref())?)?),
+        Op::KeyList(t, json) => key_lines(&serde_json::to_value(s.keys(t.as_deref())?)?, json)?,
     })
 }
 
@@ -135,27 +135,38 @@ fn key_created(tenant: &str, id: &str, key: &str) -> String {
     format!("created key {id} for tenant {tenant:?}; the key (shown only now):\n{key}")
 }
 
-fn tenant_lines(v: &Value) -> String {
+/// A record's `created` (seconds since the epoch) as RFC 3339.
+fn created(v: &Value) -> String {
+    v["created"].as_u64().map_or_else(|| "?".into(), crate::log::rfc3339)
+}
+
+fn tenant_lines(v: &Value, json: bool) -> Result<String, ManageError> {
+    if json {
+        return Ok(serde_json::to_string_pretty(v)?);
+    }
     let mut out = String::new();
     for t in v.as_array().into_iter().flatten() {
         out.push_str(&format!(
             "{}\tid {}\tcreated {}\n",
             t["name"].as_str().unwrap_or("?"),
             t["id"],
-            t["created"]
+            created(t)
         ));
     }
-    out.trim_end().to_string()
+    Ok(out.trim_end().to_string())
 }
 
-fn key_lines(v: &Value) -> String {
+fn key_lines(v: &Value, json: bool) -> Result<String, ManageError> {
+    if json {
+        return Ok(serde_json::to_string_pretty(v)?);
+    }
     let mut out = String::new();
     for k in v.as_array().into_iter().flatten() {
         out.push_str(&format!(
             "{}\ttenant {}\tcreated {}{}\n",
             k["id"].as_str().unwrap_or("?"),
             k["tenant"].as_str().unwrap_or("?"),
-            k["created"],
+            created(k),
             if k["revoked"].as_bool() == Some(true) {
                 "\trevoked"
             } else {
@@ -163,7 +174,7 @@ fn key_lines(v: &Value) -> String {
             }
         ));
     }
-    out.trim_end().to_string()
+    Ok(out.trim_end().to_string())
 }
 
 /// One call to a running server's admin API; the reply's JSON, or its error message.
@@ -191,12 +202,12 @@ fn admin_call(data_dir: &Path, method: Method, path: &str, body: Option<Vec<u8>>
 fn via_server(data_dir: &Path, op: Op) -> Result<String, ManageError> {
     let (method, path, body) = match &op {
         Op::TenantCreate(n) => (Method::POST, "/admin/v1/tenants".to_string(), Some(json!({"name": n}))),
-        Op::TenantList => (Method::GET, "/admin/v1/tenants".into(), None),
+        Op::TenantList(_) => (Method::GET, "/admin/v1/tenants".into(), None),
         Op::TenantDelete(n) => (Method::DELETE, format!("/admin/v1/tenants/{n}"), None),
         Op::KeyCreate(t) => (Method::POST, format!("/admin/v1/tenants/{t}/keys"), None),
         Op::KeyRevoke(id) => (Method::DELETE, format!("/admin/v1/keys/{id}"), None),
-        Op::KeyList(Some(t)) => (Method::GET, format!("/admin/v1/tenants/{t}/keys"), None),
-        Op::KeyList(None) => (Method::GET, "/admin/v1/keys".into(), None),
+        Op::KeyList(Some(t), _) => (Method::GET, format!("/admin/v1/tenants/{t}/keys"), None),
+        Op::KeyList(None, _) => (Method::GET, "/admin/v1/keys".into(), None),
     };
     let v = admin_call(data_dir, method, &path, body.map(|b| b.to_string().into_bytes()))?;
     Ok(match op {
@@ -205,7 +216,7 @@ fn via_server(data_dir: &Path, op: Op) -> Result<String, ManageError> {
             v["name"].as_str().unwrap_or("?"),
             v["id"]
         ),
-        Op::TenantList => tenant_lines(&v["data"]),
+        Op::TenantList(json) => tenant_lines(&v["data"], json)?,
         Op::TenantDelete(n) => format!("deleted tenant {n:?} and its keys"),
         Op::KeyCreate(t) => key_created(
             &t,
@@ -217,7 +228,7 @@ fn via_server(data_dir: &Path, op: Op) -> Result<String, ManageError> {
             v["id"].as_str().unwrap_or("?"),
             v["tenant"].as_str().unwrap_or("?")
         ),
-        Op::KeyList(_) => key_lines(&v["data"]),
+        Op::KeyList(_, json) => key_lines(&v["data"], json)?,
     })
 }
 
@@ -268,13 +279,70 @@ pub enum PluginOp {
     ClearDefault(String),
 }
 
+/// The last lines (at most 200) plugin `name` of `tenant` wrote to its tenant's log, from the
+/// store in `data_dir`, or through the running server that holds it.
+pub fn plugin_logs(data_dir: &Path, tenant: &str, name: &str) -> Result<Vec<String>, ManageError> {
+    match Store::open(data_dir) {
+        Ok(store) => {
+            let t = store
+                .tenant(tenant)?
+                .ok_or_else(|| StoreError::NoTenant(tenant.into()))?;
+            let logs = super::plugins::logs::TenantLogs::new(&data_dir.join("plugin-logs"));
+            Ok(logs.tail(t.id, name, 200))
+        }
+        Err(StoreError::Locked(_)) => {
+            let v = admin_call(
+                data_dir,
+                Method::GET,
+                &format!("/admin/v1/tenants/{tenant}/plugins/{name}/logs"),
+                None,
+            )?;
+            Ok(v["data"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|l| l.as_str().map(str::to_string))
+                .collect())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// `plugin list`'s lines: each plugin's name, active version, versions and whether it is the
+/// default.
+pub fn plugin_lines(v: &Value) -> String {
+    let mut out = String::new();
+    for p in v["data"].as_array().into_iter().flatten() {
+        let versions = p["versions"].as_array().map_or(0, Vec::len);
+        let active = p["active"].as_str().map_or("none", |a| a.get(..12).unwrap_or(a));
+        let uploaded = p["versions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|v| v["active"].as_bool() == Some(true))
+            .and_then(|v| v["uploaded"].as_u64())
+            .map_or_else(|| "-".into(), crate::log::rfc3339);
+        out.push_str(&format!(
+            "{}\tactive {active} (uploaded {uploaded})\t{versions} version{}{}\n",
+            p["name"].as_str().unwrap_or("?"),
+            if versions == 1 { "" } else { "s" },
+            if p["default"].as_bool() == Some(true) {
+                "\tdefault"
+            } else {
+                ""
+            }
+        ));
+    }
+    out.trim_end().to_string()
+}
+
 /// Runs a plugin operation for `tenant` against the store of `cfg`; returns the resulting JSON.
 pub fn plugin(
     cfg: &crate::config::ServeConfig,
     data_dir: &Path,
     tenant: &str,
     op: PluginOp,
-) -> Result<String, ManageError> {
+) -> Result<Value, ManageError> {
     let read = |f: &Path| std::fs::read(f).map_err(|e| ManageError::Read(f.to_path_buf(), e));
     fn answer<T: Serialize>(r: Result<T, PluginError>) -> Result<Value, ManageError> {
         Ok(serde_json::to_value(r?)?)
@@ -343,5 +411,5 @@ pub fn plugin(
         }
         Err(e) => return Err(e.into()),
     };
-    Ok(serde_json::to_string_pretty(&v)?)
+    Ok(v)
 }

@@ -1,5 +1,6 @@
 //! The tenants' plugin logs: what plugins write through the world's `log` import, one file per
-//! tenant (`data_dir/plugin-logs/<tenant id>.log`; ids are never reused, names can be).
+//! tenant (`data_dir/plugin-logs/<tenant id>.log`; ids are never reused, names can be), a line
+//! each: its time (RFC 3339), `plugin@version`, the request id, the text.
 //!
 //! Limits, so a plugin cannot fill the disk or drown the server: an instance writes at most 64
 //! lines (the runtime's cap), each at most 1 KiB with control characters escaped; a tenant
@@ -100,17 +101,17 @@ impl TenantLogs {
         if admitted == 0 {
             return;
         }
-        let secs = crate::serve::store::error::now();
+        let at = crate::log::rfc3339(crate::serve::store::error::now());
         let short = src.version.get(..12).unwrap_or(src.version);
         let mut out = String::new();
         if dropped > 0 {
             out.push_str(&format!(
-                "{secs} {}@{short} {} warn: ({dropped} earlier lines dropped by the rate limit of {RATE_PER_S} lines/s)\n",
+                "{at} {}@{short} {} warn: ({dropped} earlier lines dropped by the rate limit of {RATE_PER_S} lines/s)\n",
                 src.plugin, src.request
             ));
         }
         for l in lines.into_iter().take(admitted) {
-            out.push_str(&format!("{secs} {}@{short} {} {l}\n", src.plugin, src.request));
+            out.push_str(&format!("{at} {}@{short} {} {l}\n", src.plugin, src.request));
         }
         let path = self.path(src.tenant);
         if std::fs::metadata(&path).is_ok_and(|m| m.len() > MAX_FILE) {
