@@ -10,7 +10,9 @@ cargo build --release --quiet --bin warden --example serve_load
 DIR=$(mktemp -d target/bench-serve.XXXXXX)
 cat > "$DIR/warden.toml" <<TOML
 listen = "127.0.0.1:0"
-data_dir = "$DIR/data"
+# Relative paths in a config file are its directory's.
+data_dir = "data"
+policies = "$PWD/policies"
 TOML
 target/release/warden serve --config "$DIR/warden.toml" > "$DIR/serve.log" 2>&1 &
 PID=$!

@@ -12,8 +12,8 @@ quantized file, and the mean absolute difference from the reference's logprobs i
 type, with which engine is closer. (One position's error is dominated by which activations sit
 a hair from an 8-bit rounding boundary, so few positions make a noisy figure.)
 
-Needs llama.cpp built as ../shared/PEER.md says (pass the folder holding llama-server and
-llama-quantize) and Warden's example built:
+Needs llama.cpp built as docs/development.md says ("Measuring against llama.cpp"; pass the
+folder holding llama-server and llama-quantize) and Warden's example built:
 
     cargo build --release -p warden --example numerics
     python3 scripts/numerics.py $B [TYPE ...]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Greedy oracles from llama.cpp for host/tests/fixtures: Gemma 3 270M Q4_K_M and SmolLM2 Q4_1.
 
-Run llama.cpp's server on the model as ../shared/PEER.md builds it (loopback only):
+Run llama.cpp's server on the model, built as docs/development.md says ("Measuring against
+llama.cpp"), on loopback only:
 
     $B/llama-server -m models/gemma-3-270m.Q4_K_M.gguf --host 127.0.0.1 --port 8089 \\
         -t 2 -c 4096 -np 1 --no-repack

@@ -3,8 +3,8 @@
 tensor type it reads, each with llama.cpp's greedy tokens and top-5 logprobs.
 
 Deterministic from the seed. Needs `numpy` and `gguf` (pip install numpy gguf==0.19.0) and
-llama.cpp's `llama-quantize` and `llama-server` built as ../shared/PEER.md says; pass the folder
-holding them:
+llama.cpp's `llama-quantize` and `llama-server` built as docs/development.md says ("Measuring
+against llama.cpp"); pass the folder holding them:
 
     python3 scripts/tiny-fixtures.py $B
 

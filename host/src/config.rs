@@ -1478,8 +1478,8 @@ mod tests {
     }
 
     #[test]
-    fn the_readmes_two_model_config_parses() {
-        let readme = include_str!("../../README.md");
+    fn the_docs_two_model_config_parses() {
+        let readme = include_str!("../../docs/operating.md");
         let section = &readme[readme.find("## Several models on one server").expect("the section")..];
         let start = section.find("```toml\n").expect("a toml block") + 8;
         let block = &section[start..start + section[start..].find("```").expect("its end")];

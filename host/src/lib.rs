@@ -17,7 +17,7 @@
 //! warden_kernels                 (its own crate) the compute kernels
 //! ```
 //!
-//! See `DESIGN.md` in the shared folder for the invariants every module keeps.
+//! `docs/design.md` says which invariants every module keeps, and why.
 #![deny(missing_docs)]
 
 pub mod bench;

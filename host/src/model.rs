@@ -56,7 +56,7 @@ pub enum Arch {
 }
 
 impl Arch {
-    /// Every family, in the order the README lists them.
+    /// Every family, in the order `docs/architecture.md` lists them.
     pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
     /// The `general.architecture` value (and metadata key prefix).
