@@ -6,14 +6,19 @@
 //! default) and export it with [`plugin!`]; build with
 //! `cargo build --target wasm32-wasip2 --release` and upload the `.wasm` file.
 //!
-//! ```ignore
+//! ```
+//! use warden_guest::{Chunk, Finish, Plugin, PluginError};
+//!
 //! struct Shout;
-//! impl warden_guest::Plugin for Shout {
-//!     fn postprocess(chunk: warden_guest::Chunk, _is_final: bool) -> Result<warden_guest::Chunk, warden_guest::PluginError> {
-//!         Ok(warden_guest::Chunk { text: chunk.text.to_uppercase() })
+//!
+//! impl Plugin for Shout {
+//!     fn postprocess(chunk: Chunk, _end: Option<Finish>) -> Result<Chunk, PluginError> {
+//!         Ok(Chunk { text: chunk.text.to_uppercase() })
 //!     }
 //! }
+//!
 //! warden_guest::plugin!(Shout);
+//! # fn main() {}
 //! ```
 //!
 //! Warden instantiates a plugin afresh for every request (and each choice of an `n` > 1
@@ -30,8 +35,11 @@
 //! `examples/prefix_pin.rs`); `unpin_prefix()` lets them go.
 //!
 //! Each call runs under the server's fuel, time and memory limits (`[plugins]` in its config),
-//! and a request's calls share one time budget: work done once per request, such as compiling the
-//! regexes of a config, is paid on every request, so keep it small. Host calls cost fuel too
+//! and a request's calls share one time budget. Set up in `init`, not per request: the server
+//! runs `init` once per version and configuration and starts every request from the memory it
+//! left (a snapshot), so regexes compiled there, or a vocabulary read there, cost a request
+//! nothing ([`parse_config`] reads a JSON configuration into a type of the plugin's own). Work
+//! done in `preprocess` is paid on every request. Host calls cost fuel too
 //! (`tokenizer::encode` 500 a byte, for one), and what a plugin returns is bounded (see
 //! `wit/plugin.wit`). `std::thread::sleep` returns at once: the clock never moves.
 
@@ -110,6 +118,35 @@ pub fn read_vocabulary() -> Vec<Vec<u8>> {
         bytes.extend(got);
     }
     bytes
+}
+
+/// Reads a plugin's configuration (the text `init` is given) as JSON into `T`, most often a
+/// struct of the plugin's own deriving `serde::Deserialize`: a configuration that does not fit
+/// is refused with code `plugin_config` and a message that says where and why, so the server
+/// refuses to set it.
+///
+/// ```
+/// use serde::Deserialize;
+///
+/// #[derive(Debug, Deserialize)]
+/// struct Config {
+///     system_prompt: String,
+///     #[serde(default)]
+///     uppercase: bool,
+/// }
+///
+/// let c: Config = warden_guest::parse_config(r#"{"system_prompt": "Be brief."}"#).unwrap();
+/// assert_eq!((c.system_prompt.as_str(), c.uppercase), ("Be brief.", false));
+/// let e = warden_guest::parse_config::<Config>(r#"{"uppercase": true}"#).unwrap_err();
+/// assert_eq!(e.code, "plugin_config");
+/// assert!(e.message.contains("system_prompt"), "{}", e.message);
+/// ```
+#[cfg(feature = "config")]
+pub fn parse_config<T: serde::de::DeserializeOwned>(config: &str) -> Result<T, PluginError> {
+    serde_json::from_str(config).map_err(|e| PluginError {
+        code: "plugin_config".into(),
+        message: format!("the configuration is not what this plugin reads: {e}"),
+    })
 }
 
 /// Logs `message` at `level` into the tenant's log (rate-limited by the host).
