@@ -257,6 +257,19 @@ enum PluginCmd {
         #[arg(long)]
         plugin_config: Option<PathBuf>,
     },
+    /// Start a plugin: write a crate (the SDK by path, a typed configuration, a request to try)
+    /// that builds with `cargo build --release` and runs with `warden plugin test` as printed.
+    New {
+        /// Its name: lowercase letters, digits, '-' and '_', starting with a letter.
+        name: String,
+        /// Where to write it (default: a directory named NAME here).
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// The SDK (`guest-sdk` of Warden's repository); default: the one this binary was
+        /// built from.
+        #[arg(long)]
+        sdk: Option<PathBuf>,
+    },
     /// Make the plugin the tenant's default (run when a request names none); --clear undoes it.
     Default {
         /// Plugin name.
@@ -646,6 +659,29 @@ fn run(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Plugin {
+            op: PluginCmd::New { name, dir, sdk },
+            store,
+            ..
+        } => {
+            use warden::serve::plugins::scaffold;
+            // The model `plugin test` runs: the one `warden serve` would, from here.
+            let cfg = config(store.config.as_deref())?;
+            let model = cfg.served().remove(0).path;
+            let new = scaffold::NewPlugin {
+                dir: dir.unwrap_or_else(|| PathBuf::from(&name)),
+                name,
+                sdk: sdk.unwrap_or_else(scaffold::built_with_sdk),
+                model: model.canonicalize().ok(),
+            };
+            let made = scaffold::create(&new)?;
+            println!("wrote {} in {}", made.join(", "), new.dir.display());
+            println!("build it, try it, upload it and configure it:");
+            for l in scaffold::next_steps(&new).lines() {
+                println!("  {l}");
+            }
+            Ok(())
+        }
+        Command::Plugin {
             op: PluginCmd::Logs { name, follow },
             tenant,
             store,
@@ -701,7 +737,9 @@ fn run(command: Command) -> anyhow::Result<()> {
                 PluginCmd::Config { name, file } => PluginOp::Config { name, file },
                 PluginCmd::Default { name, clear: false } => PluginOp::Default(name),
                 PluginCmd::Default { name, clear: true } => PluginOp::ClearDefault(name),
-                PluginCmd::Test { .. } | PluginCmd::Logs { .. } => unreachable!("handled above"),
+                PluginCmd::Test { .. } | PluginCmd::Logs { .. } | PluginCmd::New { .. } => {
+                    unreachable!("handled above")
+                }
             };
             let cfg = config(store.config.as_deref())?;
             let data_dir = store.data_dir.clone().unwrap_or_else(|| cfg.data_dir.clone());

@@ -13,6 +13,7 @@ pub mod local;
 pub mod logs;
 pub mod pipeline;
 pub mod registry;
+pub mod scaffold;
 pub mod shares;
 pub mod snapshots;
 
