@@ -401,8 +401,8 @@ fn the_kubernetes_base_renders_and_agrees_with_what_warden_serve_accepts() {
     assert!(ok, "{said}");
 }
 
-/// The Dockerfile's last stage copies the built binary and nothing else, and runs as a user
-/// that is not root.
+/// The Dockerfile's last stage copies the built binary (stripped) and nothing else, runs as a
+/// user that is not root, and run bare prints the usage.
 #[test]
 fn the_image_holds_the_binary_alone_and_runs_as_non_root() {
     let text = std::fs::read_to_string(common::root().join("Dockerfile")).expect("Dockerfile");
@@ -441,4 +441,12 @@ fn the_image_holds_the_binary_alone_and_runs_as_non_root() {
             .any(|l| l.contains("cargo build --release --locked --bin warden")),
         "{build:?}"
     );
+    // Stripped: no symbols or debug information in the image's binary.
+    assert!(
+        build.iter().any(|l| l.contains("CARGO_PROFILE_RELEASE_STRIP=symbols")),
+        "{build:?}"
+    );
+    // A bare `docker run` prints the usage, not an error about a missing configuration.
+    let cmd = last.iter().rev().find_map(|l| l.strip_prefix("CMD ")).expect("a CMD");
+    assert_eq!(cmd.trim(), r#"["--help"]"#, "a bare run's command");
 }

@@ -774,6 +774,45 @@ fn the_cli_manages_plugins_beside_a_running_server() {
     );
     assert!(line.split(' ').nth(1).unwrap().starts_with("adv@"), "{line}");
     assert!(text(&["logs", "greeter"]).trim().is_empty(), "another plugin's lines");
+    // --follow prints what is there, then each new line as it comes.
+    let mut follow = std::process::Command::new(common::warden_bin())
+        .args(["plugin", "logs", "adv", "--follow", "--config"])
+        .arg(&s.config)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = follow.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    let first = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the lines already there");
+    assert!(first.contains(" adv@"), "{first}");
+    while rx.recv_timeout(std::time::Duration::from_millis(500)).is_ok() {}
+    let id = rt().block_on(async {
+        let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "plugin": "adv"});
+        let r = s
+            .client()
+            .request(
+                Method::POST,
+                "/v1/completions",
+                Some(s.key()),
+                Some(body.to_string().into_bytes()),
+            )
+            .await
+            .unwrap();
+        r.headers["x-request-id"].to_str().unwrap().to_string()
+    });
+    let new = rx
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("a new line, followed");
+    assert!(new.contains(&id), "the new request's line: {new}");
+    let _ = follow.kill();
+    let _ = follow.wait();
     cli(&["delete", "adv"]);
     let cfg = s.data_dir.join("greeter.txt");
     std::fs::write(&cfg, "Be brief.").unwrap();
