@@ -532,6 +532,16 @@ fn the_cli_manages_tenants_through_a_running_server_and_health_endpoints_answer(
         .to_string();
     let (ok, out) = cli(&["tenant", "create", "Bad Name"]);
     assert!(!ok && out.contains("invalid tenant name"), "{out}");
+    // A command run where no server keeps its state makes no store of its own.
+    let nowhere = s.data_dir.join("not-a-data-dir");
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["plugin", "list", "--data-dir"])
+        .arg(&nowhere)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && said.contains("no state store in"), "{said}");
+    assert!(!nowhere.join("state").exists());
     // Lists for people (times in RFC 3339) and for programs (--json).
     let (ok, out) = cli(&["tenant", "list"]);
     let gamma = out

@@ -672,6 +672,12 @@ fn run(command: Command) -> anyhow::Result<()> {
                 name,
                 sdk: sdk.unwrap_or_else(scaffold::built_with_sdk),
                 model: model.canonicalize().ok(),
+                data_dir: store
+                    .data_dir
+                    .clone()
+                    .unwrap_or_else(|| cfg.data_dir.clone())
+                    .canonicalize()
+                    .ok(),
             };
             let made = scaffold::create(&new)?;
             println!("wrote {} in {}", made.join(", "), new.dir.display());

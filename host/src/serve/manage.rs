@@ -99,9 +99,18 @@ pub enum Op {
     KeyList(Option<String>, bool),
 }
 
+/// The store a server made in `data_dir`: never a new one (a command run from the wrong
+/// directory would make an empty store and say that the tenant it names does not exist).
+fn open_existing(data_dir: &Path) -> Result<Store, StoreError> {
+    if !data_dir.join("state").exists() {
+        return Err(StoreError::NoStore(data_dir.to_path_buf()));
+    }
+    Store::open(data_dir)
+}
+
 /// Runs `op` against the store in `data_dir`; returns what to print.
 pub fn run(data_dir: &Path, op: Op) -> Result<String, ManageError> {
-    match Store::open(data_dir) {
+    match open_existing(data_dir) {
         Ok(store) => direct(&store, op),
         Err(StoreError::Locked(_)) => via_server(data_dir, op),
         Err(e) => Err(e.into()),
@@ -282,7 +291,7 @@ pub enum PluginOp {
 /// The last lines (at most 200) plugin `name` of `tenant` wrote to its tenant's log, from the
 /// store in `data_dir`, or through the running server that holds it.
 pub fn plugin_logs(data_dir: &Path, tenant: &str, name: &str) -> Result<Vec<String>, ManageError> {
-    match Store::open(data_dir) {
+    match open_existing(data_dir) {
         Ok(store) => {
             let t = store
                 .tenant(tenant)?
@@ -347,7 +356,7 @@ pub fn plugin(
     fn answer<T: Serialize>(r: Result<T, PluginError>) -> Result<Value, ManageError> {
         Ok(serde_json::to_value(r?)?)
     }
-    let v = match Store::open(data_dir) {
+    let v = match open_existing(data_dir) {
         Ok(store) => {
             let t = store
                 .tenant(tenant)?

@@ -17,6 +17,8 @@ pub struct NewPlugin {
     pub sdk: PathBuf,
     /// The model `warden plugin test` runs, when the one `warden serve` would use was found.
     pub model: Option<PathBuf>,
+    /// The server's data directory (whose store `warden plugin upload` writes), when found.
+    pub data_dir: Option<PathBuf>,
 }
 
 /// Why no crate was made.
@@ -69,8 +71,13 @@ pub fn next_steps(p: &NewPlugin) -> String {
         .as_ref()
         .map(|m| format!(" --model {}", m.display()))
         .unwrap_or_else(|| " --model PATH/TO/MODEL.gguf".into());
+    let store = p
+        .data_dir
+        .as_ref()
+        .map(|d| format!(" --data-dir {}", d.display()))
+        .unwrap_or_default();
     format!(
-        "cd {}\ncargo build --release\nwarden plugin test {wasm} --request request.json --plugin-config config.json{model}\nwarden plugin upload {} {wasm}\nwarden plugin config {} config.json",
+        "cd {}\ncargo build --release\nwarden plugin test {wasm} --request request.json --plugin-config config.json{model}\nwarden plugin upload {} {wasm}{store}\nwarden plugin config {} config.json{store}",
         p.dir.display(),
         p.name,
         p.name
@@ -250,6 +257,7 @@ mod tests {
                 dir: dir.join("x"),
                 sdk: built_with_sdk(),
                 model: None,
+                data_dir: None,
             };
             assert!(matches!(create(&p), Err(ScaffoldError::BadName(_))), "{bad}");
         }
@@ -258,6 +266,7 @@ mod tests {
             dir: dir.join("y"),
             sdk: dir.clone(),
             model: None,
+            data_dir: None,
         };
         assert!(matches!(create(&p), Err(ScaffoldError::NoSdk(_))));
         let _ = std::fs::remove_dir_all(&dir);

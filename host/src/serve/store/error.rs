@@ -6,6 +6,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// Store errors.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// No store in the data directory a command named.
+    #[error(
+        "no state store in {}: `warden serve` makes it on its first start; name the server's data directory with --data-dir or its configuration with --config",
+        .0.display()
+    )]
+    NoStore(PathBuf),
     /// Another process (a running server) holds the store.
     #[error("the state store {0} is in use by another process (a running warden serve?)")]
     Locked(PathBuf),
