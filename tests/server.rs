@@ -750,6 +750,31 @@ fn bad_configurations_refuse_to_start_and_say_why() {
     );
     let said = start("127.0.0.1:0");
     assert!(said.contains("its API key (shown only now)"), "{said}");
+    // A data directory given relative to where the server starts: server.json names the
+    // certificate so that a CLI run from anywhere finds it.
+    let _ = std::fs::remove_file(first.join("data/server.json"));
+    let mut child = std::process::Command::new(common::warden_bin())
+        .args(["serve", "--config", "w.toml", "--data-dir", "data"])
+        .current_dir(&first)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !first.join("data/server.json").exists() {
+        assert!(Instant::now() < deadline, "the server did not start");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = std::process::Command::new(common::warden_bin())
+        .args(["tenant", "list", "--data-dir"])
+        .arg(first.join("data"))
+        .current_dir("/")
+        .output()
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let said = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && said.starts_with("default\tid 1"), "{said}");
 }
 
 /// `[[models]]`: each model has its own engine, pool and limits; `/v1/models` lists what the

@@ -11,21 +11,22 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 /// TLS errors.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be read or written. (The cause is in the message, not a `source`: a
+    /// chain printed whole would say it twice.)
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: PathBuf,
         /// Why.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// A PEM file could not be read as PEM.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     PemSyntax {
         /// The file.
         path: PathBuf,
         /// What was wrong.
-        source: pem::Error,
+        error: pem::Error,
     },
     /// A PEM file held no certificate or no key.
     #[error("{path}: {what}")]
@@ -45,9 +46,9 @@ pub enum TlsError {
 
 /// What turns an I/O error on `path` into a [`TlsError`] naming it.
 pub fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TlsError + '_ {
-    move |source| TlsError::Io {
+    move |error| TlsError::Io {
         path: path.into(),
-        source,
+        error,
     }
 }
 
@@ -57,9 +58,9 @@ pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
     let certs: Vec<CertificateDer<'static>> =
         CertificateDer::pem_slice_iter(&pem)
             .collect::<Result<_, _>>()
-            .map_err(|source| TlsError::PemSyntax {
+            .map_err(|error| TlsError::PemSyntax {
                 path: path.into(),
-                source,
+                error,
             })?;
     if certs.is_empty() {
         return Err(TlsError::Pem {
@@ -73,14 +74,14 @@ pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError>
 /// The private key of a PEM file.
 pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     let pem = std::fs::read(path).map_err(io_err(path))?;
-    PrivateKeyDer::from_pem_slice(&pem).map_err(|source| match source {
+    PrivateKeyDer::from_pem_slice(&pem).map_err(|error| match error {
         pem::Error::NoItemsFound => TlsError::Pem {
             path: path.into(),
             what: "no private key in the file",
         },
-        source => TlsError::PemSyntax {
+        error => TlsError::PemSyntax {
             path: path.into(),
-            source,
+            error,
         },
     })
 }

@@ -448,7 +448,10 @@ async fn run(state: Arc<State>, tls: Option<tls::TlsSetup>, listener: TcpListene
     };
     let info = ServerInfo {
         url: format!("{scheme}://{reach}"),
-        cert: tls.as_ref().map(|t| t.cert_path.clone()),
+        // Absolute: the CLI reads it from wherever it runs.
+        cert: tls
+            .as_ref()
+            .map(|t| t.cert_path.canonicalize().unwrap_or_else(|_| t.cert_path.clone())),
         pid: std::process::id(),
     };
     let info_path = server_info_path(&cfg.data_dir);
