@@ -1898,6 +1898,7 @@ fn browsers_proxies_and_rate_limit_readers_get_what_they_look_for() {
                 .unwrap()
                 .contains("x-stainless-os")
         );
+        assert_eq!(h.get_all("vary").iter().count(), 1, "{h:?}");
         let refused = s
             .client()
             .with_header("origin", "https://evil.example")

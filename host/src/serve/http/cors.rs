@@ -69,7 +69,7 @@ pub(super) fn preflight(
         .unwrap_or_else(|| HeaderValue::from_static("authorization, content-type"));
     h.insert(header::ACCESS_CONTROL_ALLOW_HEADERS, asked);
     h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static(MAX_AGE));
-    h.insert(header::VARY, HeaderValue::from_static("origin"));
+    // `Vary: origin` comes with the other CORS headers, in [`expose`].
     Some(Ok(r))
 }
 
