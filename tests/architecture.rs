@@ -1,5 +1,5 @@
-//! The code's shape, checked: the library's layers import one way only, no two of its files
-//! import each other, what exists for tests and benchmarks only stays out of default builds, and
+//! The code's shape, checked: the library's layers import one way only, no files import in a
+//! cycle (of any length), what exists for tests and benchmarks only stays out of default builds, and
 //! failures are typed (no `anyhow`, no `Result<_, String>` in the library).
 //!
 //! The layer check reads every file under `host/src`, takes the module paths each names in code (`crate::…`,
@@ -278,7 +278,7 @@ fn references(f: &File, modules: &BTreeSet<Vec<String>>) -> BTreeSet<Vec<String>
 }
 
 #[test]
-fn layers_import_downward_only_and_no_two_files_import_each_other() {
+fn layers_import_downward_only_and_no_files_import_in_a_cycle() {
     let files = files();
     assert!(
         files.len() > 40,
@@ -305,16 +305,174 @@ fn layers_import_downward_only_and_no_two_files_import_each_other() {
         }
         graph.insert(f.module.clone(), refs);
     }
-    for (a, refs) in &graph {
-        for b in refs {
-            // A module's own parent is named by its children's `super::` paths only as their
-            // scope; an import back from the parent makes the cycle.
-            if a < b && graph.get(b).is_some_and(|r| r.contains(a)) {
-                wrong.push(format!("{} and {} import each other", a.join("::"), b.join("::")));
+    // A module's own parent is named by its children's `super::` paths only as their scope; an
+    // import back from the parent makes a cycle, as does any longer loop.
+    for cycle in cycles(&graph) {
+        let names: Vec<String> = cycle.iter().map(|m| m.join("::")).collect();
+        wrong.push(format!("an import cycle: {} -> {}", names.join(" -> "), names[0]));
+    }
+    assert!(wrong.is_empty(), "layering broken:\n{}", wrong.join("\n"));
+}
+
+/// The import cycles of `graph`, of any length: one cycle through each strongly connected
+/// component of more than one module (Tarjan's algorithm finds the components), in the order
+/// the imports run.
+fn cycles<N: Ord + Clone>(graph: &BTreeMap<N, BTreeSet<N>>) -> Vec<Vec<N>> {
+    struct Tarjan<'g, N> {
+        graph: &'g BTreeMap<N, BTreeSet<N>>,
+        index: BTreeMap<&'g N, usize>,
+        low: BTreeMap<&'g N, usize>,
+        stack: Vec<&'g N>,
+        on_stack: BTreeSet<&'g N>,
+        components: Vec<Vec<&'g N>>,
+    }
+    impl<'g, N: Ord> Tarjan<'g, N> {
+        fn visit(&mut self, v: &'g N) {
+            let i = self.index.len();
+            self.index.insert(v, i);
+            self.low.insert(v, i);
+            self.stack.push(v);
+            self.on_stack.insert(v);
+            for w in self.graph.get(v).into_iter().flatten() {
+                let Some((w, _)) = self.graph.get_key_value(w) else {
+                    continue;
+                };
+                if !self.index.contains_key(w) {
+                    self.visit(w);
+                    let lw = self.low[w];
+                    let lv = self.low.get_mut(v).expect("visited");
+                    *lv = (*lv).min(lw);
+                } else if self.on_stack.contains(w) {
+                    let iw = self.index[w];
+                    let lv = self.low.get_mut(v).expect("visited");
+                    *lv = (*lv).min(iw);
+                }
+            }
+            if self.low[v] == self.index[v] {
+                let mut component = Vec::new();
+                while let Some(w) = self.stack.pop() {
+                    self.on_stack.remove(w);
+                    component.push(w);
+                    if w == v {
+                        break;
+                    }
+                }
+                self.components.push(component);
             }
         }
     }
-    assert!(wrong.is_empty(), "layering broken:\n{}", wrong.join("\n"));
+    let mut t = Tarjan {
+        graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on_stack: BTreeSet::new(),
+        components: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !t.index.contains_key(v) {
+            t.visit(v);
+        }
+    }
+    // Within a component every module reaches every other: walk from its least module along
+    // imports inside the component, breadth first, back to where it started.
+    let mut out = Vec::new();
+    for c in t.components.into_iter().filter(|c| c.len() > 1) {
+        let inside: BTreeSet<&N> = c.iter().copied().collect();
+        let start = *inside.iter().next().expect("a component is never empty");
+        let mut came_from: BTreeMap<&N, &N> = BTreeMap::new();
+        let mut queue = std::collections::VecDeque::from([start]);
+        let mut last = None;
+        'search: while let Some(v) = queue.pop_front() {
+            for w in graph.get(v).into_iter().flatten().filter(|w| inside.contains(w)) {
+                if w == start {
+                    last = Some(v);
+                    break 'search;
+                }
+                let (w, _) = graph.get_key_value(w).expect("inside the graph");
+                if !came_from.contains_key(w) {
+                    came_from.insert(w, v);
+                    queue.push_back(w);
+                }
+            }
+        }
+        let mut path = Vec::new();
+        let mut at = last.expect("a component's modules reach each other");
+        while at != start {
+            path.push(at.clone());
+            at = came_from[at];
+        }
+        path.push(start.clone());
+        path.reverse();
+        out.push(path);
+    }
+    out
+}
+
+/// The layers as `lib.rs`'s table lists them, lowest first: each row's names (the column before
+/// the description; an indented row continues the one above).
+fn documented_layers(lib: &str) -> Vec<BTreeSet<String>> {
+    let block = lib
+        .split("//! ```text\n")
+        .nth(1)
+        .and_then(|b| b.split("//! ```\n").next())
+        .expect("lib.rs's layer table");
+    let mut rows: Vec<BTreeSet<String>> = Vec::new();
+    for line in block.lines() {
+        let line = line.strip_prefix("//!").unwrap_or(line);
+        let line = line.strip_prefix(' ').unwrap_or(line);
+        let continued = line.starts_with("  ");
+        let names = line.trim_start().split("  ").next().unwrap_or("");
+        let names: BTreeSet<String> = names
+            .split([',', '|'])
+            .map(str::trim)
+            .filter(|n| !n.is_empty() && *n != "warden_kernels")
+            .map(String::from)
+            .collect();
+        match rows.last_mut() {
+            Some(last) if continued => last.extend(names),
+            _ => rows.push(names),
+        }
+    }
+    rows.retain(|r| !r.is_empty());
+    rows.reverse();
+    rows
+}
+
+#[test]
+fn lib_rs_lists_the_layers_the_check_enforces() {
+    let lib = std::fs::read_to_string(src_dir().join("lib.rs")).expect("lib.rs");
+    let documented = documented_layers(&lib);
+    let enforced: Vec<BTreeSet<String>> = LAYERS
+        .iter()
+        .map(|l| l.iter().map(|m| m.to_string()).collect())
+        .collect();
+    assert_eq!(documented, enforced, "lib.rs's layer table and LAYERS disagree");
+    // And every top-level module of the library is in one.
+    let all: BTreeSet<&String> = enforced.iter().flatten().collect();
+    for f in files() {
+        assert!(all.contains(&f.module[0]), "{} is in no layer", f.module[0]);
+    }
+}
+
+#[test]
+fn the_cycle_check_finds_loops_of_any_length() {
+    let graph = |edges: &[(u8, u8)]| {
+        let mut g: BTreeMap<u8, BTreeSet<u8>> = BTreeMap::new();
+        for &(a, b) in edges {
+            g.entry(a).or_default().insert(b);
+            g.entry(b).or_default();
+        }
+        g
+    };
+    assert!(cycles(&graph(&[(1, 2), (2, 3), (1, 3)])).is_empty());
+    assert_eq!(cycles(&graph(&[(1, 2), (2, 1)])), [vec![1, 2]]);
+    assert_eq!(
+        cycles(&graph(&[(1, 2), (2, 3), (3, 4), (4, 1), (5, 1)])),
+        [vec![1, 2, 3, 4]]
+    );
+    let two = cycles(&graph(&[(1, 2), (2, 3), (3, 1), (7, 8), (8, 9), (9, 7), (3, 7)]));
+    assert_eq!(two.len(), 2, "{two:?}");
 }
 
 #[test]

@@ -7,13 +7,14 @@
 //! boot, bench                    role selection; the benchmark
 //! serve | cluster                the HTTPS API, tenants, plugins | prefill, decode and router processes
 //! runner                         the engine thread, its jobs and updates, the EngineHandle trait
-//! metrics
-//! config, plugin, policy         the config file; the Wasm plugin runtime; tenants' policies
+//! metrics                        the Prometheus registry
+//! config, plugin, policy,        the config file; the Wasm plugin runtime; tenants' policies;
+//!   grammar                      structured output's grammars
 //! loaded, engine                 a model file opened; admission, scheduling, sampling
 //! tokenizer, chat, model,        the vocabulary; chat templates; the forward pass; KV transfer;
 //!   transfer, fair               capacity tenants share, taken in turns
-//! gguf, tenant, net, heap, kv,   model files; tenant names; listening; the heap; the KV pool;
-//!   child, procstat              confined child processes; this process's kernel counters
+//! gguf, tenant, net, pem, heap,  model files; tenant names; listening; PEM files; the heap;
+//!   kv, log, child, procstat     the KV pool; the log; confined children; /proc's counters
 //! warden_kernels                 (its own crate) the compute kernels
 //! ```
 //!
