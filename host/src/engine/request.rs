@@ -386,19 +386,33 @@ impl Params {
 }
 
 /// A request that passed validation: the only request type the engine takes. Built only by
-/// [`Params::with_prompt`] (or [`GenerateRequest::validate`], which goes through it), so an
-/// unchecked request cannot be written:
+/// [`Params::with_prompt`] (or [`GenerateRequest::validate`], which goes through it):
 ///
-/// ```compile_fail
-/// # use warden::engine::request::{GenerateRequest, ValidRequest};
-/// let valid = ValidRequest { req: GenerateRequest::greedy(1, vec![1], 1), constraint: None };
+/// ```no_run
+/// # fn f(e: &mut warden::engine::Engine, owner: warden::tenant::TenantId) {
+/// let req = warden::engine::request::GenerateRequest::greedy(owner, vec![1], 1);
+/// let _ = e.submit(req.validate(&e.limits()).unwrap());
+/// # }
 /// ```
 ///
-/// and the engine cannot be handed one:
+/// so an unchecked request cannot be written (its fields are private: error E0451, and only
+/// that, every field being named with a value of its type)
 ///
-/// ```compile_fail
-/// # fn f(e: &mut warden::engine::Engine) {
-/// e.submit(warden::engine::request::GenerateRequest::greedy(1, vec![1], 1));
+/// ```compile_fail,E0451
+/// # use warden::engine::request::{GenerateRequest, ValidRequest};
+/// # fn f(owner: warden::tenant::TenantId) {
+/// let req = GenerateRequest::greedy(owner, vec![1], 1);
+/// let _ = ValidRequest { req, constraint: None, steer: None };
+/// # }
+/// ```
+///
+/// and the engine cannot be handed one that skipped validation (the example above without
+/// `validate`: a mismatched type, E0308):
+///
+/// ```compile_fail,E0308
+/// # fn f(e: &mut warden::engine::Engine, owner: warden::tenant::TenantId) {
+/// let req = warden::engine::request::GenerateRequest::greedy(owner, vec![1], 1);
+/// let _ = e.submit(req);
 /// # }
 /// ```
 #[derive(Debug, Clone)]
