@@ -29,7 +29,7 @@ use crate::kv::{PageHandle, PageInfo};
 use crate::metrics::{Metrics, ModelMetrics};
 use crate::plugin::KvAccessError;
 use crate::runner::{
-    Busy, END_STOP, EngineCallError, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label,
+    Busy, End, EngineCallError, EngineFuture, EngineHandle, Job, KvQuery, Update, UsageMeter, outcome_label,
 };
 use crate::tenant::TenantId;
 use crate::transfer::Limits;
@@ -385,10 +385,9 @@ impl Router {
                 // The client went away: dropping the connection cancels the request there.
                 _ = tx.closed() => return,
                 _ = tick.tick(), if !end_sent => {
-                    let e = stop.get();
-                    if e != 0 {
+                    if let Some(e) = stop.get() {
                         end_sent = true;
-                        if link::send(&mut w, &Msg::End { stop: e == END_STOP }).await.is_err() {
+                        if link::send(&mut w, &Msg::End { stop: e == End::Stop }).await.is_err() {
                             return failed(grant.take(), format!("writing to the decode node {decode}"));
                         }
                     }
@@ -396,10 +395,9 @@ impl Router {
                 Some(next) = verdicts.recv() => {
                     // A plugin raises its stop before it answers: the end goes first, so the node
                     // computes nothing past the stop.
-                    let e = stop.get();
-                    if e != 0 && !end_sent {
+                    if let Some(e) = stop.get().filter(|_| !end_sent) {
                         end_sent = true;
-                        if link::send(&mut w, &Msg::End { stop: e == END_STOP }).await.is_err() {
+                        if link::send(&mut w, &Msg::End { stop: e == End::Stop }).await.is_err() {
                             return failed(grant.take(), format!("writing to the decode node {decode}"));
                         }
                     }

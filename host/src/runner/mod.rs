@@ -71,23 +71,46 @@ pub enum Update {
 #[derive(Debug, Default)]
 pub struct EndFlag(std::sync::atomic::AtomicU8);
 
-pub(crate) const END_STOP: u8 = 1;
-const END_CANCEL: u8 = 2;
+/// How a choice was asked to end ([`EndFlag::get`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum End {
+    /// As finished (`stop`): its plugin said so.
+    Stop,
+    /// As cancelled: its plugin failed.
+    Cancel,
+}
+
+impl End {
+    /// Its value in the flag (0 is "runs on").
+    const fn code(self) -> u8 {
+        match self {
+            End::Stop => 1,
+            End::Cancel => 2,
+        }
+    }
+}
 
 impl EndFlag {
-    /// End it as finished (`stop`), e.g. when its plugin says so.
+    /// End it as finished (`stop`), e.g. when its plugin says so; a cancel already asked for
+    /// stays.
     pub fn stop(&self) {
-        let _ = self.0.compare_exchange(0, END_STOP, Ordering::SeqCst, Ordering::SeqCst);
+        let _ = self
+            .0
+            .compare_exchange(0, End::Stop.code(), Ordering::SeqCst, Ordering::SeqCst);
     }
 
-    /// End it as cancelled, e.g. when its plugin failed.
+    /// End it as cancelled, e.g. when its plugin failed (over a stop asked for before).
     pub fn cancel(&self) {
-        self.0.store(END_CANCEL, Ordering::SeqCst);
+        self.0.store(End::Cancel.code(), Ordering::SeqCst);
     }
 
-    /// 0 while it runs; `END_STOP` or `END_CANCEL` once ended.
-    pub(crate) fn get(&self) -> u8 {
-        self.0.load(Ordering::Relaxed)
+    /// How it was asked to end; `None` while it runs on.
+    pub fn get(&self) -> Option<End> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            c if c == End::Stop.code() => Some(End::Stop),
+            _ => Some(End::Cancel),
+        }
     }
 }
 
@@ -861,17 +884,12 @@ fn run(mut engine: Engine, rx: Receiver<Cmd>, kv: Receiver<KvQuery>, metrics: &M
         }
         // Choices their plugin ended: finished or cancelled, through the same path. First, so a
         // plugin's stop counts as `stop` even when its output stage has already let go.
-        let ended: Vec<(RequestId, u8)> = live
-            .iter()
-            .map(|(id, l)| (*id, l.stop.get()))
-            .filter(|(_, e)| *e != 0)
-            .collect();
+        let ended: Vec<(RequestId, End)> = live.iter().filter_map(|(id, l)| Some((*id, l.stop.get()?))).collect();
         for (id, e) in ended {
-            if e == END_STOP {
-                engine.stop(id);
-            } else {
-                engine.cancel(id);
-            }
+            let _ = match e {
+                End::Stop => engine.stop(id),
+                End::Cancel => engine.cancel(id),
+            };
         }
         // Clients that went away: cancel through the retirement path.
         let gone: Vec<RequestId> = live
