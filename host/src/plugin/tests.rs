@@ -260,9 +260,11 @@ async fn a_busy_guest_yields_to_other_tasks_on_the_same_thread() {
         .await;
     assert!(matches!(r, Err(PluginFailure::Timeout(_))), "{r:?}");
     ticker.abort();
-    // One thread, a guest spinning for 100 ms: the ticker still ran, because the guest yielded.
+    // One thread, a guest spinning for 100 ms: the ticker still ran, because the guest yielded
+    // (a guest that held the thread would leave it at 0 or 1; a loaded machine may wake it
+    // fewer than the 50 times its sleeps allow, so the bound is loose).
     assert!(
-        ticks.load(Ordering::SeqCst) >= 10,
+        ticks.load(Ordering::SeqCst) >= 4,
         "ticker ran {} times",
         ticks.load(Ordering::SeqCst)
     );
