@@ -159,7 +159,9 @@ impl Plugin for RegexGuard {
 
     fn preprocess(mut req: Request) -> Result<Request, PluginError> {
         DFA.with_borrow(|dfa| {
-            let Some(start) = dfa.as_ref().and_then(start_state) else { return };
+            let Some(start) = dfa.as_ref().and_then(start_state) else {
+                return;
+            };
             STATE.set(Some(start));
             req.first_token = Some(TokenConstraint {
                 allowed: Some(FIRST.with_borrow(Vec::clone)),
