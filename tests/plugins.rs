@@ -747,20 +747,25 @@ fn the_cli_manages_plugins_beside_a_running_server() {
     cli(&["upload", "adv", adv.to_str().unwrap()]);
     std::fs::write(s.data_dir.join("adv.txt"), "print").unwrap();
     cli(&["config", "adv", s.data_dir.join("adv.txt").to_str().unwrap()]);
-    rt().block_on(async {
-        let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "plugin": "adv"});
-        let r = s
-            .client()
-            .request(
-                Method::POST,
-                "/v1/completions",
-                Some(s.key()),
-                Some(body.to_string().into_bytes()),
-            )
-            .await
-            .unwrap();
-        assert_eq!(r.status, 200, "{}", r.text());
-    });
+    // A completion through it: its request id.
+    let through_adv = || {
+        rt().block_on(async {
+            let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "plugin": "adv"});
+            let r = s
+                .client()
+                .request(
+                    Method::POST,
+                    "/v1/completions",
+                    Some(s.key()),
+                    Some(body.to_string().into_bytes()),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            r.headers["x-request-id"].to_str().unwrap().to_string()
+        })
+    };
+    through_adv();
     let logs = text(&["logs", "adv"]);
     let line = logs
         .lines()
@@ -793,20 +798,7 @@ fn the_cli_manages_plugins_beside_a_running_server() {
         .expect("the lines already there");
     assert!(first.contains(" adv@"), "{first}");
     while rx.recv_timeout(std::time::Duration::from_millis(500)).is_ok() {}
-    let id = rt().block_on(async {
-        let body = json!({"model": MODEL, "prompt": "Hi", "max_tokens": 2, "plugin": "adv"});
-        let r = s
-            .client()
-            .request(
-                Method::POST,
-                "/v1/completions",
-                Some(s.key()),
-                Some(body.to_string().into_bytes()),
-            )
-            .await
-            .unwrap();
-        r.headers["x-request-id"].to_str().unwrap().to_string()
-    });
+    let id = through_adv();
     let new = rx
         .recv_timeout(std::time::Duration::from_secs(10))
         .expect("a new line, followed");

@@ -694,23 +694,21 @@ fn run(command: Command) -> anyhow::Result<()> {
         } => {
             let cfg = config(store.config.as_deref())?;
             let data_dir = store.data_dir.clone().unwrap_or_else(|| cfg.data_dir.clone());
-            let mut shown: Vec<String> = Vec::new();
+            let mut last: Option<String> = None;
             loop {
-                let lines = manage::plugin_logs(&data_dir, &tenant, &name)?;
+                let mut lines = manage::plugin_logs(&data_dir, &tenant, &name)?;
                 // What came after the last line shown (all of it when that line has left the
                 // window).
-                let new = match shown.last().and_then(|last| lines.iter().rposition(|l| l == last)) {
-                    Some(i) => &lines[i + 1..],
-                    None => &lines[..],
-                };
+                if let Some(i) = last.as_ref().and_then(|l| lines.iter().rposition(|x| x == l)) {
+                    lines.drain(..=i);
+                }
                 let mut out = std::io::stdout().lock();
-                for l in new {
+                for l in &lines {
                     writeln!(out, "{l}")?;
                 }
                 out.flush()?;
-                shown.extend(new.iter().cloned());
-                if shown.len() > 400 {
-                    shown.drain(..shown.len() - 200);
+                if let Some(l) = lines.pop() {
+                    last = Some(l);
                 }
                 if !follow {
                     return Ok(());

@@ -636,13 +636,12 @@ impl ModelMetrics {
     /// A request of `tenant` ended with `outcome` (`stop`, `length`, `rejected`, `cancelled`,
     /// `failed`), with its token counts.
     pub fn request_done(&self, tenant: &str, outcome: &'static str, prompt: usize, completion: usize) {
+        self.latency(tenant, |l| {
+            l.prompt.observe_value(prompt as f64);
+            l.completion.observe_value(completion as f64);
+        });
         self.metrics.with(|m| {
             let key = (tenant.to_string(), self.model.to_string());
-            if let Some(e) = m.engines.get_mut(&*self.model) {
-                let l = e.latency.entry(key.0.clone()).or_default();
-                l.prompt.observe_value(prompt as f64);
-                l.completion.observe_value(completion as f64);
-            }
             *m.requests.entry((key.0.clone(), key.1.clone(), outcome)).or_default() += 1;
             *m.prompt_tokens.entry(key.clone()).or_default() += prompt as u64;
             *m.completion_tokens.entry(key).or_default() += completion as u64;

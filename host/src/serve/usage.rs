@@ -85,30 +85,16 @@ struct Inner {
     forgotten: HashSet<TenantId>,
 }
 
-/// Days since 1970-01-01 to (year, month, day), proleptic Gregorian (Howard Hinnant's
-/// `civil_from_days`).
-fn civil(days: i64) -> (i64, u32, u32) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    (yoe + era * 400 + i64::from(m <= 2), m, d)
-}
-
 /// The UTC day and month of `t`, and the seconds left in each.
 pub fn periods(t: SystemTime) -> (String, String, u64, u64) {
     let secs = t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
     let days = secs.div_euclid(86_400);
-    let (y, m, d) = civil(days);
+    let (y, m, d) = crate::log::civil_from_days(days);
     let day_left = (days + 1) * 86_400 - secs;
     // The first day of next month.
     let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };
     let mut next = days + 1;
-    while civil(next) != (ny, nm, 1) {
+    while crate::log::civil_from_days(next) != (ny, nm, 1) {
         next += 1;
     }
     let month_left = next * 86_400 - secs;

@@ -80,12 +80,21 @@ pub(super) async fn tokenize(
                 .await?
             }
         };
-        let strs = r.return_token_strs.unwrap_or(false).then(|| {
-            tokens
-                .iter()
-                .map(|&id| String::from_utf8_lossy(&served.tokenizer.token_bytes(id)).into_owned())
-                .collect::<Vec<_>>()
-        });
+        // Up to a whole body's tokens: off the runtime too.
+        let strs = match r.return_token_strs {
+            Some(true) => {
+                let (tk, ids) = (served.tokenizer.clone(), tokens.clone());
+                let strs = off_runtime(move || {
+                    Ok(ids
+                        .iter()
+                        .map(|&id| String::from_utf8_lossy(&tk.token_bytes(id)).into_owned())
+                        .collect::<Vec<_>>())
+                })
+                .await?;
+                Some(strs)
+            }
+            _ => None,
+        };
         Ok(json_response(
             StatusCode::OK,
             &json!({

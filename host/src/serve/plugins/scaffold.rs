@@ -47,9 +47,6 @@ pub fn built_with_sdk() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../guest-sdk")
 }
 
-/// The SDK's `rust-version`: the oldest toolchain a plugin builds with.
-const RUST_VERSION: &str = "1.85";
-
 /// The type a crate's plugin is: `my-plugin` → `MyPlugin`.
 fn type_name(name: &str) -> String {
     name.split(['-', '_'])
@@ -94,6 +91,12 @@ pub fn create(p: &NewPlugin) -> Result<Vec<&'static str>, ScaffoldError> {
     if !sdk_manifest.contains("name = \"warden-guest\"") {
         return Err(ScaffoldError::NoSdk(p.sdk.clone()));
     }
+    // The SDK's `rust-version`, the oldest toolchain a plugin builds with, is the crate's too.
+    let rust_version = sdk_manifest
+        .lines()
+        .find(|l| l.starts_with("rust-version"))
+        .map(|l| format!("{l}\n"))
+        .unwrap_or_default();
     let sdk = p.sdk.canonicalize().unwrap_or_else(|_| p.sdk.clone());
     if std::fs::read_dir(&p.dir).is_ok_and(|mut d| d.next().is_some()) {
         return Err(ScaffoldError::NotEmpty(p.dir.clone()));
@@ -108,8 +111,7 @@ pub fn create(p: &NewPlugin) -> Result<Vec<&'static str>, ScaffoldError> {
 name = "{name}"
 version = "0.1.0"
 edition = "2024"
-rust-version = "{RUST_VERSION}"
-
+{rust_version}
 [lib]
 crate-type = ["cdylib"]
 
